@@ -1,0 +1,108 @@
+"""shardwise: DeepSpeed-compatible distributed training for PyTorch.
+
+``import shardwise as deepspeed`` and keep your training script.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__version__ = "0.1.0"
+
+from shardwise import comm  # noqa: E402  (light: torch only)
+from shardwise.comm import init_distributed  # noqa: E402
+
+__all__ = ["__version__", "add_config_arguments", "comm", "init_distributed", "initialize"]
+
+
+def initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    mpu=None,
+    dist_init_required=None,
+    collate_fn=None,
+    config=None,
+    config_params=None,
+):
+    """Wrap ``model`` for distributed training.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` exactly like
+    ``deepspeed.initialize``.  The config comes from ``config`` (a path or a dict),
+    ``config_params`` (a dict, DeepSpeed's older name), or ``args.deepspeed_config``.
+    """
+    from shardwise.config import load_config
+    from shardwise.runtime.engine import Engine
+    from shardwise.topology import MpuGrid, ParallelGrid
+
+    if model is None:
+        raise ValueError("initialize() needs model=...")
+    source = _config_source(args, config, config_params)
+    cfg = load_config(source)
+    init_distributed(dist_init_required=dist_init_required)
+    grid = MpuGrid(mpu) if mpu is not None else ParallelGrid.data_parallel_only()
+    engine = Engine(
+        model=model,
+        config=cfg,
+        grid=grid,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _config_source(args, config, config_params):
+    from_args = None
+    if args is not None:
+        for attr in ("deepspeed_config", "shardwise_config"):
+            if getattr(args, attr, None):
+                from_args = getattr(args, attr)
+        if from_args is None and getattr(args, "deepscale_config", None):
+            from_args = args.deepscale_config
+    given = [(n, v) for n, v in (("config", config), ("config_params", config_params), ("args.deepspeed_config", from_args)) if v is not None]
+    if not given:
+        raise ValueError(
+            "no config: pass initialize(config=<path or dict>) or launch with --deepspeed_config ds_config.json"
+        )
+    if len(given) > 1:
+        raise ValueError(
+            "the config was given more than once (" + ", ".join(n for n, _ in given) + "): keep exactly one"
+        )
+    return given[0][1]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--deepspeed``/``--deepspeed_config`` (and ``--shardwise``/``--shardwise_config``) to ``parser``."""
+    group = parser.add_argument_group("shardwise", "shardwise / DeepSpeed configuration")
+    group.add_argument("--deepspeed", "--shardwise", dest="deepspeed", default=False, action="store_true",
+                       help="enable shardwise (DeepSpeed-compatible flag)")
+    group.add_argument("--deepspeed_config", "--shardwise_config", dest="deepspeed_config", default=None, type=str,
+                       help="path to a DeepSpeed-format JSON config")
+    return parser
+
+
+_LAZY = {
+    "RepeatingLoader": ("shardwise.runtime.dataloader", "RepeatingLoader"),
+    "Engine": ("shardwise.runtime.engine", "Engine"),
+    "DeepSpeedEngine": ("shardwise.runtime.engine", "Engine"),
+    "zero": ("shardwise.zero", None),
+    "runtime": ("shardwise.runtime", None),
+    "checkpoint": ("shardwise.checkpoint", None),
+}
+
+
+def __getattr__(name: str):
+    """Heavier pieces load on first use so ``import shardwise`` stays light."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
+    import importlib
+
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    return module if attr is None else getattr(module, attr)

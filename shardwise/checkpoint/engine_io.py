@@ -1,0 +1,294 @@
+"""``engine.save_checkpoint`` / ``engine.load_checkpoint``.
+
+Layout of one checkpoint (``<save_dir>/<tag>/``)::
+
+    manifest.json          what is where: tensors by name with their fragments, file checksums,
+                           engine counters, optimizer hyper-parameters, scheduler, loss scaler,
+                           client_state, config, topology, library version
+    model.safetensors      the module's state_dict (16-bit weights when training in fp16/bf16)
+    master.safetensors     fp32 master weights by parameter name (16-bit training only)
+    optim.safetensors      optimizer state tensors, keyed "<param name>/<state key>"
+    extra.safetensors      tensors inside scheduler / client_state
+    rank<r>.safetensors    per-rank RNG state (torch, numpy) and rank<r>.json (python RNG)
+
+The folder is written as ``.tmp.<tag>``, fsynced, then renamed; ``latest``
+is replaced only after that.  Every tensor is described by
+``{file, key, start, end}`` fragments of its flattened data, so stages that
+shard state (written by several ranks) use the same manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shardwise import __version__, comm
+from shardwise.checkpoint.files import (
+    publish_dir,
+    read_tensors,
+    replace_text_atomically,
+    write_json,
+    write_tensors,
+)
+from shardwise.checkpoint.serialize import join_state, split_state
+
+logger = logging.getLogger("shardwise")
+
+FORMAT = "shardwise-checkpoint"
+VERSION = 1
+
+
+def _describe(tensors: dict[str, torch.Tensor], file: str) -> dict:
+    return {
+        k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
+            "fragments": [{"file": file, "key": k, "start": 0, "end": v.numel()}]}
+        for k, v in tensors.items()
+    }
+
+
+def _optimizer_state(engine) -> tuple[dict, dict[str, torch.Tensor]]:
+    opt = engine.optimizer
+    names = engine.strategy.optimizer_param_names()
+    groups, tensors, scalars = [], {}, {}
+    for gi, group in enumerate(opt.param_groups):
+        pnames = [names.get(id(p), f"__unnamed_{gi}_{i}") for i, p in enumerate(group["params"])]
+        hyper, _ = split_state({k: v for k, v in group.items() if k != "params"}, f"group{gi}")
+        groups.append({"hyper": hyper, "params": pnames})
+        for p, name in zip(group["params"], pnames):
+            for key, value in opt.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{name}/{key}"] = value
+                else:
+                    scalars.setdefault(name, {})[key] = split_state(value, f"{name}/{key}")[0]
+    return {"param_groups": groups, "scalars": scalars}, tensors
+
+
+def _rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
+    np_state = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(np_state[1].astype(np.int64))}
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    meta = {"python": split_state(random.getstate(), "python")[0],
+            "numpy": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+    return meta, tensors
+
+
+def _set_rng_state(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    random.setstate(join_state(meta["python"], {}))
+    name, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((name, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
+
+
+def save_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_latest=True,
+                    exclude_frozen_parameters=False) -> bool:
+    save_dir = Path(save_dir)
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    _validate_tag(engine, tag)
+    rank = comm.get_rank()
+    tmp = save_dir / f".tmp.{tag}"
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # debris of an interrupted save
+        tmp.mkdir()
+    comm.barrier()
+
+    files: dict[str, str] = {}
+    rng_meta, rng_tensors = _rng_state()
+    files[f"rank{rank}.safetensors"] = write_tensors(tmp / f"rank{rank}.safetensors", rng_tensors)
+    files[f"rank{rank}.json"] = write_json(tmp / f"rank{rank}.json", {"rng": rng_meta})
+    all_files = {}
+    for part in _all_gather_object(files):
+        all_files.update(part)
+
+    if rank == 0:
+        manifest = _write_shared(engine, tmp, all_files, client_state or {}, exclude_frozen_parameters)
+        manifest["tag"] = tag
+        write_json(tmp / "manifest.json", manifest)
+        publish_dir(tmp, save_dir / tag)
+        if save_latest:
+            replace_text_atomically(save_dir / "latest", tag)
+    comm.barrier()
+    return True
+
+
+def _write_shared(engine, tmp: Path, files: dict, client_state: dict, exclude_frozen: bool) -> dict:
+    module_sd = engine.module.state_dict()
+    if exclude_frozen:
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        module_sd = {k: v for k, v in module_sd.items() if k not in frozen}
+    tensors = {"model": _describe(module_sd, "model.safetensors")}
+    files["model.safetensors"] = write_tensors(tmp / "model.safetensors", module_sd)
+    if engine.precision.master_weights:
+        master = engine.strategy.master_named_params()
+        files["master.safetensors"] = write_tensors(tmp / "master.safetensors", master)
+        tensors["master"] = _describe(master, "master.safetensors")
+    optim_meta = None
+    if engine.optimizer is not None:
+        optim_meta, optim_tensors = _optimizer_state(engine)
+        files["optim.safetensors"] = write_tensors(tmp / "optim.safetensors", optim_tensors)
+        tensors["optim"] = _describe(optim_tensors, "optim.safetensors")
+    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    sched_json, sched_tensors = split_state(sched, "scheduler")
+    client_json, client_tensors = split_state(client_state, "client")
+    extra = {**sched_tensors, **client_tensors}
+    files["extra.safetensors"] = write_tensors(tmp / "extra.safetensors", extra)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "shardwise_version": __version__,
+        "files": files,
+        "tensors": tensors,
+        "topology": {"world_size": comm.get_world_size(), "dp_world_size": engine.dp_world_size,
+                     "zero_stage": engine.strategy.stage},
+        "engine": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
+            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+            "param_dtype": str(engine.precision.param_dtype).removeprefix("torch."),
+        },
+        "optimizer": optim_meta,
+        "lr_scheduler": sched_json,
+        "client_state": client_json,
+        "config": engine.config.to_dict(),
+    }
+
+
+def _all_gather_object(obj) -> list:
+    if comm.get_world_size() == 1:
+        return [obj]
+    out = [None] * comm.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _validate_tag(engine, tag: str) -> None:
+    mode = str(engine.config.checkpoint.tag_validation).lower()
+    if mode == "ignore" or comm.get_world_size() == 1:
+        return
+    tags = set(_all_gather_object(tag))
+    if len(tags) > 1:
+        msg = f"save_checkpoint: ranks were given different tags {sorted(tags)}"
+        if mode == "fail":
+            raise ValueError(msg + " (checkpoint.tag_validation is 'Fail')")
+        logger.warning(msg)
+
+
+def resolve_tag(load_dir: Path, tag) -> str | None:
+    if tag is not None:
+        tag = str(tag)
+    else:
+        latest = load_dir / "latest"
+        if not latest.exists():
+            return None
+        tag = latest.read_text().strip()
+    if not (load_dir / tag / "manifest.json").exists():
+        existing = sorted(p.name for p in load_dir.iterdir() if (p / "manifest.json").exists()) if load_dir.exists() else []
+        raise FileNotFoundError(
+            f"no checkpoint '{tag}' in {load_dir}; tags there: {', '.join(existing) or 'none'}"
+        )
+    return tag
+
+
+def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict=True, load_optimizer_states=True,
+                    load_lr_scheduler_states=True, load_module_only=False):
+    load_dir = Path(load_dir)
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        logger.warning("load_checkpoint: no 'latest' file in %s and no tag given; nothing loaded", load_dir)
+        return None, None
+    ckpt = load_dir / tag
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{ckpt / 'manifest.json'} is not a shardwise checkpoint manifest")
+    files = manifest["files"]
+
+    def read(name: str) -> dict[str, torch.Tensor]:
+        return read_tensors(ckpt / name, files.get(name))
+
+    _load_module(engine, read("model.safetensors"), strict=load_module_strict, where=ckpt / "model.safetensors")
+    masters = engine.strategy.master_named_params()
+    source = read("master.safetensors") if "master.safetensors" in files else engine.module.state_dict()
+    with torch.no_grad():
+        for name, t in masters.items():
+            if name in source:
+                t.copy_(source[name])
+
+    client_state = {}
+    if not load_module_only:
+        if load_optimizer_states and engine.optimizer is not None and manifest.get("optimizer"):
+            _load_optimizer(engine, manifest["optimizer"], read("optim.safetensors"))
+        extra = read("extra.safetensors")
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(join_state(manifest["lr_scheduler"], extra))
+        state = manifest["engine"]
+        engine.global_steps = state["global_steps"]
+        engine.global_samples = state["global_samples"]
+        engine.micro_steps = state["micro_steps"]
+        engine.skipped_steps = state["skipped_steps"]
+        if engine.loss_scaler is not None and state["loss_scaler"] is not None:
+            engine.loss_scaler.load_state_dict(state["loss_scaler"])
+        client_state = join_state(manifest["client_state"], extra)
+        rank = comm.get_rank()
+        if manifest["topology"]["world_size"] == comm.get_world_size() and (ckpt / f"rank{rank}.json").exists():
+            meta = json.loads((ckpt / f"rank{rank}.json").read_text())
+            _set_rng_state(meta["rng"], read(f"rank{rank}.safetensors"))
+    comm.barrier()
+    return str(ckpt), client_state
+
+
+def _load_module(engine, state: dict[str, torch.Tensor], *, strict: bool, where: Path) -> None:
+    own = engine.module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    mismatched = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+                        for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if mismatched or (strict and (missing or unexpected)):
+        parts = []
+        if missing:
+            parts.append("missing in checkpoint: " + ", ".join(missing))
+        if unexpected:
+            parts.append("not in model: " + ", ".join(unexpected))
+        if mismatched:
+            parts.append("shape mismatch: " + "; ".join(mismatched))
+        raise ValueError(f"checkpoint {where} does not match the model ({' | '.join(parts)}); "
+                         "load_module_strict=False ignores missing/unexpected names")
+    engine.module.load_state_dict(state, strict=False)
+
+
+def _load_optimizer(engine, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    opt = engine.optimizer
+    names = engine.strategy.optimizer_param_names()
+    saved_groups = meta["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"checkpoint optimizer has {len(saved_groups)} param groups, the current one "
+                         f"{len(opt.param_groups)}")
+    by_name: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        pname, skey = key.split("/", 1)
+        by_name.setdefault(pname, {})[skey] = value
+    state, groups, index = {}, [], 0
+    for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        ids = []
+        for i, p in enumerate(group["params"]):
+            name = names.get(id(p), f"__unnamed_{gi}_{i}")
+            entry = dict(by_name.get(name, {}))
+            for key, value in meta["scalars"].get(name, {}).items():
+                entry[key] = join_state(value, {})
+            if entry:
+                state[index] = entry
+            ids.append(index)
+            index += 1
+        groups.append({**join_state(saved["hyper"], {}), "params": ids})
+    opt.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,365 @@
+"""The training engine: sequences forward, backward, step and checkpoints.
+
+The engine holds no stage-specific math.  Gradient reduction, master weights,
+clipping and the optimizer step live in a ``ZeroStrategy`` (``shardwise.zero``);
+loss scaling in ``shardwise.precision``; saving in ``shardwise.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from shardwise import comm
+from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
+from shardwise.runtime.dataloader import build_dataloader
+from shardwise.runtime.progress import ProgressBar
+from shardwise.runtime.timers import Timers
+from shardwise.zero.strategy import ReduceSettings, build_strategy
+
+logger = logging.getLogger("shardwise")
+
+_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_TIMERS = ["forward", "backward", "backward_allreduce", "step"]
+
+
+class Engine(torch.nn.Module):
+    """What ``shardwise.initialize`` returns; DeepSpeed's ``DeepSpeedEngine`` API."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        config,
+        grid,
+        optimizer=None,
+        model_parameters=None,
+        lr_scheduler=None,
+        training_data=None,
+        collate_fn=None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.grid = grid
+        self.dp_group = grid.get_data_parallel_group()
+        self.dp_world_size = grid.get_data_parallel_world_size()
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.local_rank = comm.get_local_rank()
+        self.device = comm.get_accelerator_device(self.local_rank)
+        self._batch = config.resolve_batch_sizes(self.dp_world_size)
+        config.check_supported()
+
+        self.module = model.to(self.device)
+        self.precision = PrecisionPolicy.from_config(config)
+        self._broadcast_model()
+        self._cast_buffers()
+
+        self.optimizer = self._configure_optimizer(optimizer, model_parameters)
+        self.strategy = build_strategy(
+            config.zero_optimization.stage,
+            named_params=list(self.module.named_parameters()),
+            optimizer=self.optimizer,
+            precision=self.precision,
+            dp_group=self.dp_group,
+            reduce=self._reduce_settings(),
+        )
+        self.lr_scheduler = self._configure_scheduler(lr_scheduler)
+        self.loss_scaler = create_loss_scaler(config.fp16) if self.precision.loss_scaling else None
+
+        self.training_dataloader = None
+        if training_data is not None:
+            self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn)
+
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._grad_norm: float | None = None
+        self._step_skipped = False
+        self._no_sync_depth = 0
+        self._backwards_since_step = 0
+        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._loss_count = 0
+        self._last_step_loss: float | None = None
+        self.timers = Timers(self.device, enabled=bool(config.wall_clock_breakdown))
+        self._interval_start = time.perf_counter()
+        self._progress: ProgressBar | None = None
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _broadcast_model(self) -> None:
+        """Every data-parallel replica starts from data-parallel rank 0's weights and buffers."""
+        if self.dp_world_size == 1:
+            return
+        src = 0 if self.dp_group is None else torch.distributed.get_global_rank(self.dp_group, 0)
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                comm.broadcast(t.data, src=src, group=self.dp_group)
+
+    def _cast_buffers(self) -> None:
+        dtype = self.precision.param_dtype
+        if dtype == torch.float32:
+            return
+        for b in self.module.buffers():
+            if b.is_floating_point():
+                b.data = b.data.to(dtype)
+        for p in self.module.parameters():  # frozen ones; trainable ones are cast by the strategy
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)
+
+    def _configure_optimizer(self, client_optimizer, model_parameters):
+        cfg_opt = self.config.optimizer
+        if client_optimizer is not None and cfg_opt is not None:
+            raise ValueError(
+                "both an optimizer passed to initialize() and an 'optimizer' block in the config: "
+                "remove one of them"
+            )
+        params = model_parameters if model_parameters is not None else self.module.parameters()
+        if client_optimizer is not None:
+            if isinstance(client_optimizer, torch.optim.Optimizer):
+                return client_optimizer
+            if callable(client_optimizer):
+                return client_optimizer(params)
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(client_optimizer)!r}")
+        if cfg_opt is None:
+            return None
+        from shardwise.optim import build_optimizer
+
+        return build_optimizer(cfg_opt.type, dict(cfg_opt.params or {}), params)
+
+    def _configure_scheduler(self, client_scheduler):
+        cfg_sched = self.config.scheduler
+        if client_scheduler is not None and cfg_sched is not None:
+            raise ValueError(
+                "both an lr_scheduler passed to initialize() and a 'scheduler' block in the config: "
+                "remove one of them"
+            )
+        if client_scheduler is not None:
+            if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+                return client_scheduler(self.optimizer)
+            return client_scheduler
+        if cfg_sched is None:
+            return None
+        if self.optimizer is None:
+            raise ValueError("a 'scheduler' block needs an optimizer (config 'optimizer' or initialize(optimizer=...))")
+        from shardwise.optim import build_scheduler
+
+        return build_scheduler(cfg_sched.type, dict(cfg_sched.params or {}), self.optimizer)
+
+    def _reduce_settings(self) -> ReduceSettings:
+        c = self.config
+        return ReduceSettings(
+            bucket_elements=int(c.zero_optimization.reduce_bucket_size),
+            average=c.gradient_allreduce_op == "mean",
+            prescale=bool(c.prescale_gradients),
+            predivide_factor=float(c.gradient_predivide_factor),
+            comm_dtype=_COMM_DTYPES[c.communication_data_type] if c.communication_data_type else None,
+        )
+
+    def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=False, data_sampler=None,
+                     collate_fn=None, num_local_io_workers=None):
+        """A DataLoader giving this data-parallel rank its share of ``dataset``."""
+        if data_sampler is not None:
+            return torch.utils.data.DataLoader(
+                dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                sampler=data_sampler, collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last,
+            )
+        return build_dataloader(
+            dataset,
+            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            dp_world_size=self.dp_world_size,
+            dp_rank=self.grid.get_data_parallel_rank(),
+            collate_fn=collate_fn,
+            drop_last=self.config.dataloader_drop_last,
+            num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory,
+        )
+
+    # -- batch-size accessors -------------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self._batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._batch.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._batch.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    # -- training step ------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self.timers.start("forward")
+        if self.precision.auto_cast:
+            args = cast_inputs(args, self.precision.param_dtype)
+            kwargs = cast_inputs(kwargs, self.precision.param_dtype)
+        out = self.module(*args, **kwargs)
+        self.timers.stop("forward")
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backpropagate ``loss``; gradients are reduced across ranks at accumulation boundaries."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward(loss) needs a scalar loss tensor, got {_describe(loss)}")
+        self.timers.start("backward")
+        sync = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0
+        self.strategy.prepare_backward(sync=sync)
+        scaled = loss.float()
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.loss_scale
+        scaled.backward(retain_graph=retain_graph)
+        self.timers.start("backward_allreduce")
+        self.strategy.finish_backward()
+        self.timers.stop("backward_allreduce")
+        self.timers.stop("backward")
+        self._loss_sum += loss.detach().float().reshape(())
+        self._loss_count += 1
+        self._backwards_since_step += 1
+        return loss
+
+    def step(self, lr_kwargs=None) -> None:
+        """Count a micro-step; at an accumulation boundary update the weights."""
+        if self.is_gradient_accumulation_boundary():
+            if self._backwards_since_step == 0:
+                raise RuntimeError(
+                    "engine.step() at an accumulation boundary without engine.backward(loss) since the last "
+                    "step: call engine.backward(loss), not loss.backward(), so gradients are reduced across ranks"
+                )
+            if self._no_sync_depth:
+                raise RuntimeError("engine.step() at an accumulation boundary inside engine.no_sync()")
+            self._take_model_step(lr_kwargs or {})
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict) -> None:
+        if self.optimizer is None:
+            raise ValueError("engine.step() needs an optimizer: add an 'optimizer' block to the config or pass optimizer=")
+        self.timers.start("step")
+        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        result = self.strategy.step(loss_scale=scale, clip=float(self.config.gradient_clipping or 0.0))
+        self._step_skipped = result.overflow
+        self._grad_norm = result.grad_norm
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(result.overflow)
+        if result.overflow:
+            self.skipped_steps += 1
+            self._log_overflow(scale)
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step(**lr_kwargs)
+        self.strategy.zero_grad()
+        self.timers.stop("step")
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._backwards_since_step = 0
+        self._after_step()
+
+    def _log_overflow(self, scale: float) -> None:
+        spp = self.config.steps_per_print or 1
+        if self.global_rank == 0 and (self.skipped_steps == 1 or self.global_steps % spp == 0):
+            new = self.loss_scaler.loss_scale if self.loss_scaler is not None else scale
+            logger.warning(
+                "step %d: gradient overflow, step skipped (loss scale %s -> %s, %d skipped so far)",
+                self.global_steps, scale, new, self.skipped_steps,
+            )
+
+    def _after_step(self) -> None:
+        loss = None
+        if self._loss_count:
+            loss = float(self._loss_sum) / self._loss_count
+        self._last_step_loss = loss
+        self._loss_sum.zero_()
+        self._loss_count = 0
+        if self._progress is not None:
+            self._progress.update(step=self.global_steps, loss=loss, lr=self.get_lr()[0], samples=self.train_batch_size())
+        spp = self.config.steps_per_print
+        if spp and self.global_steps % spp == 0:
+            self._print_interval(spp, loss)
+
+    def _print_interval(self, steps: int, loss: float | None) -> None:
+        now = time.perf_counter()
+        rate = steps * self.train_batch_size() / max(now - self._interval_start, 1e-9)
+        self._interval_start = now
+        if self.global_rank == 0:
+            scale = f", loss_scale={self.loss_scaler.loss_scale:g}" if self.loss_scaler is not None else ""
+            loss_txt = f"{loss:.6f}" if loss is not None else "n/a"
+            logger.info(
+                "step=%d, skipped=%d, lr=%s, loss=%s, samples/sec=%.2f%s",
+                self.global_steps, self.skipped_steps, [f"{x:.4g}" for x in self.get_lr()], loss_txt, rate, scale,
+            )
+            if self.timers.enabled:
+                logger.info("time: %s", self.timers.summary(_TIMERS, steps=steps))
+        self.timers.reset()
+
+    def zero_grad(self) -> None:
+        self.strategy.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip gradient reduction for the backward passes inside (accumulate locally)."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    # -- state accessors ------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return [0.0]
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._grad_norm
+
+    def was_step_skipped(self) -> bool:
+        return self._step_skipped
+
+    def get_loss(self) -> float | None:
+        """Mean loss of the last optimizer step's micro-batches on this rank."""
+        return self._last_step_loss
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    def progress(self, total: int | None = None, desc: str = "train") -> ProgressBar:
+        """Attach a rank-0 tqdm bar updated at every optimizer step; use as a context manager."""
+        self._progress = ProgressBar(total=total, enabled=self.global_rank == 0, desc=desc)
+        return self._progress
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False):
+        from shardwise.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        from shardwise.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "module" in modules and hasattr(modules["module"], name):
+                return getattr(modules["module"], name)
+            raise
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return repr(type(x))

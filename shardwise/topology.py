@@ -1,0 +1,146 @@
+"""Named process grid: which ranks share a pipeline stage, a data-parallel
+replica or a tensor-parallel shard.
+
+Ranks are laid out by reshaping ``arange(world_size)`` into the grid with the
+last axis varying fastest (``pipe, data, model`` by default, as DeepSpeed's
+``PipeModelDataParallelTopology``), so tensor-parallel peers are neighbours.
+Process groups are created once per axis, on every rank, in a fixed order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+from shardwise import comm
+
+
+@dataclass(frozen=True)
+class ProcessTopology:
+    axes: tuple[str, ...]
+    dims: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.axes) != len(self.dims):
+            raise ValueError(f"topology axes {self.axes} and dims {self.dims} differ in length")
+        if any(d < 1 for d in self.dims):
+            raise ValueError(f"topology dims must be >= 1, got {dict(zip(self.axes, self.dims))}")
+
+    @classmethod
+    def for_world(cls, world_size: int, *, pipe: int = 1, model: int = 1) -> "ProcessTopology":
+        if world_size % (pipe * model):
+            raise ValueError(
+                f"world size {world_size} is not divisible by pipeline ({pipe}) x model ({model}) parallel sizes"
+            )
+        return cls(("pipe", "data", "model"), (pipe, world_size // (pipe * model), model))
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for d in self.dims:
+            n *= d
+        return n
+
+    def get_dim(self, axis: str) -> int:
+        return self.dims[self.axes.index(axis)]
+
+    def get_coord(self, rank: int) -> dict[str, int]:
+        coord = {}
+        for axis, dim in reversed(list(zip(self.axes, self.dims))):
+            coord[axis] = rank % dim
+            rank //= dim
+        return {a: coord[a] for a in self.axes}
+
+    def get_rank(self, **coord: int) -> int:
+        rank = 0
+        for axis, dim in zip(self.axes, self.dims):
+            rank = rank * dim + coord.get(axis, 0)
+        return rank
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """Lists of ranks that differ only in their coordinate along ``axis``."""
+        others = [a for a in self.axes if a != axis]
+        ranges = [range(self.get_dim(a)) for a in others]
+        groups = []
+        for fixed in product(*ranges):
+            base = dict(zip(others, fixed))
+            groups.append([self.get_rank(**base, **{axis: i}) for i in range(self.get_dim(axis))])
+        return groups
+
+
+class ParallelGrid:
+    """The process groups of the current rank along each axis of a topology."""
+
+    def __init__(self, topology: ProcessTopology, rank: int | None = None) -> None:
+        self.topology = topology
+        self.rank = comm.get_rank() if rank is None else rank
+        self._groups = {}
+        whole_world = topology.world_size == comm.get_world_size()
+        for axis in topology.axes:
+            groups = topology.axis_groups(axis)
+            if len(groups) == 1 and whole_world:
+                self._groups[axis] = None  # the default group: no new communicator needed
+                continue
+            for ranks in groups:  # every rank creates every group, in the same order
+                g = comm.new_group(ranks) if topology.get_dim(axis) > 1 else None
+                if self.rank in ranks:
+                    self._groups[axis] = g
+        self.coord = topology.get_coord(self.rank)
+
+    @classmethod
+    def data_parallel_only(cls) -> "ParallelGrid":
+        return cls(ProcessTopology.for_world(comm.get_world_size()))
+
+    def group(self, axis: str):
+        return self._groups[axis]
+
+    def size(self, axis: str) -> int:
+        return self.topology.get_dim(axis)
+
+    def axis_rank(self, axis: str) -> int:
+        return self.coord[axis]
+
+    # Megatron/DeepSpeed "mpu" names, so a grid can be passed where an mpu is expected.
+    def get_data_parallel_group(self):
+        return self.group("data")
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.size("data")
+
+    def get_data_parallel_rank(self) -> int:
+        return self.axis_rank("data")
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.size("model")
+
+    def get_model_parallel_rank(self) -> int:
+        return self.axis_rank("model")
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.size("pipe")
+
+
+class MpuGrid:
+    """Adapter for a user's Megatron-style ``mpu`` object passed to ``initialize``."""
+
+    def __init__(self, mpu) -> None:
+        self.mpu = mpu
+
+    def get_data_parallel_group(self):
+        return self.mpu.get_data_parallel_group()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.mpu.get_data_parallel_world_size()
+
+    def get_data_parallel_rank(self) -> int:
+        return self.mpu.get_data_parallel_rank()
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.mpu.get_model_parallel_world_size()
+
+    def get_model_parallel_rank(self) -> int:
+        return self.mpu.get_model_parallel_rank()
+
+    def get_pipe_parallel_world_size(self) -> int:
+        fn = getattr(self.mpu, "get_pipe_parallel_world_size", None)
+        return fn() if fn else 1

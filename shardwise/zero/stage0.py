@@ -1,0 +1,250 @@
+"""ZeRO stage 0: plain data parallelism with bucketed, overlapped all-reduce.
+
+Gradients live in one flat buffer per dtype (``param.grad`` are views of it),
+laid out in reverse registration order, which is roughly the order autograd
+produces them.  The buffer is cut into buckets of ``reduce_bucket_size``
+elements.  A post-accumulate-grad hook counts ready parameters; when a bucket
+is complete its asynchronous all-reduce starts at once, so communication
+overlaps the rest of backward.  Buckets are always launched in index order
+(a bucket waits for its predecessors), which keeps the collective sequence
+identical on every rank even if autograd's order differs between them.
+
+With fp16/bf16 the model holds 16-bit weights and gradients; fp32 master
+weights (same flat layout) are what the optimizer steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise import comm
+from shardwise.precision import PrecisionPolicy
+from shardwise.zero.flat import FlatGroup, group_by_dtype
+from shardwise.zero.strategy import ReduceSettings, StepResult, ZeroStrategy
+
+
+class _Bucket:
+    def __init__(self, group_index: int, start: int, end: int, members: list[int]) -> None:
+        self.group_index = group_index
+        self.start, self.end = start, end
+        self.members = members  # parameter indices inside the group
+        self.pending = len(members)
+        self.work = None
+        self.comm_buffer = None  # a cast copy when communication_data_type differs
+
+
+class DataParallelStrategy(ZeroStrategy):
+    stage = 0
+
+    def __init__(
+        self,
+        *,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        optimizer: torch.optim.Optimizer,
+        precision: PrecisionPolicy,
+        dp_group=None,
+        reduce: ReduceSettings = ReduceSettings(),
+    ) -> None:
+        self.optimizer = optimizer
+        self.precision = precision
+        self.dp_group = dp_group
+        self.dp_world_size = comm.get_world_size(dp_group)
+        self.reduce = reduce
+        trainable = [(n, p) for n, p in named_params if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
+        # Reverse order: the last layers' gradients are ready first.
+        self.groups: list[FlatGroup] = group_by_dtype(list(reversed(trainable)))
+        self.grad_buffers: list[torch.Tensor] = []
+        self.grad_views: list[list[torch.Tensor]] = []
+        self._hooks = []
+        for g in self.groups:
+            g.flatten_params_()
+        self._build_masters()  # before any cast, so the masters keep full fp32 values
+        for g in self.groups:
+            if g.dtype != precision.param_dtype and g.dtype.is_floating_point:
+                g.cast_(precision.param_dtype)
+            buf = g.new_buffer()
+            self.grad_buffers.append(buf)
+            self.grad_views.append(g.views(buf))
+        self._attach_grads()
+        self._build_buckets()
+        self._register_hooks()
+        self._sync = False
+        self._launched = 0
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _build_masters(self) -> None:
+        """fp32 master copies (for 16-bit training) and the optimizer's view of them."""
+        self.master_buffers = None
+        if not self.precision.master_weights:
+            self._opt_tensors = [p for g in self.groups for p in g.params]
+            return
+        self.master_buffers, self.master_grad_buffers, self._opt_tensors = [], [], []
+        swap = {}
+        for g in self.groups:
+            master = g.param_buffer.to(torch.float32, copy=True)
+            mgrad = torch.zeros_like(master)
+            self.master_buffers.append(master)
+            self.master_grad_buffers.append(mgrad)
+            for p, mview, gview in zip(g.params, g.views(master), g.views(mgrad)):
+                mp = torch.nn.Parameter(mview, requires_grad=True)
+                mp.grad = gview
+                swap[id(p)] = mp
+                self._opt_tensors.append(mp)
+        _swap_optimizer_params(self.optimizer, swap)
+
+    def _build_buckets(self) -> None:
+        self.buckets: list[_Bucket] = []
+        self._param_bucket: dict[int, _Bucket] = {}
+        for gi, g in enumerate(self.groups):
+            for start, end in g.split_by_size(self.reduce.bucket_elements):
+                members = [f.index for f in g.fragments(start, end)]
+                b = _Bucket(gi, start, end, members)
+                self.buckets.append(b)
+                for i in members:
+                    self._param_bucket[id(g.params[i])] = b
+
+    def _register_hooks(self) -> None:
+        for gi, g in enumerate(self.groups):
+            for i, p in enumerate(g.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(gi, i)))
+
+    def _make_hook(self, gi: int, i: int):
+        view = self.grad_views[gi][i]
+
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not view:  # someone set .grad (e.g. zero_grad(set_to_none=True)): take it back
+                view.copy_(p.grad)
+                p.grad = view
+            if self._sync:
+                bucket = self._param_bucket[id(p)]
+                bucket.pending -= 1
+                if bucket.pending == 0:
+                    self._launch_ready()
+
+        return hook
+
+    def _attach_grads(self) -> None:
+        for g, views in zip(self.groups, self.grad_views):
+            for p, v in zip(g.params, views):
+                p.grad = v
+
+    # -- backward -------------------------------------------------------------------------
+    def prepare_backward(self, *, sync: bool) -> None:
+        self._sync = sync and self.dp_world_size > 1
+        self._launched = 0
+        for b in self.buckets:
+            b.pending = len(b.members)
+            b.work = None
+        self._attach_grads()
+
+    def _launch_ready(self) -> None:
+        while self._launched < len(self.buckets) and self.buckets[self._launched].pending == 0:
+            self._launch(self.buckets[self._launched])
+            self._launched += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        r = self.reduce
+        data = self.grad_buffers[b.group_index][b.start : b.end]
+        if r.comm_dtype is not None and r.comm_dtype != data.dtype:
+            b.comm_buffer = data.to(r.comm_dtype)
+            data = b.comm_buffer
+        if r.average:
+            data.mul_(1.0 / (self.dp_world_size if r.prescale else r.predivide_factor))
+        elif r.predivide_factor != 1.0:
+            data.mul_(1.0 / r.predivide_factor)
+        b.work = comm.all_reduce(data, group=self.dp_group, async_op=True)
+
+    def finish_backward(self) -> None:
+        if not self._sync:
+            return
+        for b in self.buckets[self._launched :]:
+            self._launch(b)
+        self._launched = len(self.buckets)
+        r = self.reduce
+        post = 1.0
+        if r.average and not r.prescale:
+            post = r.predivide_factor / self.dp_world_size
+        elif not r.average:
+            post = r.predivide_factor
+        for b in self.buckets:
+            b.work.wait()
+            target = self.grad_buffers[b.group_index][b.start : b.end]
+            src = b.comm_buffer if b.comm_buffer is not None else target
+            if post != 1.0:
+                src.mul_(post)
+            if src is not target:
+                target.copy_(src)
+            b.comm_buffer = None
+        self._sync = False
+
+    # -- step -----------------------------------------------------------------------------
+    def _step_grads(self, loss_scale: float) -> list[torch.Tensor]:
+        if self.master_buffers is None:
+            grads = self.grad_buffers
+            if loss_scale != 1.0:
+                for g in grads:
+                    g.mul_(1.0 / loss_scale)
+            return grads
+        for mg, g in zip(self.master_grad_buffers, self.grad_buffers):
+            mg.copy_(g)
+            if loss_scale != 1.0:
+                mg.mul_(1.0 / loss_scale)
+        return self.master_grad_buffers
+
+    def step(self, *, loss_scale: float, clip: float) -> StepResult:
+        grads = self._step_grads(loss_scale)
+        norms = torch.stack([g.float().norm(2) for g in grads])
+        total = norms.norm(2)
+        overflow = self.precision.check_overflow and not bool(torch.isfinite(total))
+        if overflow:
+            return StepResult(grad_norm=float("inf"), overflow=True)
+        norm = float(total)
+        if clip > 0:
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        self.optimizer.step()
+        if self.master_buffers is not None:
+            for g, master in zip(self.groups, self.master_buffers):
+                g.param_buffer.copy_(master)
+        return StepResult(grad_norm=norm, overflow=False)
+
+    def zero_grad(self) -> None:
+        for buf in self.grad_buffers:
+            buf.zero_()
+        self._attach_grads()
+
+    # -- introspection --------------------------------------------------------------------
+    def master_named_params(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for gi, g in enumerate(self.groups):
+            tensors = g.views(self.master_buffers[gi]) if self.master_buffers is not None else g.params
+            for name, t in zip(g.names, tensors):
+                out[name] = t.detach()
+        return out
+
+    def optimizer_param_names(self) -> dict[int, str]:
+        names = [n for g in self.groups for n in g.names]
+        return {id(t): n for t, n in zip(self._opt_tensors, names)}
+
+    def full_grad(self, name: str) -> torch.Tensor | None:
+        for gi, g in enumerate(self.groups):
+            if name in g.names:
+                i = g.names.index(name)
+                bufs = self.master_grad_buffers if self.master_buffers is not None else self.grad_buffers
+                return g.views(bufs[gi])[i]
+        return None
+
+
+def _swap_optimizer_params(optimizer: torch.optim.Optimizer, swap: dict[int, torch.Tensor]) -> None:
+    """Point the optimizer's param groups at the fp32 master copies."""
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer already has state; pass a freshly constructed optimizer to initialize() "
+            "when fp16/bf16 is enabled (its parameters are replaced by fp32 master weights)"
+        )
+    for group in optimizer.param_groups:
+        group["params"] = [swap.get(id(p), p) for p in group["params"]]

@@ -1,0 +1,71 @@
+"""The small interface every ZeRO stage implements, and the factory.
+
+The engine calls only these methods, in this order, per micro-step:
+``prepare_backward(sync=...)`` -> autograd runs (hooks reduce gradients as
+they become ready) -> ``finish_backward()``; and at an accumulation
+boundary ``step(...)`` then ``zero_grad()``.  Stages 1-3 and offload are
+further implementations of this class; the engine does not branch on stage.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ReduceSettings:
+    """How gradients are reduced across the data-parallel group."""
+
+    bucket_elements: int = 500_000_000
+    average: bool = True  # gradient_allreduce_op "mean"
+    prescale: bool = False  # prescale_gradients: divide by world size before the sum
+    predivide_factor: float = 1.0  # gradient_predivide_factor
+    comm_dtype: torch.dtype | None = None  # communication_data_type
+
+
+@dataclass(frozen=True)
+class StepResult:
+    grad_norm: float  # global L2 norm of the unscaled gradients, before clipping
+    overflow: bool  # True: inf/nan found, the optimizer step was skipped
+
+
+class ZeroStrategy(abc.ABC):
+    stage: int
+
+    @abc.abstractmethod
+    def prepare_backward(self, *, sync: bool) -> None:
+        """Called before each backward; ``sync`` says whether gradients must be reduced in it."""
+
+    @abc.abstractmethod
+    def finish_backward(self) -> None:
+        """Called after each backward: flush outstanding reductions (if syncing) and wait for them."""
+
+    @abc.abstractmethod
+    def step(self, *, loss_scale: float, clip: float) -> StepResult:
+        """Unscale, check overflow, clip and run the optimizer on this rank's share."""
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abc.abstractmethod
+    def master_named_params(self) -> dict[str, torch.Tensor]:
+        """The fp32 weights the optimizer updates, by module parameter name (this rank's view)."""
+
+    @abc.abstractmethod
+    def optimizer_param_names(self) -> dict[int, str]:
+        """``id(tensor the optimizer steps)`` -> module parameter name, for checkpoints."""
+
+    def full_grad(self, name: str) -> torch.Tensor | None:
+        """The reduced gradient of one parameter (None if it has none)."""
+        raise NotImplementedError
+
+
+def build_strategy(stage: int, **kwargs) -> ZeroStrategy:
+    if stage == 0:
+        from shardwise.zero.stage0 import DataParallelStrategy
+
+        return DataParallelStrategy(**kwargs)
+    raise ValueError(f"not implemented yet: zero_optimization.stage={stage}")
