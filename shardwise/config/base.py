@@ -1,0 +1,87 @@
+"""Shared building blocks of the config models: the strict base class and value types."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic_core import PydanticCustomError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .loader import Report
+
+__all__ = ["ConfigModel", "Int", "Float", "DType", "OptDType", "case_insensitive"]
+
+
+class ConfigModel(BaseModel):
+    """Base of every config block: unknown keys are rejected.
+
+    Two class-level hooks are used by the loader's pre-pass (``loader.normalise``):
+    ``renamed`` maps a deprecated key to its replacement, and ``upgrade`` may
+    rewrite the raw dict of this block before validation (for aliases that
+    need more than a rename).
+    """
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    renamed: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def upgrade(cls, data: dict[str, Any], path: str, report: "Report") -> dict[str, Any]:
+        for old, new in cls.renamed.items():
+            report.rename(data, old, new, path)
+        return data
+
+    @classmethod
+    def unknown_key_hint(cls, key: str) -> str | None:
+        """A specific explanation for a key that does not belong here (or None)."""
+        return None
+
+
+def _reject_bool(kind: str):
+    def check(value: Any) -> Any:
+        if isinstance(value, bool):
+            got = "true" if value else "false"
+            raise PydanticCustomError("shardwise_type", f"expected {kind}, got {got}")
+        return value
+    return check
+
+
+# JSON true/false are not numbers here (pydantic would quietly turn true into 1).
+# Integers accept integral floats, so 5e8 written in JSON is fine.
+Int = Annotated[int, BeforeValidator(_reject_bool("an integer"))]
+Float = Annotated[float, BeforeValidator(_reject_bool("a number"))]
+
+
+_DTYPE_SPELLINGS = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16",
+}
+
+
+def _normalise_dtype(value: Any) -> Any:
+    if value is None:
+        return None
+    text = str(value).strip().lower().removeprefix("torch.")  # also takes torch.float16 itself
+    if text in _DTYPE_SPELLINGS:
+        return _DTYPE_SPELLINGS[text]
+    raise PydanticCustomError(
+        "shardwise_dtype",
+        f"expected one of 'fp32', 'fp16', 'bf16' (or 'float32', 'float16', 'bfloat16'), got {value!r}",
+    )
+
+
+DType = Annotated[Literal["fp32", "fp16", "bf16"], BeforeValidator(_normalise_dtype)]
+OptDType = Annotated[Literal["fp32", "fp16", "bf16"] | None, BeforeValidator(_normalise_dtype)]
+
+
+def case_insensitive(*choices: str) -> BeforeValidator:
+    """Accept any capitalisation of ``choices`` and store the canonical spelling."""
+    by_lower = {c.lower(): c for c in choices}
+
+    def pick(value: Any) -> Any:
+        if isinstance(value, str):
+            return by_lower.get(value.lower(), value)
+        return value
+    return BeforeValidator(pick)

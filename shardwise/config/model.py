@@ -1,0 +1,140 @@
+"""The top level of the DeepSpeed-format config: ``ShardwiseConfig``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from .base import ConfigModel, Float, Int, OptDType, case_insensitive
+from .monitors import (AutotuningConfig, CometConfig, CommsLoggerConfig, CSVMonitorConfig,
+                       ElasticityConfig, FlopsProfilerConfig, TensorBoardConfig, WandbConfig)
+from .precision import AmpConfig, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig
+from .training import (ActivationCheckpointingConfig, AioConfig, CheckpointConfig, OptimizerConfig,
+                       PipelineConfig, SchedulerConfig)
+from .zero import ZeroConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .batch import BatchSizes
+    from .loader import Report
+
+__all__ = ["ShardwiseConfig", "OTHER_BLOCKS"]
+
+PositiveInt = Annotated[Int, Field(gt=0)]
+AllreduceOp = Annotated[Literal["mean", "sum"], case_insensitive("mean", "sum")]
+
+# Blocks of features we accept as keys but do not model yet: free-form, and an
+# error from check_supported() as soon as they are switched on.
+OTHER_BLOCKS = (
+    "tensor_parallel", "expert_parallel", "hybrid_engine", "compile", "sparse_attention", "eigenvalue",
+    "progressive_layer_drop", "data_efficiency", "curriculum_learning", "compression_training",
+    "nebula", "timers",
+)
+
+
+def _block(factory):
+    return Field(default_factory=factory)
+
+
+class ShardwiseConfig(ConfigModel):
+    """A validated DeepSpeed-format config. Build it with :func:`shardwise.config.load_config`."""
+
+    # batch triad: None = unset, see resolve_batch_sizes()
+    train_batch_size: PositiveInt | None = None
+    train_micro_batch_size_per_gpu: PositiveInt | None = None
+    gradient_accumulation_steps: PositiveInt | None = None
+    steps_per_print: PositiveInt | None = None
+    wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    dump_state: bool = False
+
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    zero_allow_untested_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = True
+
+    fp16: FP16Config = _block(FP16Config)
+    bf16: BF16Config = _block(BF16Config)
+    amp: AmpConfig = _block(AmpConfig)
+    torch_autocast: TorchAutocastConfig = _block(TorchAutocastConfig)
+    data_types: DataTypesConfig = _block(DataTypesConfig)
+
+    gradient_clipping: Float = Field(1.0, ge=0)
+    communication_data_type: OptDType = None
+    prescale_gradients: bool = False
+    gradient_predivide_factor: Float = Field(1.0, gt=0)
+    gradient_allreduce_op: AllreduceOp = "mean"
+    sparse_gradients: bool = False
+    disable_allgather: bool = False
+
+    zero_optimization: ZeroConfig = _block(ZeroConfig)
+    aio: AioConfig = _block(AioConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = _block(ActivationCheckpointingConfig)
+    pipeline: PipelineConfig = _block(PipelineConfig)
+    checkpoint: CheckpointConfig = _block(CheckpointConfig)
+    dataloader_drop_last: bool = False
+
+    flops_profiler: FlopsProfilerConfig = _block(FlopsProfilerConfig)
+    tensorboard: TensorBoardConfig = _block(TensorBoardConfig)
+    csv_monitor: CSVMonitorConfig = _block(CSVMonitorConfig)
+    wandb: WandbConfig = _block(WandbConfig)
+    comet: CometConfig = _block(CometConfig)
+    comms_logger: CommsLoggerConfig = _block(CommsLoggerConfig)
+    autotuning: AutotuningConfig = _block(AutotuningConfig)
+    elasticity: ElasticityConfig = _block(ElasticityConfig)
+
+    tensor_parallel: dict[str, Any] = _block(dict)
+    expert_parallel: dict[str, Any] = _block(dict)
+    hybrid_engine: dict[str, Any] = _block(dict)
+    compile: dict[str, Any] = _block(dict)
+    sparse_attention: dict[str, Any] = _block(dict)
+    eigenvalue: dict[str, Any] = _block(dict)
+    progressive_layer_drop: dict[str, Any] = _block(dict)
+    data_efficiency: dict[str, Any] = _block(dict)
+    curriculum_learning: dict[str, Any] = _block(dict)
+    compression_training: dict[str, Any] = _block(dict)
+    nebula: dict[str, Any] = _block(dict)
+    timers: dict[str, Any] = _block(dict)
+
+    renamed: ClassVar[dict[str, str]] = {"bfloat16": "bf16"}
+
+    @classmethod
+    def upgrade(cls, data: dict[str, Any], path: str, report: "Report") -> dict[str, Any]:
+        data = super().upgrade(data, path, report)
+        zero = data.get("zero_optimization")
+        if isinstance(zero, bool):
+            stage = 1 if zero else 0
+            report.warn(f"\"zero_optimization\": {str(zero).lower()} is deprecated; "
+                        f"write \"zero_optimization\": {{\"stage\": {stage}}} instead")
+            data["zero_optimization"] = {"stage": stage}
+        return data
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "ShardwiseConfig":
+        clashes = []
+        if self.fp16.enabled and self.bf16.enabled:
+            clashes.append("fp16.enabled and bf16.enabled are both true; enable at most one")
+        if self.amp.enabled and (self.fp16.enabled or self.bf16.enabled):
+            clashes.append("amp.enabled cannot be combined with fp16.enabled or bf16.enabled")
+        if self.amp.enabled and self.zero_optimization.stage > 0:
+            clashes.append("amp.enabled cannot be combined with zero_optimization.stage > 0")
+        if clashes:
+            raise PydanticCustomError("shardwise_conflict", "; ".join(clashes))
+        return self
+
+    # ---- API used by the engine -------------------------------------------------
+    def resolve_batch_sizes(self, dp_world_size: int) -> "BatchSizes":
+        """Complete the batch triad for ``dp_world_size`` data-parallel ranks (DeepSpeed's rules)."""
+        from .batch import resolve_batch_sizes
+        return resolve_batch_sizes(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                   self.gradient_accumulation_steps, dp_world_size=dp_world_size)
+
+    def check_supported(self) -> None:
+        """Raise ConfigError naming every enabled feature that shardwise does not implement yet."""
+        from .support import check_supported
+        check_supported(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective config as plain JSON-able data (loadable again with load_config)."""
+        return self.model_dump(mode="json")

@@ -1,0 +1,56 @@
+"""Mixed-precision blocks: ``fp16``, ``bf16``, ``amp``, ``torch_autocast``, ``data_types``."""
+
+from __future__ import annotations
+
+from pydantic import ConfigDict, Field
+
+from .base import ConfigModel, DType, Float, Int, OptDType
+
+__all__ = ["FP16Config", "BF16Config", "AmpConfig", "TorchAutocastConfig", "DataTypesConfig"]
+
+
+class FP16Config(ConfigModel):
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: Float = Field(0.0, ge=0)  # 0 means dynamic loss scaling
+    initial_scale_power: Int = Field(16, ge=0)
+    loss_scale_window: Int = Field(1000, gt=0)
+    hysteresis: Int = Field(2, gt=0)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: Float = Field(1.0, gt=0)
+    fp16_master_weights_and_grads: bool = False
+
+
+class BF16Config(ConfigModel):
+    enabled: bool = False
+    immediate_grad_update: bool = False
+    check_grad_overflow: bool = True
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+    @classmethod
+    def unknown_key_hint(cls, key: str) -> str | None:
+        if key in FP16Config.model_fields and key not in cls.model_fields:
+            return (f"'{key}' is an fp16-only key and is not valid inside 'bf16' "
+                    "(bf16 training needs no loss scaling); remove it or move it to 'fp16'")
+        return None
+
+
+class AmpConfig(ConfigModel):
+    """NVIDIA Apex AMP passthrough: every key except ``enabled`` goes to ``amp.initialize``."""
+
+    model_config = ConfigDict(extra="allow")
+    enabled: bool = False
+
+
+_DEFAULT_SAFE_MODULES = ["torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d"]
+
+
+class TorchAutocastConfig(ConfigModel):
+    enabled: bool = False
+    dtype: DType = "bf16"
+    lower_precision_safe_modules: list[str] = Field(default_factory=lambda: list(_DEFAULT_SAFE_MODULES))
+
+
+class DataTypesConfig(ConfigModel):
+    grad_accum_dtype: OptDType = None

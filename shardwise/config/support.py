@@ -1,0 +1,91 @@
+"""Features the config accepts but shardwise does not implement yet.
+
+``NOT_IMPLEMENTED`` is the single list: key path -> predicate "is it switched on in this config?".
+When a feature lands, delete its line.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from pydantic import BaseModel
+
+from .errors import ConfigError, describe_value
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .model import ShardwiseConfig
+
+__all__ = ["NOT_IMPLEMENTED", "unsupported_features", "check_supported"]
+
+# optimizer types (compared case-insensitively) that are not implemented yet
+UNIMPLEMENTED_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb"}
+
+
+def _offloads(block: Any) -> bool:
+    return block is not None and block.device != "none"
+
+
+def _changed(block: BaseModel) -> bool:
+    return block != type(block)()
+
+
+def _switched_on(block: dict[str, Any]) -> bool:
+    """A free-form block counts as on when ``enabled`` is true, or, lacking ``enabled``, when it is non-empty."""
+    return bool(block.get("enabled")) if "enabled" in block else bool(block)
+
+
+NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
+    "zero_optimization.stage": lambda c: c.zero_optimization.stage != 0,
+    "zero_optimization.offload_param": lambda c: _offloads(c.zero_optimization.offload_param),
+    "zero_optimization.offload_optimizer": lambda c: _offloads(c.zero_optimization.offload_optimizer),
+    "optimizer.type": lambda c: c.optimizer is not None and c.optimizer.type.lower() in UNIMPLEMENTED_OPTIMIZERS,
+    "amp.enabled": lambda c: c.amp.enabled,
+    "torch_autocast.enabled": lambda c: c.torch_autocast.enabled,
+    "memory_breakdown": lambda c: c.memory_breakdown,
+    "sparse_gradients": lambda c: c.sparse_gradients,
+    "activation_checkpointing": lambda c: _changed(c.activation_checkpointing),
+    "pipeline": lambda c: _changed(c.pipeline),
+    "data_types.grad_accum_dtype": lambda c: c.data_types.grad_accum_dtype not in (None, "fp32"),
+    "checkpoint.load_universal": lambda c: c.checkpoint.load_universal,
+    "checkpoint.use_node_local_storage": lambda c: c.checkpoint.use_node_local_storage,
+    "tensorboard": lambda c: c.tensorboard.enabled,
+    "csv_monitor": lambda c: c.csv_monitor.enabled,
+    "wandb": lambda c: c.wandb.enabled,
+    "comet": lambda c: c.comet.enabled,
+    "flops_profiler": lambda c: c.flops_profiler.enabled,
+    "comms_logger": lambda c: c.comms_logger.enabled,
+    "autotuning": lambda c: c.autotuning.enabled,
+    "elasticity": lambda c: c.elasticity.enabled,
+    "tensor_parallel": lambda c: _switched_on(c.tensor_parallel),
+    "expert_parallel": lambda c: _switched_on(c.expert_parallel),
+    "hybrid_engine": lambda c: _switched_on(c.hybrid_engine),
+    "compile": lambda c: _switched_on(c.compile),
+    "sparse_attention": lambda c: _switched_on(c.sparse_attention),
+    "eigenvalue": lambda c: _switched_on(c.eigenvalue),
+    "progressive_layer_drop": lambda c: _switched_on(c.progressive_layer_drop),
+    "data_efficiency": lambda c: _switched_on(c.data_efficiency),
+    "curriculum_learning": lambda c: _switched_on(c.curriculum_learning),
+    "compression_training": lambda c: _switched_on(c.compression_training),
+    "nebula": lambda c: _switched_on(c.nebula),
+    "timers": lambda c: _switched_on(c.timers),
+}
+
+
+def _shown(cfg: "ShardwiseConfig", path: str) -> str:
+    value: Any = cfg
+    for part in path.split("."):
+        value = getattr(value, part)
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        return f" (= {describe_value(value)})"
+    return ""
+
+
+def unsupported_features(cfg: "ShardwiseConfig") -> list[str]:
+    """Key paths of every switched-on feature that is not implemented yet, in table order."""
+    return [path for path, is_on in NOT_IMPLEMENTED.items() if is_on(cfg)]
+
+
+def check_supported(cfg: "ShardwiseConfig") -> None:
+    paths = unsupported_features(cfg)
+    if paths:
+        raise ConfigError([f"not implemented yet: {p}{_shown(cfg, p)}" for p in paths])

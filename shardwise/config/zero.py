@@ -1,0 +1,117 @@
+"""The ``zero_optimization`` block and its offload sub-blocks."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+
+from pydantic import BeforeValidator, Field, model_validator
+
+from .base import ConfigModel, Float, Int
+from .errors import describe_value
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .loader import Report
+
+__all__ = ["OffloadParamConfig", "OffloadOptimizerConfig", "ZeroConfig"]
+
+
+def _device(value: Any) -> Any:
+    if value is None:
+        return "none"
+    return value.lower() if isinstance(value, str) else value
+
+
+OffloadDevice = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_device)]
+
+
+class OffloadParamConfig(ConfigModel):
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    buffer_count: Int = Field(5, gt=0)
+    buffer_size: Int = Field(100_000_000, gt=0)
+    max_in_cpu: Int = Field(1_000_000_000, ge=0)
+    pin_memory: bool = True
+
+
+class OffloadOptimizerConfig(ConfigModel):
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    buffer_count: Int = Field(4, gt=0)
+    pin_memory: bool = True
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: Float = Field(1.0, gt=0, le=1)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+class ZeroConfig(ConfigModel):
+    stage: Int = Field(0, ge=0, le=3)
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: Int = Field(500_000_000, gt=0)
+    allgather_partitions: bool = True
+    allgather_bucket_size: Int = Field(500_000_000, gt=0)
+    # None only until validation ends: then true for stage 3, false otherwise
+    overlap_comm: bool | None = None
+    load_from_fp32_weights: bool = True
+    elastic_checkpoint: bool = False
+    offload_param: OffloadParamConfig | None = None
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    sub_group_size: Int = Field(1_000_000_000, gt=0)
+    stage3_prefetch_bucket_size: Int = Field(50_000_000, ge=0)
+    stage3_param_persistence_threshold: Int = Field(100_000, ge=0)
+    stage3_model_persistence_threshold: Int = Field(sys.maxsize, ge=0)
+    stage3_max_live_parameters: Int = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    ignore_unused_parameters: bool = True
+    round_robin_gradients: bool = False
+    zero_hpz_partition_size: Int = Field(1, ge=1)
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+    mics_shard_size: Int = -1
+    use_multi_rank_bucket_allreduce: bool = True
+    memory_efficient_linear: bool = True
+
+    renamed: ClassVar[dict[str, str]] = {
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    }
+
+    @classmethod
+    def upgrade(cls, data: dict[str, Any], path: str, report: "Report") -> dict[str, Any]:
+        data = super().upgrade(data, path, report)
+        # boolean switches of old DeepSpeed versions -> offload blocks
+        for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+            if old not in data:
+                continue
+            value, where = data.pop(old), _join(path, old)
+            if not isinstance(value, bool):
+                report.problem(f"{where}: expected true or false, got {describe_value(value)}")
+                continue
+            report.warn(f"{where} is deprecated; use {_join(path, new)} = {{\"device\": \"cpu\"}} instead")
+            if new in data:
+                report.problem(f"{where} and {_join(path, new)} are both given; keep only {new}")
+            elif value:
+                data[new] = {"device": "cpu"}
+        if "cpu_offload_use_pin_memory" in data:
+            value, where = data.pop("cpu_offload_use_pin_memory"), _join(path, "cpu_offload_use_pin_memory")
+            report.warn(f"{where} is deprecated; use {_join(path, 'offload_param.pin_memory')} "
+                        f"and {_join(path, 'offload_optimizer.pin_memory')} instead")
+            if not isinstance(value, bool):
+                report.problem(f"{where}: expected true or false, got {describe_value(value)}")
+            else:
+                for block in ("offload_param", "offload_optimizer"):
+                    if isinstance(data.get(block), dict):
+                        data[block] = {"pin_memory": value, **data[block]}
+        return data
+
+    @model_validator(mode="after")
+    def _derive_overlap_comm(self) -> "ZeroConfig":
+        if self.overlap_comm is None:
+            self.overlap_comm = self.stage == 3
+        return self
