@@ -1,0 +1,280 @@
+"""Mixed-precision policy, loss scaling and the gradient overflow check.
+
+The dynamic loss scaler follows DeepSpeed's rules (``fp16`` config block):
+
+* On an overflow step the scale is not cut right away: ``delayed_shift``
+  (``fp16.hysteresis``) overflows are tolerated first, each consuming one unit
+  of hysteresis. Once it is used up (or ``delayed_shift == 1``) every further
+  overflow divides the scale by ``scale_factor``, never going below
+  ``min_scale``. An overflow while already at ``min_scale`` with the
+  hysteresis used up raises ``RuntimeError`` (unless
+  ``raise_error_at_min_scale=False``).
+* Every update increments an iteration counter. On a clean update, with
+  ``stable = iteration - last_overflow_iteration - 1`` (the last overflow
+  iteration starts at -1), the scale is multiplied by ``scale_factor``
+  whenever ``stable > 0`` and ``stable % scale_window == 0``; the hysteresis
+  is refilled at that moment. With ``consecutive_hysteresis`` the hysteresis
+  is refilled on every clean update instead, so only consecutive overflows
+  count.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class StaticLossScaler:
+    """A fixed loss scale (``fp16.loss_scale`` > 0, or 1.0 when not using fp16)."""
+
+    dynamic = False
+
+    def __init__(self, scale: float = 1.0) -> None:
+        if not scale > 0:
+            raise ValueError(f"scale: a static loss scale must be > 0, got {scale!r}")
+        self.cur_scale = float(scale)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.cur_scale
+
+    def update_scale(self, overflow: bool) -> None:
+        """A static scale never changes."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": "static", "cur_scale": self.cur_scale}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restoring keeps the configured scale; the saved one is only checked for the kind."""
+        _check_kind(sd, "static")
+
+
+class DynamicLossScaler:
+    """Loss scale that shrinks on overflow and grows after ``scale_window`` clean steps."""
+
+    dynamic = True
+
+    def __init__(
+        self,
+        *,
+        init_scale: float = 2.0**16,
+        scale_factor: float = 2.0,
+        scale_window: int = 1000,
+        min_scale: float = 1.0,
+        delayed_shift: int = 2,
+        consecutive_hysteresis: bool = False,
+        raise_error_at_min_scale: bool = True,
+    ) -> None:
+        if not init_scale > 0:
+            raise ValueError(f"init_scale: must be > 0, got {init_scale!r}")
+        if not scale_factor > 1:
+            raise ValueError(f"scale_factor: must be > 1, got {scale_factor!r}")
+        if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
+            raise ValueError(f"scale_window: must be a positive integer, got {scale_window!r}")
+        if not min_scale > 0:
+            raise ValueError(f"min_scale: must be > 0, got {min_scale!r}")
+        if isinstance(delayed_shift, bool) or not isinstance(delayed_shift, int) or delayed_shift < 1:
+            raise ValueError(f"delayed_shift: must be an integer >= 1, got {delayed_shift!r}")
+        self.cur_scale = float(init_scale)
+        self.scale_factor = float(scale_factor)
+        self.scale_window = scale_window
+        self.min_scale = float(min_scale)
+        self.delayed_shift = delayed_shift
+        self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        self.raise_error_at_min_scale = bool(raise_error_at_min_scale)
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+        self.cur_hysteresis = delayed_shift
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.cur_scale
+
+    def update_scale(self, overflow: bool) -> None:
+        """Record one optimizer step's outcome (True: gradients had inf/NaN and the step was skipped)."""
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale and self.raise_error_at_min_scale:
+                    raise RuntimeError(
+                        f"fp16 gradients keep overflowing at the minimum loss scale ({self.min_scale:g}); "
+                        "training cannot continue. Try a lower learning rate, gradient clipping "
+                        "('gradient_clipping'), bf16 instead of fp16, checking the data and model for "
+                        "inf/NaN, or a smaller 'fp16.min_loss_scale'."
+                    )
+                new_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+                logger.info("fp16 overflow: skipping step, loss scale %g -> %g", self.cur_scale, new_scale)
+                self.cur_scale = new_scale
+            else:
+                logger.info(
+                    "fp16 overflow: skipping step at loss scale %g, hysteresis %d -> %d",
+                    self.cur_scale,
+                    self.cur_hysteresis,
+                    self.cur_hysteresis - 1,
+                )
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            stable = self.cur_iter - self.last_overflow_iter - 1
+            if stable > 0 and stable % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "type": "dynamic",
+            "cur_scale": self.cur_scale,
+            "cur_iter": self.cur_iter,
+            "last_overflow_iter": self.last_overflow_iter,
+            "cur_hysteresis": self.cur_hysteresis,
+        }
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore the running state; the hyperparameters stay as configured for this run."""
+        _check_kind(sd, "dynamic")
+        missing = [k for k in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis") if k not in sd]
+        if missing:
+            raise ValueError(f"loss scaler state: missing keys {missing}")
+        self.cur_scale = float(sd["cur_scale"])
+        self.cur_iter = int(sd["cur_iter"])
+        self.last_overflow_iter = int(sd["last_overflow_iter"])
+        self.cur_hysteresis = min(int(sd["cur_hysteresis"]), self.delayed_shift)
+
+
+def _check_kind(sd: Mapping[str, Any], expected: str) -> None:
+    kind = sd.get("type")
+    if kind != expected:
+        raise ValueError(
+            f"loss scaler state is for a {kind!r} scaler but this run uses a {expected!r} one "
+            "(fp16.loss_scale: 0 means dynamic, > 0 static)"
+        )
+
+
+def create_loss_scaler(fp16_cfg: Any) -> DynamicLossScaler | StaticLossScaler:
+    """The scaler described by an ``fp16`` config block (``None`` gives a static scale of 1)."""
+    if fp16_cfg is None:
+        return StaticLossScaler(1.0)
+    loss_scale = fp16_cfg.loss_scale
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or loss_scale < 0:
+        raise ValueError(f"fp16.loss_scale: must be a number >= 0 (0 = dynamic), got {loss_scale!r}")
+    if loss_scale > 0:
+        return StaticLossScaler(float(loss_scale))
+    checks = {
+        "initial_scale_power": (fp16_cfg.initial_scale_power, 0),
+        "loss_scale_window": (fp16_cfg.loss_scale_window, 1),
+        "hysteresis": (fp16_cfg.hysteresis, 1),
+    }
+    for key, (value, low) in checks.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"fp16.{key}: must be an integer >= {low}, got {value!r}")
+    min_loss_scale = fp16_cfg.min_loss_scale
+    if isinstance(min_loss_scale, bool) or not isinstance(min_loss_scale, (int, float)) or min_loss_scale <= 0:
+        raise ValueError(f"fp16.min_loss_scale: must be a number > 0, got {min_loss_scale!r}")
+    return DynamicLossScaler(
+        init_scale=2.0**fp16_cfg.initial_scale_power,
+        scale_window=fp16_cfg.loss_scale_window,
+        min_scale=float(min_loss_scale),
+        delayed_shift=fp16_cfg.hysteresis,
+        consecutive_hysteresis=bool(fp16_cfg.consecutive_hysteresis),
+    )
+
+
+def has_inf_or_nan(tensors: Iterable[torch.Tensor | None]) -> bool:
+    """True if any element of any tensor is inf or NaN (``None`` and empty tensors are skipped).
+
+    One max-abs foreach reduction per (device, dtype) bucket, then one host sync per device.
+    The max-abs norm is exact in the tensor's own dtype, so large finite fp16 values are
+    never mistaken for overflow.
+    """
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        if t.is_sparse:
+            t = t.coalesce().values()
+        if t.numel() == 0 or not t.is_floating_point():
+            continue  # integer tensors cannot hold inf/NaN
+        buckets.setdefault((t.device, t.dtype), []).append(t.detach())
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for (device, _), group in buckets.items():
+        maxima = torch.stack(torch._foreach_norm(group, float("inf")))
+        flags.setdefault(device, []).append((~torch.isfinite(maxima)).any())
+    return any(bool(torch.stack(per_device).any()) for per_device in flags.values())
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """What dtype the model runs in and which mixed-precision machinery is on.
+
+    ``master_weights``: the optimizer updates an fp32 copy of the 16-bit params.
+    ``loss_scaling``: losses are scaled (fp16 only). ``auto_cast``: floating-point
+    inputs are cast to fp16 before forward. ``check_overflow``: steps with inf/NaN
+    gradients are skipped.
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    master_weights: bool = False
+    loss_scaling: bool = False
+    auto_cast: bool = False
+    check_overflow: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> PrecisionPolicy:
+        fp16 = getattr(cfg, "fp16", None)
+        bf16 = getattr(cfg, "bf16", None)
+        fp16_on = bool(fp16 is not None and fp16.enabled)
+        bf16_on = bool(bf16 is not None and bf16.enabled)
+        if fp16_on and bf16_on:
+            raise ValueError("fp16.enabled and bf16.enabled: both are true; enable at most one")
+        if fp16_on:
+            return cls(
+                param_dtype=torch.float16,
+                master_weights=not getattr(fp16, "fp16_master_weights_and_grads", False),
+                loss_scaling=True,
+                auto_cast=bool(getattr(fp16, "auto_cast", False)),
+                check_overflow=True,
+            )
+        if bf16_on:
+            return cls(
+                param_dtype=torch.bfloat16,
+                master_weights=not getattr(bf16, "bf16_master_weights_and_grads", False),
+                loss_scaling=False,
+                auto_cast=False,
+                check_overflow=bool(getattr(bf16, "check_grad_overflow", True)),
+            )
+        return cls()
+
+
+def cast_inputs(obj: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor inside (nested) tuples, lists and dicts to ``dtype``.
+
+    Other values (integer tensors, strings, None, ...) are returned unchanged; container
+    types (including namedtuples and dict subclasses) are preserved.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(cast_inputs(v, dtype) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_inputs(v, dtype) for v in obj)
+    if isinstance(obj, dict):
+        out = obj.copy()  # keeps the mapping type (OrderedDict, defaultdict, ...)
+        for key, value in obj.items():
+            out[key] = cast_inputs(value, dtype)
+        return out
+    return obj
