@@ -1,0 +1,6 @@
+"""``python -m shardwise ...`` is the ``shardwise`` command."""
+import sys
+
+from shardwise.cli import main
+
+sys.exit(main())

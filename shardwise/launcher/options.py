@@ -1,0 +1,191 @@
+"""What ``shardwise run`` was asked to do, checked before anything is started.
+
+Nothing here imports torch at module import time; device discovery imports it lazily.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import os
+import shutil
+import socket
+from dataclasses import dataclass, field
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500  # torch.distributed's and DeepSpeed's default
+
+
+@dataclass
+class LaunchOptions:
+    """Options of ``shardwise run``; field names match the command-line flags."""
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    num_procs: int | None = None  # None: one per accelerator, or 1 without any
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int | None = None  # None: DEFAULT_MASTER_PORT, or a free port if that is busy
+    module: bool = False
+    no_python: bool = False
+    no_local_rank: bool = False
+    save_pid: bool = False
+    max_restarts: int = 0
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the flags of ``shardwise run`` on ``parser``."""
+    procs = parser.add_mutually_exclusive_group()
+    procs.add_argument("--num_gpus", "--num-gpus", dest="num_procs", type=int, default=None,
+                       metavar="N", help="processes to start, one per device (default: all "
+                       "visible accelerators, or 1 on a CPU-only machine)")
+    procs.add_argument("--num_procs", "--num-procs", dest="num_procs", type=int,
+                       metavar="N", help="alias of --num_gpus, natural for CPU runs")
+    parser.add_argument("--master_addr", "--master-addr", default=DEFAULT_MASTER_ADDR,
+                        metavar="ADDR", help="address rank 0 listens on (default %(default)s)")
+    parser.add_argument("--master_port", "--master-port", type=int, default=None, metavar="PORT",
+                        help=f"rendezvous port (default {DEFAULT_MASTER_PORT}; a free port is "
+                        "chosen if the default is busy)")
+    parser.add_argument("--module", "-m", action="store_true",
+                        help="treat SCRIPT as a module name and run it like 'python -m'")
+    parser.add_argument("--no_python", "--no-python", action="store_true",
+                        help="run SCRIPT as a program directly, without the Python interpreter")
+    parser.add_argument("--no_local_rank", "--no-local-rank", action="store_true",
+                        help="do not pass --local_rank=<n> to the script (LOCAL_RANK is set anyway)")
+    parser.add_argument("--save_pid", "--save-pid", action="store_true",
+                        help="write the launcher's pid to <tmpdir>/<pid>.shardwise while it runs")
+    parser.add_argument("--max_restarts", "--max-restarts", type=int, default=0, metavar="K",
+                        help="restart the whole group up to K times after a failure (default 0)")
+    parser.add_argument("script", metavar="SCRIPT",
+                        help="training script (or module with --module, program with --no_python)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
+                        help="arguments passed on to the script")
+
+
+def options_from_args(ns: argparse.Namespace) -> LaunchOptions:
+    return LaunchOptions(script=ns.script, script_args=list(ns.script_args),
+                         num_procs=ns.num_procs, master_addr=ns.master_addr,
+                         master_port=ns.master_port, module=ns.module, no_python=ns.no_python,
+                         no_local_rank=ns.no_local_rank, save_pid=ns.save_pid,
+                         max_restarts=ns.max_restarts)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def validate(opts: LaunchOptions) -> None:
+    """Raise ValueError naming the flag for anything that would fail after launch."""
+    if opts.num_procs is not None and opts.num_procs < 1:
+        raise ValueError(f"--num_gpus/--num_procs must be at least 1, got {opts.num_procs}")
+    if opts.max_restarts < 0:
+        raise ValueError(f"--max_restarts must be 0 or more, got {opts.max_restarts}")
+    if opts.master_port is not None and not 1 <= opts.master_port <= 65535:
+        raise ValueError(f"--master_port must be in 1..65535, got {opts.master_port}")
+    if not opts.master_addr:
+        raise ValueError("--master_addr must not be empty")
+    if opts.module and opts.no_python:
+        raise ValueError("--module and --no_python cannot be combined: a module needs Python")
+    if opts.module:
+        top = opts.script.split(".")[0]
+        if not top.isidentifier():
+            raise ValueError(f"--module: {opts.script!r} is not a module name")
+        # Workers run 'python -m' from this directory, so it is on their path too.
+        if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *_sys_path()]) is None \
+                and top not in _builtin_module_names():
+            raise ValueError(f"--module: no module named {top!r} on the Python path "
+                             f"(searched the current directory and sys.path)")
+    elif opts.no_python:
+        if shutil.which(opts.script) is None:
+            raise ValueError(f"--no_python: program {opts.script!r} not found or not executable")
+    elif not os.path.isfile(opts.script):
+        where = os.path.abspath(opts.script)
+        raise ValueError(f"script not found: {opts.script!r} (looked for {where})")
+
+
+def _sys_path() -> list[str]:
+    import sys
+
+    return [p for p in sys.path if p]
+
+
+def _builtin_module_names() -> tuple[str, ...]:
+    import sys
+
+    return sys.builtin_module_names
+
+
+# ------------------------------------------------------------------ resolved settings
+
+def count_accelerators() -> tuple[int, str]:
+    """(number of visible accelerators, their kind), or (0, "cpu") when there are none."""
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        device = acc.current_accelerator()
+        return acc.device_count(), getattr(device, "type", "accelerator")
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), "cuda"
+    return 0, "cpu"
+
+
+def resolve_num_procs(requested: int | None, *, accelerators: int, kind: str) -> int:
+    if requested is None:
+        return max(1, accelerators)
+    if accelerators and requested > accelerators:
+        raise ValueError(f"--num_gpus {requested} asks for more processes than the "
+                         f"{accelerators} visible {kind} device(s)")
+    return requested
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(nprocs: int, *, cores: int) -> int:
+    """Intra-op threads per local rank so the ranks together do not oversubscribe the CPU."""
+    return max(1, cores // nprocs)
+
+
+def port_is_free(addr: str, port: int) -> bool:
+    """False if something on this machine already listens on (addr, port).
+
+    An address that is not local cannot be probed; it is reported free and the
+    rendezvous will report any problem.
+    """
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return True
+    family, socktype, proto, _, sockaddr = infos[0]
+    with socket.socket(family, socktype, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does
+        try:
+            s.bind(sockaddr)
+        except OSError as exc:
+            import errno
+
+            return exc.errno != errno.EADDRINUSE
+    return True
+
+
+def free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, 0))
+        except OSError:
+            s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def resolve_master_port(opts: LaunchOptions) -> tuple[int, str | None]:
+    """(port to use, a note to print if it is not the one the user would expect)."""
+    if opts.master_port is not None:
+        if not port_is_free(opts.master_addr, opts.master_port):
+            raise ValueError(f"--master_port {opts.master_port} is already in use on "
+                             f"{opts.master_addr}; pick another port or leave it unset")
+        return opts.master_port, None
+    if port_is_free(opts.master_addr, DEFAULT_MASTER_PORT):
+        return DEFAULT_MASTER_PORT, None
+    port = free_port(opts.master_addr)
+    return port, f"default port {DEFAULT_MASTER_PORT} is busy, using free port {port}"

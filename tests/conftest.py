@@ -1,0 +1,7 @@
+"""Shared pytest setup: make the helpers in tests/ (e.g. ``distributed``) importable."""
+import os
+import sys
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
