@@ -18,7 +18,7 @@ from model import GPT, CharDataset, GPTConfig, lm_loss  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description="shardwise GPT demo")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     parser.add_argument("--save_dir", default="checkpoints/gpt-demo")
     parser.add_argument("--seed", type=int, default=1234)
     parser = deepspeed.add_config_arguments(parser)

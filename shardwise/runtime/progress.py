@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import sys
 import time
+
+
+class _LineWriter:
+    """When output is a pipe (e.g. under the launcher), print each refresh as its own line."""
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            sys.stderr.write(text + "\n")
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 class ProgressBar:
@@ -13,7 +26,11 @@ class ProgressBar:
         if enabled:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
+            if sys.stderr.isatty():
+                self._bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
+            else:
+                self._bar = tqdm(total=total, desc=desc, unit="step", file=_LineWriter(), ncols=100,
+                                 mininterval=3.0, ascii=True)
         self._last = time.perf_counter()
 
     def update(self, *, step: int, loss: float | None, lr: float, samples: int) -> None:

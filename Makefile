@@ -1,0 +1,31 @@
+# Two entry points, both starting from a fresh machine:
+#   make demo   - create .venv, install shardwise, train the demo GPT on 2 CPU processes
+#   make test   - create .venv, install shardwise with test extras, run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; a plain `pip install torch` would pull a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test bench install clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/shardwise run --num_procs 2 examples/gpt/train.py \
+		--deepspeed --deepspeed_config examples/gpt/ds_config.json
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/ddp_vs_zero0.py
+
+clean:
+	rm -rf $(VENV) checkpoints *.egg-info
