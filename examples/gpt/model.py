@@ -88,7 +88,11 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def corpus() -> str:
-    import this  # noqa: F401  (prints the Zen once on first import)
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints the Zen on first import
+        import this
     import argparse, collections, json, logging, pathlib, random as rnd  # noqa: E401
 
     zen = codecs.decode(this.s, "rot13")
