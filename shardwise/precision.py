@@ -114,10 +114,10 @@ class DynamicLossScaler:
                         "inf/NaN, or a smaller 'fp16.min_loss_scale'."
                     )
                 new_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-                logger.info("fp16 overflow: skipping step, loss scale %g -> %g", self.cur_scale, new_scale)
+                logger.debug("fp16 overflow: skipping step, loss scale %g -> %g", self.cur_scale, new_scale)
                 self.cur_scale = new_scale
             else:
-                logger.info(
+                logger.debug(
                     "fp16 overflow: skipping step at loss scale %g, hysteresis %d -> %d",
                     self.cur_scale,
                     self.cur_hysteresis,
