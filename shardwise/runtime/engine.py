@@ -260,7 +260,9 @@ class Engine(torch.nn.Module):
 
     def _log_overflow(self, scale: float) -> None:
         spp = self.config.steps_per_print or 1
-        if self.global_rank == 0 and (self.skipped_steps == 1 or self.global_steps % spp == 0):
+        last = getattr(self, "_overflow_logged_at", None)
+        if self.global_rank == 0 and (last is None or self.global_steps - last >= spp):
+            self._overflow_logged_at = self.global_steps
             new = self.loss_scaler.loss_scale if self.loss_scaler is not None else scale
             logger.warning(
                 "step %d: gradient overflow, step skipped (loss scale %s -> %s, %d skipped so far)",
