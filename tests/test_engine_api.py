@@ -106,7 +106,7 @@ def _overlap_body(rank: int, world: int):
     launched_when_first_layer_ready = []
     # fc1.weight is the last gradient autograd produces; our hook runs after the engine's own.
     model.fc1.weight.register_post_accumulate_grad_hook(
-        lambda p: launched_when_first_layer_ready.append(strategy._launched)
+        lambda p: launched_when_first_layer_ready.append(strategy.reducer._launched)
     )
     x, y = make_data(1, 8)
     engine.backward(mse(engine(x[0, :4]), y[0, :4]))

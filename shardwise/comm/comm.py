@@ -20,6 +20,10 @@ Work = Any  # the handle an async collective returns (torch.distributed.Work)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -120,11 +124,11 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
 
 
 def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
-    return dist.all_gather_into_tensor(output, tensor, group=group, async_op=async_op)
+    return _all_gather_single(output, tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
-    return dist.reduce_scatter_tensor(output, tensor, op=op, group=group, async_op=async_op)
+    return _reduce_scatter_single(output, tensor, op=op, group=group, async_op=async_op)
 
 
 def barrier(group=None) -> None:

@@ -27,9 +27,16 @@ class Fragment:
 
 
 class FlatGroup:
-    """Layout of ``params`` in one flat buffer, padded to a multiple of ``world_size``."""
+    """Layout of ``params`` in one flat buffer, cut into buckets of whole parameters.
 
-    def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, world_size: int = 1) -> None:
+    Each bucket holds at most ``bucket_elements`` elements (a single larger
+    parameter gets a bucket of its own) and is padded to a multiple of
+    ``world_size``, so rank ``r`` owns the ``r``-th equal chunk of every bucket:
+    a bucket can be reduce-scattered and all-gathered in place.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, world_size: int = 1,
+                 bucket_elements: int | None = None) -> None:
         if not params:
             raise ValueError("a flat group needs at least one parameter")
         dtypes = {p.dtype for p in params}
@@ -40,14 +47,37 @@ class FlatGroup:
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.numels = [p.numel() for p in params]
-        self.offsets = []
-        offset = 0
-        for n in self.numels:
-            self.offsets.append(offset)
-            offset += n
-        self.numel = offset
         self.world_size = world_size
-        self.padded_numel = -(-offset // world_size) * world_size
+        limit = bucket_elements if bucket_elements and bucket_elements > 0 else sum(self.numels)
+        self.offsets: list[int] = []
+        self.buckets: list[tuple[int, int]] = []  # padded [start, end) of each bucket
+        self.bucket_members: list[list[int]] = []
+        offset = bucket_start = 0
+        members: list[int] = []
+        for i, n in enumerate(self.numels):
+            if members and offset + n - bucket_start > limit:
+                offset = self._close_bucket(bucket_start, offset, members)
+                bucket_start, members = offset, []
+            self.offsets.append(offset)
+            members.append(i)
+            offset += n
+        self.padded_numel = self._close_bucket(bucket_start, offset, members)
+        self.numel = sum(self.numels)
+        self.partition_numel = self.padded_numel // world_size
+
+    def _close_bucket(self, start: int, end: int, members: list[int]) -> int:
+        padded_end = start + -(-(end - start) // self.world_size) * self.world_size
+        self.buckets.append((start, padded_end))
+        self.bucket_members.append(members)
+        return padded_end
+
+    def rank_chunks(self, rank: int) -> list[tuple[int, int]]:
+        """The ``[start, end)`` buffer range rank ``rank`` owns in each bucket."""
+        out = []
+        for start, end in self.buckets:
+            size = (end - start) // self.world_size
+            out.append((start + rank * size, start + (rank + 1) * size))
+        return out
 
     # -- buffers -------------------------------------------------------------------------
     def new_buffer(self, dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
@@ -77,10 +107,6 @@ class FlatGroup:
         self.dtype = dtype
 
     # -- partitions ------------------------------------------------------------------------
-    def partition_range(self, rank: int) -> tuple[int, int]:
-        size = self.padded_numel // self.world_size
-        return rank * size, (rank + 1) * size
-
     def fragments(self, start: int, end: int) -> list[Fragment]:
         """Every piece of a parameter that lies in ``[start, end)`` of the buffer."""
         out = []
@@ -90,24 +116,15 @@ class FlatGroup:
                 out.append(Fragment(i, lo - off, hi - off, lo, hi))
         return out
 
-    def split_by_size(self, max_elements: int) -> list[tuple[int, int]]:
-        """Cut the buffer into ranges of whole parameters of at most ``max_elements``
-        (a single larger parameter gets a range of its own)."""
-        ranges, start = [], 0
-        for off, n in zip(self.offsets, self.numels):
-            if off + n - start > max_elements and off > start:
-                ranges.append((start, off))
-                start = off
-        ranges.append((start, self.padded_numel))
-        return ranges
 
-
-def group_by_dtype(named_params: list[tuple[str, torch.nn.Parameter]], *, world_size: int = 1) -> list[FlatGroup]:
+def group_by_dtype(named_params: list[tuple[str, torch.nn.Parameter]], *, world_size: int = 1,
+                   bucket_elements: int | None = None) -> list[FlatGroup]:
     """One FlatGroup per (dtype, device), keeping the given order inside each."""
     buckets: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
     for name, p in named_params:
         buckets.setdefault((p.dtype, p.device), []).append((name, p))
     return [
-        FlatGroup([p for _, p in items], [n for n, _ in items], world_size=world_size)
+        FlatGroup([p for _, p in items], [n for n, _ in items], world_size=world_size,
+                  bucket_elements=bucket_elements)
         for items in buckets.values()
     ]

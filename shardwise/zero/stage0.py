@@ -10,7 +10,8 @@ overlaps the rest of backward.  Buckets are always launched in index order
 identical on every rank even if autograd's order differs between them.
 
 With fp16/bf16 the model holds 16-bit weights and gradients; fp32 master
-weights (same flat layout) are what the optimizer steps.
+weights (same flat layout) are what the optimizer steps.  The hooks and the
+bucketing are ``zero/buckets.py``, shared with stages 1 and 2.
 """
 
 from __future__ import annotations
@@ -19,18 +20,9 @@ import torch
 
 from shardwise import comm
 from shardwise.precision import PrecisionPolicy
+from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.flat import FlatGroup, group_by_dtype
 from shardwise.zero.strategy import ReduceSettings, StepResult, ZeroStrategy
-
-
-class _Bucket:
-    def __init__(self, group_index: int, start: int, end: int, members: list[int]) -> None:
-        self.group_index = group_index
-        self.start, self.end = start, end
-        self.members = members  # parameter indices inside the group
-        self.pending = len(members)
-        self.work = None
-        self.comm_buffer = None  # a cast copy when communication_data_type differs
 
 
 class DataParallelStrategy(ZeroStrategy):
@@ -54,7 +46,8 @@ class DataParallelStrategy(ZeroStrategy):
         if not trainable:
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
         # Reverse order: the last layers' gradients are ready first.
-        self.groups: list[FlatGroup] = group_by_dtype(list(reversed(trainable)))
+        self.groups: list[FlatGroup] = group_by_dtype(list(reversed(trainable)),
+                                                      bucket_elements=reduce.bucket_elements)
         self.grad_buffers: list[torch.Tensor] = []
         self.grad_views: list[list[torch.Tensor]] = []
         self._hooks = []
@@ -68,10 +61,8 @@ class DataParallelStrategy(ZeroStrategy):
             self.grad_buffers.append(buf)
             self.grad_views.append(g.views(buf))
         self._attach_grads()
-        self._build_buckets()
-        self._register_hooks()
-        self._sync = False
-        self._launched = 0
+        self.reducer = BucketReducer(self.groups, reduce=reduce, dp_group=dp_group, scatter=False,
+                                     storage=self._bucket_storage, accept=self._accept_grad)
 
     # -- set-up ---------------------------------------------------------------------------
     def _build_masters(self) -> None:
@@ -94,36 +85,14 @@ class DataParallelStrategy(ZeroStrategy):
                 self._opt_tensors.append(mp)
         _swap_optimizer_params(self.optimizer, swap)
 
-    def _build_buckets(self) -> None:
-        self.buckets: list[_Bucket] = []
-        self._param_bucket: dict[int, _Bucket] = {}
-        for gi, g in enumerate(self.groups):
-            for start, end in g.split_by_size(self.reduce.bucket_elements):
-                members = [f.index for f in g.fragments(start, end)]
-                b = _Bucket(gi, start, end, members)
-                self.buckets.append(b)
-                for i in members:
-                    self._param_bucket[id(g.params[i])] = b
+    def _bucket_storage(self, b: Bucket) -> torch.Tensor:
+        return self.grad_buffers[b.group_index][b.start : b.end]
 
-    def _register_hooks(self) -> None:
-        for gi, g in enumerate(self.groups):
-            for i, p in enumerate(g.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(gi, i)))
-
-    def _make_hook(self, gi: int, i: int):
-        view = self.grad_views[gi][i]
-
-        def hook(p: torch.Tensor) -> None:
-            if p.grad is not view:  # someone set .grad (e.g. zero_grad(set_to_none=True)): take it back
-                view.copy_(p.grad)
-                p.grad = view
-            if self._sync:
-                bucket = self._param_bucket[id(p)]
-                bucket.pending -= 1
-                if bucket.pending == 0:
-                    self._launch_ready()
-
-        return hook
+    def _accept_grad(self, b: Bucket, i: int, p: torch.Tensor) -> None:
+        view = self.grad_views[b.group_index][i]
+        if p.grad is not view:  # someone set .grad (e.g. zero_grad(set_to_none=True)): take it back
+            view.copy_(p.grad)
+            p.grad = view
 
     def _attach_grads(self) -> None:
         for g, views in zip(self.groups, self.grad_views):
@@ -131,53 +100,16 @@ class DataParallelStrategy(ZeroStrategy):
                 p.grad = v
 
     # -- backward -------------------------------------------------------------------------
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.reducer.buckets
+
     def prepare_backward(self, *, sync: bool) -> None:
-        self._sync = sync and self.dp_world_size > 1
-        self._launched = 0
-        for b in self.buckets:
-            b.pending = len(b.members)
-            b.work = None
+        self.reducer.begin(active=sync and self.dp_world_size > 1)
         self._attach_grads()
 
-    def _launch_ready(self) -> None:
-        while self._launched < len(self.buckets) and self.buckets[self._launched].pending == 0:
-            self._launch(self.buckets[self._launched])
-            self._launched += 1
-
-    def _launch(self, b: _Bucket) -> None:
-        r = self.reduce
-        data = self.grad_buffers[b.group_index][b.start : b.end]
-        if r.comm_dtype is not None and r.comm_dtype != data.dtype:
-            b.comm_buffer = data.to(r.comm_dtype)
-            data = b.comm_buffer
-        if r.average:
-            data.mul_(1.0 / (self.dp_world_size if r.prescale else r.predivide_factor))
-        elif r.predivide_factor != 1.0:
-            data.mul_(1.0 / r.predivide_factor)
-        b.work = comm.all_reduce(data, group=self.dp_group, async_op=True)
-
     def finish_backward(self) -> None:
-        if not self._sync:
-            return
-        for b in self.buckets[self._launched :]:
-            self._launch(b)
-        self._launched = len(self.buckets)
-        r = self.reduce
-        post = 1.0
-        if r.average and not r.prescale:
-            post = r.predivide_factor / self.dp_world_size
-        elif not r.average:
-            post = r.predivide_factor
-        for b in self.buckets:
-            b.work.wait()
-            target = self.grad_buffers[b.group_index][b.start : b.end]
-            src = b.comm_buffer if b.comm_buffer is not None else target
-            if post != 1.0:
-                src.mul_(post)
-            if src is not target:
-                target.copy_(src)
-            b.comm_buffer = None
-        self._sync = False
+        self.reducer.finish()
 
     # -- step -----------------------------------------------------------------------------
     def _step_grads(self, loss_scale: float) -> list[torch.Tensor]:

@@ -1,0 +1,167 @@
+"""Bucketed gradient reduction launched from autograd hooks, shared by ZeRO stages 0-2.
+
+Every trainable parameter gets a post-accumulate-grad hook.  The hook hands
+the parameter's gradient to its bucket; when a bucket has every member it
+starts an asynchronous collective at once, so communication overlaps the rest
+of backward.  Buckets start strictly in index order (a complete bucket waits
+for its predecessors), which keeps the collective sequence identical on every
+rank even if autograd's order differs between them.
+
+Where a bucket's data lives is the stage's business (``storage``): stage 0/1
+reduce views of a persistent flat gradient buffer; stage 2 copies gradients
+into short-lived bucket buffers and frees ``param.grad``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+
+from shardwise import comm
+from shardwise.zero.flat import FlatGroup
+from shardwise.zero.strategy import ReduceSettings
+
+
+class Bucket:
+    def __init__(self, index: int, group_index: int, start: int, end: int, members: list[int]) -> None:
+        self.index = index
+        self.group_index = group_index
+        self.start, self.end = start, end
+        self.members = members  # parameter indices inside the group
+        self.pending = len(members)
+        self.data: torch.Tensor | None = None  # the bucket's gradients (set by the storage callback)
+        self.work = None
+        self.comm_buffer: torch.Tensor | None = None  # a cast copy when communication_data_type differs
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class BucketReducer:
+    """Reduce gradients bucket by bucket with ``all_reduce`` or in-place ``reduce_scatter``.
+
+    ``storage(bucket)`` returns the tensor holding the bucket's gradients (called
+    when the bucket's first gradient arrives); ``accept(group_index, param_index,
+    param)`` moves a ready gradient into it; ``done(bucket)`` runs once the
+    bucket's reduced result is final (after the post-scaling).
+    With ``scatter`` the result is only this rank's chunk of each bucket.
+    """
+
+    def __init__(self, groups: list[FlatGroup], *, reduce: ReduceSettings, dp_group, scatter: bool,
+                 storage: Callable[[Bucket], torch.Tensor],
+                 accept: Callable[[Bucket, int, torch.Tensor], None],
+                 done: Callable[[Bucket], None] = lambda b: None,
+                 max_in_flight: int | None = None) -> None:
+        self.groups = groups
+        self.reduce = reduce
+        self.dp_group = dp_group
+        self.world = comm.get_world_size(dp_group)
+        self.rank = comm.get_rank(dp_group)
+        self.scatter = scatter
+        self.storage, self.accept, self.done = storage, accept, done
+        self.max_in_flight = max_in_flight
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        for gi, g in enumerate(groups):
+            for (start, end), members in zip(g.buckets, g.bucket_members):
+                b = Bucket(len(self.buckets), gi, start, end, members)
+                self.buckets.append(b)
+                for i in members:
+                    self._bucket_of[id(g.params[i])] = b
+        self.active = False
+        self._launched = 0
+        self._in_flight: deque[Bucket] = deque()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(gi, i))
+            for gi, g in enumerate(groups)
+            for i, p in enumerate(g.params)
+        ]
+
+    # -- per backward ---------------------------------------------------------------------
+    def begin(self, *, active: bool) -> None:
+        """Arm (or disarm) reduction for the coming backward pass."""
+        self.active = active
+        self._launched = 0
+        for b in self.buckets:
+            b.pending = len(b.members)
+            b.work = None
+            b.data = None
+
+    def _make_hook(self, gi: int, i: int):
+        def hook(p: torch.Tensor) -> None:
+            bucket = self._bucket_of[id(p)]
+            if bucket.data is None:
+                bucket.data = self.storage(bucket)
+            self.accept(bucket, i, p)
+            if self.active:
+                bucket.pending -= 1
+                if bucket.pending == 0:
+                    self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        while self._launched < len(self.buckets) and self.buckets[self._launched].pending == 0:
+            self._launch(self.buckets[self._launched])
+            self._launched += 1
+
+    def own_slice(self, bucket: Bucket) -> slice:
+        """Where this rank's chunk of the bucket lies inside the bucket's data."""
+        size = bucket.numel // self.world
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+    def _launch(self, b: Bucket) -> None:
+        if b.data is None:  # no member produced a gradient in this backward (all unused)
+            b.data = self.storage(b)
+        r = self.reduce
+        data = b.data
+        if r.comm_dtype is not None and r.comm_dtype != data.dtype:
+            b.comm_buffer = data.to(r.comm_dtype)
+            data = b.comm_buffer
+        if r.average:
+            data.mul_(1.0 / (self.world if r.prescale else r.predivide_factor))
+        elif r.predivide_factor != 1.0:
+            data.mul_(1.0 / r.predivide_factor)
+        if self.scatter:
+            b.work = comm.reduce_scatter_tensor(data[self.own_slice(b)], data, group=self.dp_group, async_op=True)
+        else:
+            b.work = comm.all_reduce(data, group=self.dp_group, async_op=True)
+        self._in_flight.append(b)
+        if self.max_in_flight is not None:
+            while len(self._in_flight) > self.max_in_flight:
+                self._complete(self._in_flight.popleft())
+
+    def _post_scale(self) -> float:
+        r = self.reduce
+        if r.average and not r.prescale:
+            return r.predivide_factor / self.world
+        if not r.average:
+            return r.predivide_factor
+        return 1.0
+
+    def _complete(self, b: Bucket) -> None:
+        b.work.wait()
+        b.work = None
+        region = self.own_slice(b) if self.scatter else slice(None)
+        src = (b.comm_buffer if b.comm_buffer is not None else b.data)[region]
+        post = self._post_scale()
+        if post != 1.0:
+            src.mul_(post)
+        if b.comm_buffer is not None:
+            b.data[region].copy_(src)
+            b.comm_buffer = None
+        self.done(b)
+
+    def finish(self) -> None:
+        """Launch what autograd left (unused parameters) and wait for every bucket."""
+        if not self.active:
+            return
+        for b in self.buckets[self._launched:]:
+            self._launch(b)
+        self._launched = len(self.buckets)
+        while self._in_flight:
+            self._complete(self._in_flight.popleft())
+        self.active = False
