@@ -12,14 +12,14 @@ STEPS = 5
 GLOBAL_BATCH = 8
 
 
-def _train_shardwise(rank: int, world: int, cfg: dict, steps: int = STEPS):
+def _train_shardwise(rank: int, world: int, cfg: dict, steps: int = STEPS, global_batch: int = GLOBAL_BATCH):
     import shardwise
 
     model = make_model()
     engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    x, y = make_data(steps, GLOBAL_BATCH)
+    x, y = make_data(steps, global_batch)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    per_rank = GLOBAL_BATCH // world
+    per_rank = global_batch // world
     losses = []
     for s in range(steps):
         xs = x[s, rank * per_rank : (rank + 1) * per_rank]

@@ -35,13 +35,12 @@ def _switched_on(block: dict[str, Any]) -> bool:
 
 
 NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
-    "zero_optimization.stage": lambda c: c.zero_optimization.stage != 0,
+    "zero_optimization.stage": lambda c: c.zero_optimization.stage == 3,
     "zero_optimization.offload_param": lambda c: _offloads(c.zero_optimization.offload_param),
     "zero_optimization.offload_optimizer": lambda c: _offloads(c.zero_optimization.offload_optimizer),
     "optimizer.type": lambda c: c.optimizer is not None and c.optimizer.type.lower() in UNIMPLEMENTED_OPTIMIZERS,
     "amp.enabled": lambda c: c.amp.enabled,
     "torch_autocast.enabled": lambda c: c.torch_autocast.enabled,
-    "memory_breakdown": lambda c: c.memory_breakdown,
     "sparse_gradients": lambda c: c.sparse_gradients,
     "activation_checkpointing": lambda c: _changed(c.activation_checkpointing),
     "pipeline": lambda c: _changed(c.pipeline),

@@ -60,7 +60,7 @@ class Engine(torch.nn.Module):
 
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
         self.strategy = build_strategy(
-            config.zero_optimization.stage,
+            config.zero_optimization,
             named_params=list(self.module.named_parameters()),
             optimizer=self.optimizer,
             precision=self.precision,
@@ -206,8 +206,8 @@ class Engine(torch.nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward(loss) needs a scalar loss tensor, got {_describe(loss)}")
         self.timers.start("backward")
-        sync = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0
-        self.strategy.prepare_backward(sync=sync)
+        self.strategy.prepare_backward(boundary=self.is_gradient_accumulation_boundary(),
+                                       no_sync=self._no_sync_depth > 0)
         scaled = loss.float()
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()

@@ -104,8 +104,8 @@ class DataParallelStrategy(ZeroStrategy):
     def buckets(self) -> list[Bucket]:
         return self.reducer.buckets
 
-    def prepare_backward(self, *, sync: bool) -> None:
-        self.reducer.begin(active=sync and self.dp_world_size > 1)
+    def prepare_backward(self, *, boundary: bool, no_sync: bool = False) -> None:
+        self.reducer.begin(active=boundary and not no_sync and self.dp_world_size > 1)
         self._attach_grads()
 
     def finish_backward(self) -> None:

@@ -1,7 +1,7 @@
 """The small interface every ZeRO stage implements, and the factory.
 
 The engine calls only these methods, in this order, per micro-step:
-``prepare_backward(sync=...)`` -> autograd runs (hooks reduce gradients as
+``prepare_backward(boundary=..., no_sync=...)`` -> autograd runs (hooks reduce gradients as
 they become ready) -> ``finish_backward()``; and at an accumulation
 boundary ``step(...)`` then ``zero_grad()``.  Stages 1-3 and offload are
 further implementations of this class; the engine does not branch on stage.
@@ -36,8 +36,8 @@ class ZeroStrategy(abc.ABC):
     stage: int
 
     @abc.abstractmethod
-    def prepare_backward(self, *, sync: bool) -> None:
-        """Called before each backward; ``sync`` says whether gradients must be reduced in it."""
+    def prepare_backward(self, *, boundary: bool, no_sync: bool = False) -> None:
+        """Called before each backward: is it the accumulation boundary, is it inside ``engine.no_sync()``."""
 
     @abc.abstractmethod
     def finish_backward(self) -> None:
@@ -63,9 +63,20 @@ class ZeroStrategy(abc.ABC):
         raise NotImplementedError
 
 
-def build_strategy(stage: int, **kwargs) -> ZeroStrategy:
+def build_strategy(zero_config, **kwargs) -> ZeroStrategy:
+    """The strategy for ``zero_config.stage`` (a ``zero_optimization`` config block)."""
+    stage = int(zero_config.stage)
     if stage == 0:
         from shardwise.zero.stage0 import DataParallelStrategy
 
         return DataParallelStrategy(**kwargs)
+    if stage in (1, 2):
+        from shardwise.zero.stage12 import PartitionedStrategy
+
+        return PartitionedStrategy(
+            stage=stage,
+            allgather_bucket_elements=int(zero_config.allgather_bucket_size),
+            use_reduce_scatter=bool(zero_config.reduce_scatter),
+            **kwargs,
+        )
     raise ValueError(f"not implemented yet: zero_optimization.stage={stage}")
