@@ -44,11 +44,16 @@ def _snapshot(engine):
     }
 
 
-def _round_trip_body(rank, world, save_dir):
+def _round_trip_body(rank, world, save_root):
+    return {stage: _round_trip(rank, os.path.join(save_root, f"stage{stage}"), stage) for stage in (0, 1, 2)}
+
+
+def _round_trip(rank, save_dir, stage):
     import shardwise
 
+    cfg = {**CFG, "zero_optimization": {"stage": stage, "reduce_bucket_size": 40}}
     x, y = make_data(6, 8)
-    engine, *_ = shardwise.initialize(model=make_model(), config=CFG)
+    engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
     _train(engine, rank, x, y, 3, 0)
     client = {"epoch": 7, "note": "hello", "best": torch.tensor([1.5, 2.5]), "pair": (1, 2)}
     engine.save_checkpoint(save_dir, client_state=client)
@@ -56,7 +61,7 @@ def _round_trip_body(rank, world, save_dir):
     continued = _train(engine, rank, x, y, 3, 3)
     final = _snapshot(engine)
 
-    fresh, *_ = shardwise.initialize(model=make_model(seed=99), config=CFG)
+    fresh, *_ = shardwise.initialize(model=make_model(seed=99), config=cfg)
     path, client_back = fresh.load_checkpoint(save_dir)
     loaded = _snapshot(fresh)
     resumed = _train(fresh, rank, x, y, 3, 3)
@@ -77,9 +82,13 @@ def _assert_snapshots_equal(a, b):
         assert a[key] == b[key], key
 
 
-def test_save_load_round_trip_restores_everything_and_resumes_bitwise(tmp_path):
-    save_dir = str(tmp_path / "ckpt")
-    results = run_distributed(_round_trip_body, 2, args=(save_dir,), timeout=180)
+def test_save_load_round_trip_restores_everything_and_resumes_bitwise_stages_0_1_2(tmp_path):
+    results = run_distributed(_round_trip_body, 2, args=(str(tmp_path),), timeout=240)
+    for stage in (0, 1, 2):
+        _check_round_trip([r[stage] for r in results], str(tmp_path / f"stage{stage}"), stage)
+
+
+def _check_round_trip(results, save_dir, stage):
     for r in results:
         assert r["path"] == os.path.join(save_dir, "global_step3")
         _assert_snapshots_equal(r["saved"], r["loaded"])
@@ -97,6 +106,10 @@ def test_save_load_round_trip_restores_everything_and_resumes_bitwise(tmp_path):
     assert set(manifest["files"]) == set(files) - {"manifest.json"}
     assert not [f for f in files if f.endswith((".pt", ".pkl", ".bin"))]
     assert manifest["engine"]["global_steps"] == 3 and manifest["topology"]["dp_world_size"] == 2
+    assert manifest["topology"]["zero_stage"] == stage
+    # Partitioned stages: each rank wrote its own share of the optimizer state.
+    writers = {f for f in files if f.startswith("optim_rank")}
+    assert writers == ({"optim_rank0.safetensors"} if stage == 0 else {"optim_rank0.safetensors", "optim_rank1.safetensors"})
 
 
 def _corrupt_body(rank, world, save_dir):

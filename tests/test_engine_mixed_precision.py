@@ -10,9 +10,14 @@ from models import base_config, make_data, make_model, mse
 
 
 def _fp16_overflow_body(rank: int, world: int):
+    return {stage: _fp16_overflow(rank, stage) for stage in (0, 1, 2)}
+
+
+def _fp16_overflow(rank: int, stage: int):
     import shardwise
 
-    cfg = base_config(fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1000})
+    cfg = base_config(fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1000},
+                      zero_optimization={"stage": stage, "reduce_bucket_size": 40})
     model = make_model()
     engine, _, _, _ = shardwise.initialize(model=model, config=cfg)
     x, y = make_data(8, 8)
@@ -37,9 +42,9 @@ def _fp16_overflow_body(rank: int, world: int):
             "dtypes": dtypes, "masters": masters}
 
 
-def test_fp16_injected_overflow_skips_step_lowers_scale_and_continues():
-    r0, r1 = run_distributed(_fp16_overflow_body, 2, timeout=180)
-    for r in (r0, r1):
+def test_fp16_injected_overflow_skips_step_lowers_scale_and_continues_stages_0_1_2():
+    results = run_distributed(_fp16_overflow_body, 2, timeout=240)
+    for r in (res[stage] for res in results for stage in (0, 1, 2)):
         log = r["log"]
         assert r["dtypes"] == {"torch.float16"} and r["masters"] == {"torch.float32"}
         # Step 3 overflowed on rank 1 only, yet every rank skipped it together.
@@ -53,9 +58,14 @@ def test_fp16_injected_overflow_skips_step_lowers_scale_and_continues():
 
 
 def _bf16_body(rank: int, world: int):
+    return [_bf16(rank, world, stage) for stage in (0, 1, 2)]
+
+
+def _bf16(rank: int, world: int, stage: int):
     import shardwise
 
-    cfg = base_config(bf16={"enabled": True}, communication_data_type="fp32")
+    cfg = base_config(bf16={"enabled": True}, communication_data_type="fp32",
+                      zero_optimization={"stage": stage, "reduce_bucket_size": 40})
     model = make_model()
     engine, _, _, _ = shardwise.initialize(model=model, config=cfg)
     x, y = make_data(1, 8)
@@ -70,11 +80,12 @@ def _bf16_body(rank: int, world: int):
     return losses, {str(p.dtype) for p in engine.module.parameters()}, engine.skipped_steps
 
 
-def test_bf16_trains():
-    (losses, dtypes, skipped), _ = run_distributed(_bf16_body, 2, timeout=180)
-    assert dtypes == {"torch.bfloat16"}
-    assert skipped == 0
-    assert losses[-1] < 0.7 * losses[0], losses
+def test_bf16_trains_stages_0_1_2():
+    per_stage, _ = run_distributed(_bf16_body, 2, timeout=240)
+    for losses, dtypes, skipped in per_stage:
+        assert dtypes == {"torch.bfloat16"}
+        assert skipped == 0
+        assert losses[-1] < 0.7 * losses[0], losses
 
 
 def _fp16_auto_cast_body(rank: int, world: int):

@@ -6,8 +6,8 @@ Layout of one checkpoint (``<save_dir>/<tag>/``)::
                            engine counters, optimizer hyper-parameters, scheduler, loss scaler,
                            client_state, config, topology, library version
     model.safetensors      the module's state_dict (16-bit weights when training in fp16/bf16)
-    master.safetensors     fp32 master weights by parameter name (16-bit training only)
-    optim.safetensors      optimizer state tensors, keyed "<param name>/<state key>"
+    master_rank<r>.safetensors  fp32 master weights (16-bit training) this rank owns, as fragments
+    optim_rank<r>.safetensors   optimizer state this rank owns, keyed "<name>@<start>:<end>/<state>"
     extra.safetensors      tensors inside scheduler / client_state
     rank<r>.safetensors    per-rank RNG state (torch, numpy) and rank<r>.json (python RNG)
 
@@ -36,6 +36,7 @@ from shardwise.checkpoint.files import (
     write_json,
     write_tensors,
 )
+from shardwise.checkpoint.fragments import FragmentReader, index_fragments, load_fragments, write_rank_fragments
 from shardwise.checkpoint.serialize import join_state, split_state
 
 logger = logging.getLogger("shardwise")
@@ -52,21 +53,11 @@ def _describe(tensors: dict[str, torch.Tensor], file: str) -> dict:
     }
 
 
-def _optimizer_state(engine) -> tuple[dict, dict[str, torch.Tensor]]:
-    opt = engine.optimizer
-    names = engine.strategy.optimizer_param_names()
-    groups, tensors, scalars = [], {}, {}
-    for gi, group in enumerate(opt.param_groups):
-        pnames = [names.get(id(p), f"__unnamed_{gi}_{i}") for i, p in enumerate(group["params"])]
-        hyper, _ = split_state({k: v for k, v in group.items() if k != "params"}, f"group{gi}")
-        groups.append({"hyper": hyper, "params": pnames})
-        for p, name in zip(group["params"], pnames):
-            for key, value in opt.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"{name}/{key}"] = value
-                else:
-                    scalars.setdefault(name, {})[key] = split_state(value, f"{name}/{key}")[0]
-    return {"param_groups": groups, "scalars": scalars}, tensors
+def _optimizer_groups(engine) -> list[dict]:
+    """Hyper-parameters of each param group (lr, betas, ...); which tensors belong to a group is
+    decided by the strategy that loads, so only the settings are kept."""
+    return [split_state({k: v for k, v in g.items() if k != "params"}, f"group{i}")[0]
+            for i, g in enumerate(engine.optimizer.param_groups)]
 
 
 def _rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
@@ -102,16 +93,18 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_lates
         tmp.mkdir()
     comm.barrier()
 
-    files: dict[str, str] = {}
     rng_meta, rng_tensors = _rng_state()
+    files, descs = write_rank_fragments(engine, tmp, rank)
     files[f"rank{rank}.safetensors"] = write_tensors(tmp / f"rank{rank}.safetensors", rng_tensors)
     files[f"rank{rank}.json"] = write_json(tmp / f"rank{rank}.json", {"rng": rng_meta})
-    all_files = {}
-    for part in _all_gather_object(files):
-        all_files.update(part)
+    all_files, all_descs = {}, []
+    for part_files, part_descs in _all_gather_object((files, descs)):
+        all_files.update(part_files)
+        all_descs.extend(part_descs)
 
     if rank == 0:
         manifest = _write_shared(engine, tmp, all_files, client_state or {}, exclude_frozen_parameters)
+        manifest["tensors"].update(index_fragments(all_descs))
         manifest["tag"] = tag
         write_json(tmp / "manifest.json", manifest)
         publish_dir(tmp, save_dir / tag)
@@ -128,15 +121,7 @@ def _write_shared(engine, tmp: Path, files: dict, client_state: dict, exclude_fr
         module_sd = {k: v for k, v in module_sd.items() if k not in frozen}
     tensors = {"model": _describe(module_sd, "model.safetensors")}
     files["model.safetensors"] = write_tensors(tmp / "model.safetensors", module_sd)
-    if engine.precision.master_weights:
-        master = engine.strategy.master_named_params()
-        files["master.safetensors"] = write_tensors(tmp / "master.safetensors", master)
-        tensors["master"] = _describe(master, "master.safetensors")
-    optim_meta = None
-    if engine.optimizer is not None:
-        optim_meta, optim_tensors = _optimizer_state(engine)
-        files["optim.safetensors"] = write_tensors(tmp / "optim.safetensors", optim_tensors)
-        tensors["optim"] = _describe(optim_tensors, "optim.safetensors")
+    optim_meta = {"param_groups": _optimizer_groups(engine)} if engine.optimizer is not None else None
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     sched_json, sched_tensors = split_state(sched, "scheduler")
     client_json, client_tensors = split_state(client_state, "client")
@@ -217,18 +202,17 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict=True, load
     def read(name: str) -> dict[str, torch.Tensor]:
         return read_tensors(ckpt / name, files.get(name))
 
-    _load_module(engine, read("model.safetensors"), strict=load_module_strict, where=ckpt / "model.safetensors")
-    masters = engine.strategy.master_named_params()
-    source = read("master.safetensors") if "master.safetensors" in files else engine.module.state_dict()
-    with torch.no_grad():
-        for name, t in masters.items():
-            if name in source:
-                t.copy_(source[name])
+    model_state = read("model.safetensors")
+    _load_module(engine, model_state, strict=load_module_strict, where=ckpt / "model.safetensors")
+    load_opt = load_optimizer_states and not load_module_only and bool(manifest.get("optimizer"))
+    if load_opt:
+        engine.optimizer.state.clear()
+    load_fragments(engine, FragmentReader(ckpt, files), manifest, model_state, load_optimizer=load_opt)
 
     client_state = {}
     if not load_module_only:
-        if load_optimizer_states and engine.optimizer is not None and manifest.get("optimizer"):
-            _load_optimizer(engine, manifest["optimizer"], read("optim.safetensors"))
+        if load_opt:
+            _load_group_settings(engine, manifest["optimizer"]["param_groups"])
         extra = read("extra.safetensors")
         if load_lr_scheduler_states and engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(join_state(manifest["lr_scheduler"], extra))
@@ -267,28 +251,9 @@ def _load_module(engine, state: dict[str, torch.Tensor], *, strict: bool, where:
     engine.module.load_state_dict(state, strict=False)
 
 
-def _load_optimizer(engine, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-    opt = engine.optimizer
-    names = engine.strategy.optimizer_param_names()
-    saved_groups = meta["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"checkpoint optimizer has {len(saved_groups)} param groups, the current one "
-                         f"{len(opt.param_groups)}")
-    by_name: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        pname, skey = key.split("/", 1)
-        by_name.setdefault(pname, {})[skey] = value
-    state, groups, index = {}, [], 0
-    for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
-        ids = []
-        for i, p in enumerate(group["params"]):
-            name = names.get(id(p), f"__unnamed_{gi}_{i}")
-            entry = dict(by_name.get(name, {}))
-            for key, value in meta["scalars"].get(name, {}).items():
-                entry[key] = join_state(value, {})
-            if entry:
-                state[index] = entry
-            ids.append(index)
-            index += 1
-        groups.append({**join_state(saved["hyper"], {}), "params": ids})
-    opt.load_state_dict({"state": state, "param_groups": groups})
+def _load_group_settings(engine, saved: list[dict]) -> None:
+    groups = engine.optimizer.param_groups
+    if len(saved) != len(groups):
+        raise ValueError(f"checkpoint optimizer has {len(saved)} param groups, the current one {len(groups)}")
+    for group, hyper in zip(groups, saved):
+        group.update(join_state(hyper, {}))

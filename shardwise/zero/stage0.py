@@ -150,17 +150,13 @@ class DataParallelStrategy(ZeroStrategy):
         self._attach_grads()
 
     # -- introspection --------------------------------------------------------------------
-    def master_named_params(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for gi, g in enumerate(self.groups):
-            tensors = g.views(self.master_buffers[gi]) if self.master_buffers is not None else g.params
-            for name, t in zip(g.names, tensors):
-                out[name] = t.detach()
-        return out
+    replicated = True  # every rank holds the whole optimizer state: rank 0 alone saves it
 
-    def optimizer_param_names(self) -> dict[int, str]:
+    def local_fragments(self):
+        """(name, start, end, optimizer tensor) for every parameter: stage 0 holds them all."""
         names = [n for g in self.groups for n in g.names]
-        return {id(t): n for t, n in zip(self._opt_tensors, names)}
+        for name, t in zip(names, self._opt_tensors):
+            yield name, 0, t.numel(), t
 
     def full_grad(self, name: str) -> torch.Tensor | None:
         for gi, g in enumerate(self.groups):

@@ -262,22 +262,13 @@ class PartitionedStrategy(ZeroStrategy):
                     p.grad = None
 
     # -- introspection --------------------------------------------------------------------
-    def master_named_params(self) -> dict[str, torch.Tensor]:
-        """This rank's fp32 fragments; keys are ``name`` when whole, else ``name@start:end``."""
-        return {_frag_key(f): f.tensor.detach() for frags in self.fragments for f in frags}
-
-    def optimizer_param_names(self) -> dict[int, str]:
-        return {id(f.tensor): _frag_key(f) for frags in self.fragments for f in frags}
+    replicated = False
 
     def local_fragments(self):
-        """(name, param_start, param_end, fp32 weight view, optimizer tensor) for every owned fragment."""
+        """(name, param_start, param_end, optimizer tensor = fp32 weights) for every owned fragment."""
         for frags in self.fragments:
             for f in frags:
                 yield f.name, f.param_start, f.param_end, f.tensor
-
-
-def _frag_key(f: _Fragment) -> str:
-    return f"{f.name}@{f.param_start}:{f.param_end}"
 
 
 def _local_offsets(chunks: list[tuple[int, int]]) -> list[int]:

@@ -50,13 +50,17 @@ class ZeroStrategy(abc.ABC):
     @abc.abstractmethod
     def zero_grad(self) -> None: ...
 
-    @abc.abstractmethod
     def master_named_params(self) -> dict[str, torch.Tensor]:
-        """The fp32 weights the optimizer updates, by module parameter name (this rank's view)."""
+        """This rank's fp32 weights by ``name`` (stage 0) or ``name@start:end`` (partitioned stages)."""
+        return {name if self.replicated else f"{name}@{start}:{end}": t.detach()
+                for name, start, end, t in self.local_fragments()}
+
+    replicated: bool  # True when every rank holds the whole optimizer state (stage 0)
 
     @abc.abstractmethod
-    def optimizer_param_names(self) -> dict[int, str]:
-        """``id(tensor the optimizer steps)`` -> module parameter name, for checkpoints."""
+    def local_fragments(self):
+        """Yield ``(param name, start, end, tensor)``: the optimizer tensors this rank steps, each
+        holding elements ``[start, end)`` of the flattened fp32 parameter."""
 
     def full_grad(self, name: str) -> torch.Tensor | None:
         """The reduced gradient of one parameter (None if it has none)."""

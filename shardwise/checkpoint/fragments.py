@@ -1,0 +1,132 @@
+"""Master weights and optimizer state as (parameter name, flat range) fragments.
+
+Each rank saves the fragments it owns (stage 0: rank 0 saves everything) to
+``master_rank<r>.safetensors`` / ``optim_rank<r>.safetensors`` as 1-D tensors
+keyed ``<name>@<start>:<end>[/<state>]``.  The manifest lists, per parameter
+(and per optimizer state), every fragment with its file and range.  On load a
+rank asks for exactly the ranges it owns *now* and they are cut out of
+whatever fragments overlap them, so the world size and ZeRO stage may differ
+between save and load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shardwise.checkpoint.files import sha256, write_tensors
+
+
+def write_rank_fragments(engine, tmp: Path, rank: int) -> tuple[dict[str, str], list[dict]]:
+    """Write this rank's fragments; return ``(file -> sha256, fragment descriptors)``."""
+    strategy = engine.strategy
+    if strategy.replicated and rank != 0:
+        return {}, []
+    shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
+    opt = engine.optimizer
+    master, optim, descs = {}, {}, []
+    mfile, ofile = f"master_rank{rank}.safetensors", f"optim_rank{rank}.safetensors"
+    for name, start, end, t in strategy.local_fragments():
+        key = f"{name}@{start}:{end}"
+        base = {"name": name, "shape": shapes[name], "start": start, "end": end}
+        if engine.precision.master_weights:
+            master[key] = t.detach().reshape(-1)
+            descs.append({**base, "kind": "master", "file": mfile, "key": key, "dtype": "float32"})
+        for state_key, value in (opt.state.get(t, {}) if opt is not None else {}).items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state '{state_key}' of {name} is a {type(value).__name__}, not a tensor")
+            skey = f"{key}/{state_key}"
+            scalar = value.numel() != t.numel()
+            optim[skey] = value.detach() if scalar else value.detach().reshape(-1)
+            descs.append({**base, "kind": "optim", "state": state_key, "scalar": scalar, "file": ofile,
+                          "key": skey, "dtype": str(value.dtype).removeprefix("torch.")})
+    files = {}
+    if master:
+        files[mfile] = write_tensors(tmp / mfile, master)
+    if optim:
+        files[ofile] = write_tensors(tmp / ofile, optim)
+    return files, descs
+
+
+def index_fragments(descs: list[dict]) -> dict:
+    """Manifest section: ``{"master": {name: entry}, "optim": {"name/state": entry}}``."""
+    out: dict[str, dict] = {"master": {}, "optim": {}}
+    for d in descs:
+        name = d["name"] if d["kind"] == "master" else f"{d['name']}/{d['state']}"
+        entry = out[d["kind"]].setdefault(name, {"shape": d["shape"], "dtype": d["dtype"], "fragments": []})
+        if d.get("scalar"):
+            entry["scalar"] = True
+        entry["fragments"].append({"file": d["file"], "key": d["key"], "start": d["start"], "end": d["end"]})
+    return out
+
+
+class FragmentReader:
+    """Reads flat ranges of named tensors out of a checkpoint folder, verifying each file once."""
+
+    def __init__(self, folder: Path, files: dict[str, str]) -> None:
+        self.folder = folder
+        self.files = files
+        self._verified: set[str] = set()
+
+    def open(self, file: str):
+        path = self.folder / file
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint file missing: {path}")
+        if file not in self._verified and file in self.files:
+            actual = sha256(path)
+            if actual != self.files[file]:
+                raise ValueError(f"checkpoint file {path} is corrupted: sha256 {actual} does not match "
+                                 f"the manifest's {self.files[file]}")
+            self._verified.add(file)
+        return safe_open(str(path), framework="pt")
+
+    def read_range(self, entry: dict, start: int, end: int, *, what: str) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened tensor described by a manifest ``entry``."""
+        if entry.get("scalar"):
+            f = entry["fragments"][0]
+            with self.open(f["file"]) as fh:
+                return fh.get_tensor(f["key"])
+        out = None
+        covered = 0
+        for f in entry["fragments"]:
+            lo, hi = max(start, f["start"]), min(end, f["end"])
+            if lo >= hi:
+                continue
+            with self.open(f["file"]) as fh:
+                piece = fh.get_slice(f["key"])[lo - f["start"] : hi - f["start"]]
+            if out is None:
+                out = torch.empty(end - start, dtype=piece.dtype)
+            out[lo - start : hi - start] = piece
+            covered += hi - lo
+        if covered != end - start:
+            raise ValueError(f"checkpoint has only {covered} of the {end - start} elements [{start}, {end}) of {what}")
+        return out
+
+
+def load_fragments(engine, reader: FragmentReader, manifest: dict, model_state: dict, *, load_optimizer: bool) -> None:
+    """Fill this rank's fp32 weights and optimizer state from the checkpoint."""
+    saved = manifest["tensors"]
+    masters, optim = saved.get("master", {}), saved.get("optim", {})
+    states_of: dict[str, list[str]] = {}
+    for key in optim:
+        name, state = key.rsplit("/", 1)
+        states_of.setdefault(name, []).append(state)
+    opt = engine.optimizer
+    with torch.no_grad():
+        for name, start, end, t in engine.strategy.local_fragments():
+            if name in masters:
+                value = reader.read_range(masters[name], start, end, what=f"master weights of {name}")
+            else:
+                value = model_state[name].reshape(-1)[start:end]
+            t.view(-1).copy_(value)
+            if not load_optimizer or opt is None:
+                continue
+            state = {}
+            for state_key in states_of.get(name, []):
+                entry = optim[f"{name}/{state_key}"]
+                v = reader.read_range(entry, start, end, what=f"optimizer state '{state_key}' of {name}")
+                state[state_key] = v if entry.get("scalar") else v.view(t.shape)
+            if state:
+                opt.state[t] = {k: v.to(t.device) if k != "step" else v for k, v in state.items()}
