@@ -71,18 +71,18 @@ class DataParallelStrategy(ZeroStrategy):
         if not self.precision.master_weights:
             self._opt_tensors = [p for g in self.groups for p in g.params]
             return
-        self.master_buffers, self.master_grad_buffers, self._opt_tensors = [], [], []
+        self.master_buffers, self.master_params, self._opt_tensors = [], [], []
         swap = {}
         for g in self.groups:
             master = g.param_buffer.to(torch.float32, copy=True)
-            mgrad = torch.zeros_like(master)
             self.master_buffers.append(master)
-            self.master_grad_buffers.append(mgrad)
-            for p, mview, gview in zip(g.params, g.views(master), g.views(mgrad)):
+            group_masters = []
+            for p, mview in zip(g.params, g.views(master)):
                 mp = torch.nn.Parameter(mview, requires_grad=True)
-                mp.grad = gview
                 swap[id(p)] = mp
+                group_masters.append(mp)
                 self._opt_tensors.append(mp)
+            self.master_params.append(group_masters)
         _swap_optimizer_params(self.optimizer, swap)
 
     def _bucket_storage(self, b: Bucket) -> torch.Tensor:
@@ -119,11 +119,21 @@ class DataParallelStrategy(ZeroStrategy):
                 for g in grads:
                     g.mul_(1.0 / loss_scale)
             return grads
-        for mg, g in zip(self.master_grad_buffers, self.grad_buffers):
-            mg.copy_(g)
+        # fp32 gradients exist only during the step (16-bit training keeps no persistent fp32 grads).
+        out = []
+        for group, masters, g in zip(self.groups, self.master_params, self.grad_buffers):
+            mg = g.to(torch.float32)
             if loss_scale != 1.0:
                 mg.mul_(1.0 / loss_scale)
-        return self.master_grad_buffers
+            for mp, view in zip(masters, group.views(mg)):
+                mp.grad = view
+            out.append(mg)
+        return out
+
+    def _drop_master_grads(self) -> None:
+        for masters in getattr(self, "master_params", []):
+            for mp in masters:
+                mp.grad = None
 
     def step(self, *, loss_scale: float, clip: float) -> StepResult:
         grads = self._step_grads(loss_scale)
@@ -131,6 +141,7 @@ class DataParallelStrategy(ZeroStrategy):
         total = norms.norm(2)
         overflow = self.precision.check_overflow and not bool(torch.isfinite(total))
         if overflow:
+            self._drop_master_grads()
             return StepResult(grad_norm=float("inf"), overflow=True)
         norm = float(total)
         if clip > 0:
@@ -139,6 +150,7 @@ class DataParallelStrategy(ZeroStrategy):
                 for g in grads:
                     g.mul_(coef)
         self.optimizer.step()
+        self._drop_master_grads()
         if self.master_buffers is not None:
             for g, master in zip(self.groups, self.master_buffers):
                 g.param_buffer.copy_(master)
@@ -158,13 +170,11 @@ class DataParallelStrategy(ZeroStrategy):
         for name, t in zip(names, self._opt_tensors):
             yield name, 0, t.numel(), t
 
-    def full_grad(self, name: str) -> torch.Tensor | None:
+    def local_grad(self, name: str, start: int, end: int) -> torch.Tensor:
         for gi, g in enumerate(self.groups):
             if name in g.names:
-                i = g.names.index(name)
-                bufs = self.master_grad_buffers if self.master_buffers is not None else self.grad_buffers
-                return g.views(bufs[gi])[i]
-        return None
+                return self.grad_views[gi][g.names.index(name)].reshape(-1)[start:end]
+        raise KeyError(name)
 
 
 def _swap_optimizer_params(optimizer: torch.optim.Optimizer, swap: dict[int, torch.Tensor]) -> None:

@@ -264,6 +264,15 @@ class PartitionedStrategy(ZeroStrategy):
     # -- introspection --------------------------------------------------------------------
     replicated = False
 
+    def local_grad(self, name: str, start: int, end: int) -> torch.Tensor:
+        for gi, frags in enumerate(self.fragments):
+            for f in frags:
+                if f.name == name and f.param_start == start:
+                    if self.stage == 1:
+                        return self.grad_buffers[gi][f.buffer_start : f.buffer_start + f.numel]
+                    return self.partition_grads[gi][f.local : f.local + f.numel]
+        raise KeyError(f"{name}[{start}:{end}] is not owned by this rank")
+
     def local_fragments(self):
         """(name, param_start, param_end, optimizer tensor = fp32 weights) for every owned fragment."""
         for frags in self.fragments:

@@ -62,9 +62,38 @@ class ZeroStrategy(abc.ABC):
         """Yield ``(param name, start, end, tensor)``: the optimizer tensors this rank steps, each
         holding elements ``[start, end)`` of the flattened fp32 parameter."""
 
-    def full_grad(self, name: str) -> torch.Tensor | None:
-        """The reduced gradient of one parameter (None if it has none)."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def local_grad(self, name: str, start: int, end: int) -> torch.Tensor:
+        """This rank's reduced gradient for elements ``[start, end)`` of parameter ``name``."""
+
+    def gather_full(self, name: str, shape: torch.Size, what: str) -> torch.Tensor:
+        """The whole fp32 ``param`` / ``grad`` / optimizer state ``what`` of one parameter, assembled
+        from every rank's fragments. Collective for partitioned stages: call it on every rank."""
+        out = None
+        numel = 1
+        for d in shape:
+            numel *= d
+        for fname, start, end, t in self.local_fragments():
+            if out is None:
+                out = torch.zeros(numel, dtype=torch.float32, device=t.device)
+            if fname != name:
+                continue
+            if what == "param":
+                src = t
+            elif what == "grad":
+                src = self.local_grad(name, start, end)
+            else:
+                src = self.optimizer.state.get(t, {}).get(what) if self.optimizer is not None else None
+                if src is None:
+                    raise KeyError(f"no optimizer state '{what}' for {name} (has the optimizer stepped yet?)")
+            out[start:end] = src.detach().reshape(-1).float()
+        if out is None:
+            out = torch.zeros(numel, dtype=torch.float32)
+        if not self.replicated:
+            from shardwise import comm
+
+            comm.all_reduce(out, group=self.dp_group)
+        return out.view(shape)
 
 
 def build_strategy(zero_config, **kwargs) -> ZeroStrategy:

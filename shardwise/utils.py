@@ -1,0 +1,41 @@
+"""Stage-independent access to whole parameters, gradients and optimizer states.
+
+Under ZeRO a rank holds only its share of the fp32 weights, gradients and
+optimizer state; these functions assemble the whole tensor of one model
+parameter from every rank (DeepSpeed's ``deepspeed.utils.safe_get_full_*``).
+With a partitioned stage they are collective: call them on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"]
+
+
+def _owner(param: torch.nn.Parameter):
+    ref = getattr(param, "_shardwise_owner", None)
+    engine = ref[0]() if ref is not None else None
+    if engine is None:
+        raise ValueError("this parameter does not belong to a model wrapped by shardwise.initialize()")
+    return engine, ref[1]
+
+
+def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+    """The fp32 (master) weights of ``param``, whole."""
+    engine, name = _owner(param)
+    return engine.strategy.gather_full(name, param.shape, "param")
+
+
+def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """The reduced gradient of ``param`` (after ``engine.backward`` at an accumulation boundary,
+    before ``engine.step``), unscaled, in fp32."""
+    engine, name = _owner(param)
+    grad = engine.strategy.gather_full(name, param.shape, "grad")
+    return grad / engine.cur_scale if engine.cur_scale != 1.0 else grad
+
+
+def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
+    """One per-element optimizer state of ``param`` (e.g. ``"exp_avg"``), whole, in fp32."""
+    engine, name = _owner(param)
+    return engine.strategy.gather_full(name, param.shape, optim_state_key)

@@ -1,0 +1,92 @@
+"""Model-state memory per rank: what is allocated, and what ZeRO's arithmetic says it should be.
+
+Ψ = trainable parameter count, N = data-parallel size, b = bytes of a model
+weight (2 for fp16/bf16, 4 for fp32), K = optimizer state bytes per element
+(Adam: 8).  Per rank:
+
+    params             b·Ψ
+    grads              b·Ψ            (stage 2: b·Ψ/N)
+    master weights     4·Ψ / N_s      (16-bit training only; N_s = 1 at stage 0, N otherwise)
+    optimizer states   K·Ψ / N_s
+
+e.g. mixed-precision Adam: stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+# Per-element optimizer state bytes of the common optimizers (fp32 states).
+_STATE_BYTES = {"Adam": 8, "AdamW": 8, "Lamb": 8, "Lion": 4, "Adagrad": 4, "RMSprop": 4}
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    params: int
+    grads: int
+    master_params: int
+    optimizer_states: int
+    bucket_buffers: int  # transient gradient buckets in flight (stage 2), an upper bound
+    total: int  # params + grads + master_params + optimizer_states
+    theoretical: int
+    num_params: int
+    stage: int
+    dp_world_size: int
+    precision: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        mb = 1024 * 1024
+        rows = [("params", self.params), ("grads", self.grads), ("master params", self.master_params),
+                ("optimizer states", self.optimizer_states), ("total model states", self.total),
+                ("theoretical", self.theoretical), ("bucket buffers (bound)", self.bucket_buffers)]
+        head = (f"model states per rank: ZeRO stage {self.stage}, {self.precision}, "
+                f"{self.num_params:,} parameters, data-parallel size {self.dp_world_size}")
+        return "\n".join([head] + [f"  {k:<24}{v / mb:12.3f} MB" for k, v in rows])
+
+
+def optimizer_state_bytes_per_element(optimizer) -> int:
+    """K: measured from the optimizer's state once it has stepped, else the known value for its class."""
+    per_element = numel = 0
+    for group in optimizer.param_groups:
+        for t in group["params"]:
+            state = optimizer.state.get(t)
+            if state:
+                numel += t.numel()
+                per_element += sum(v.nbytes for v in state.values()
+                                   if isinstance(v, torch.Tensor) and v.numel() == t.numel())
+    if numel:
+        return round(per_element / numel)
+    if type(optimizer).__name__ == "SGD":
+        return 4 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
+    return _STATE_BYTES.get(type(optimizer).__name__, 8)
+
+
+def measure(strategy, optimizer, *, precision: str, weight_bytes: int) -> MemoryBreakdown:
+    groups = strategy.groups
+    n = strategy.dp_world_size if hasattr(strategy, "dp_world_size") else strategy.world
+    params = sum(g.param_buffer.nbytes for g in groups)
+    if strategy.stage == 2:
+        grads = sum(t.nbytes for t in strategy.partition_grads)
+        bucket = 2 * max(b.numel for b in strategy.buckets) * weight_bytes
+    else:
+        grads = sum(t.nbytes for t in strategy.grad_buffers)
+        bucket = 0
+    masters = sum(t.nbytes for t in strategy.master_buffers) if strategy.master_buffers is not None else 0
+    states = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            states += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
+    psi = sum(g.numel for g in groups)
+    k = optimizer_state_bytes_per_element(optimizer) if optimizer is not None else 0
+    shard = 1 if strategy.stage == 0 else n
+    theory = weight_bytes * psi
+    theory += weight_bytes * psi // (n if strategy.stage == 2 else 1)
+    theory += (4 * psi // shard) if strategy.master_buffers is not None else 0
+    theory += k * psi // shard
+    total = params + grads + masters + states
+    return MemoryBreakdown(params, grads, masters, states, bucket, total, theory, psi, strategy.stage, n, precision)

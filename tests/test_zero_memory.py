@@ -1,0 +1,109 @@
+"""Memory breakdown per rank against ZeRO's formulas, and the stage-independent safe accessors."""
+
+from __future__ import annotations
+
+import torch
+
+from distributed import run_distributed
+from models import make_data, mse
+
+
+def _model():
+    torch.manual_seed(0)
+    # ~86k parameters: padding (< world size per bucket) is negligible next to Ψ/N.
+    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 101),
+                               torch.nn.Tanh(), torch.nn.Linear(101, 3))
+
+
+def _formula(stage, psi, n, mixed):
+    if mixed:  # mixed-precision Adam
+        return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n}[stage]
+    return {0: 16 * psi, 1: 4 * psi + 4 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n}[stage]
+
+
+def _memory_body(rank, world):
+    import shardwise
+
+    out = []
+    x = torch.randn(4, 64)
+    for stage in (0, 1, 2):
+        for mixed in (False, True):
+            cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 20000}}
+            if mixed:
+                cfg["bf16"] = {"enabled": True}
+            engine, *_ = shardwise.initialize(model=_model(), config=cfg)
+            inp = x.to(torch.bfloat16) if mixed else x
+            engine.backward(engine(inp).float().pow(2).mean())
+            engine.step()  # the optimizer allocates its states on the first step
+            out.append((stage, mixed, engine.memory_breakdown().as_dict()))
+    return out
+
+
+def _check_memory(results, world):
+    psi = sum(p.numel() for p in _model().parameters())
+    for per_rank in results:
+        for stage, mixed, m in per_rank:
+            assert m["num_params"] == psi and m["dp_world_size"] == world and m["stage"] == stage
+            expected = _formula(stage, psi, world, mixed)
+            assert abs(m["theoretical"] - expected) <= 0.001 * expected, (stage, mixed, m["theoretical"], expected)
+            assert abs(m["total"] - expected) <= 0.05 * expected, (stage, mixed, m, expected)
+            # Stage 2 adds only transient bucket buffers (reported as a bound: two buckets in flight).
+            if stage == 2:
+                assert 0 < m["bucket_buffers"] <= 2 * 32768 * (2 if mixed else 4)
+            else:
+                assert m["bucket_buffers"] == 0
+
+
+def test_memory_breakdown_matches_formulas_two_ranks():
+    _check_memory(run_distributed(_memory_body, 2, timeout=240), 2)
+
+
+def test_memory_breakdown_matches_formulas_four_ranks():
+    _check_memory(run_distributed(_memory_body, 4, timeout=240), 4)
+
+
+def _safe_body(rank, world):
+    import shardwise
+    from shardwise.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+
+    out = {}
+    x, y = make_data(2, 8)
+    for stage in (0, 1, 2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
+        cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+               "zero_optimization": {"stage": stage, "reduce_bucket_size": 30}}
+        engine, *_ = shardwise.initialize(model=model, config=cfg)
+        engine.backward(mse(engine(x[0, rank * 4:(rank + 1) * 4]), y[0, rank * 4:(rank + 1) * 4]))
+        grads = {n: safe_get_full_grad(p) for n, p in model.named_parameters()}
+        engine.step()
+        out[stage] = {
+            "grad": grads,
+            "param": {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()},
+            "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in model.named_parameters()},
+            "model": {n: p.detach().clone() for n, p in model.named_parameters()},
+        }
+    return out
+
+
+def test_safe_accessors_agree_across_stages_and_with_reference():
+    r0, r1 = run_distributed(_safe_body, 2, timeout=240)
+    # Reference: one process, whole batch, one AdamW step.
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
+    x, y = make_data(2, 8)
+    mse(ref(x[0]), y[0]).backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    opt.step()
+    for stage in (0, 1, 2):
+        for r in (r0, r1):
+            got = r[stage]
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(got["grad"][n], ref_grads[n], rtol=1e-5, atol=1e-7)
+                torch.testing.assert_close(got["param"][n], p.detach(), rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(got["model"][n], p.detach(), rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(got["exp_avg"][n], opt.state[p]["exp_avg"], rtol=1e-5, atol=1e-8)
