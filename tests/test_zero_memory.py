@@ -51,7 +51,8 @@ def _check_memory(results, world):
             assert abs(m["total"] - expected) <= 0.05 * expected, (stage, mixed, m, expected)
             # Stage 2 adds only transient bucket buffers (reported as a bound: two buckets in flight).
             if stage == 2:
-                assert 0 < m["bucket_buffers"] <= 2 * 32768 * (2 if mixed else 4)
+                biggest = max(p.numel() for p in _model().parameters())  # a parameter larger than a bucket
+                assert 0 < m["bucket_buffers"] <= 2 * max(20000, biggest) * (2 if mixed else 4)
             else:
                 assert m["bucket_buffers"] == 0
 
