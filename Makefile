@@ -25,7 +25,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
-	$(PY) benchmarks/ddp_vs_zero0.py
+	$(PY) benchmarks/zero_vs_ddp.py
 
 clean:
 	rm -rf $(VENV) checkpoints *.egg-info

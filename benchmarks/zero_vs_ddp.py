@@ -1,12 +1,14 @@
-"""shardwise ZeRO-0 vs torch DistributedDataParallel on the demo GPT, 2 processes.
+"""shardwise ZeRO stages vs torch DDP (and ZeroRedundancyOptimizer) on the demo GPT.
 
-    python benchmarks/ddp_vs_zero0.py [--steps 60] [--repeats 3] [--procs 2]
+    python benchmarks/zero_vs_ddp.py [--stages 0 1 2] [--steps 60] [--repeats 3] [--procs 2]
 
-Each repetition trains the same model on the same data once with each
-framework (alternating, so machine drift hits both), every run in its own
+Each repetition trains the same model on the same data once with every
+configuration (in turn, so machine drift hits all), every run in its own
 fresh set of processes.  Per run: median step time of rank 0 after warm-up,
-and the peak resident memory of each rank.  The table shows the medians over
-repetitions and the shardwise/DDP ratios.  Target: step-time ratio <= 1.05.
+peak resident memory of each rank, and the model-state bytes of rank 0
+(parameters + gradients + master weights + optimizer states).  The table
+shows medians over repetitions and ratios against DDP.  Target: step-time
+ratio <= 1.05 for every stage.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ def _batches(steps: int, rank: int, world: int):
         yield torch.stack(xs), torch.stack(ys)
 
 
+def _state_bytes(model, opt) -> int:
+    params = sum(p.nbytes for p in model.parameters())
+    grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    states = sum(v.nbytes for s in opt.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.numel() > 1)
+    return params + grads + states
+
+
 def _worker(rank: int, world: int, port: int, framework: str, steps: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -58,12 +68,12 @@ def _worker(rank: int, world: int, port: int, framework: str, steps: int, out_di
 
     torch.manual_seed(0)
     model = GPT(GPTConfig())
-    if framework == "shardwise":
+    if framework in ("zero0", "zero1", "zero2"):
         import shardwise
 
         cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
                "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-               "zero_optimization": {"stage": 0, "reduce_bucket_size": BUCKET_ELEMENTS}}
+               "zero_optimization": {"stage": int(framework[-1]), "reduce_bucket_size": BUCKET_ELEMENTS}}
         engine, *_ = shardwise.initialize(model=model, config=cfg)
 
         def step(x, y):
@@ -71,9 +81,21 @@ def _worker(rank: int, world: int, port: int, framework: str, steps: int, out_di
             engine.backward(loss)
             engine.step()
             return loss
+
+        def state_bytes():
+            return engine.memory_breakdown().total
     else:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=True)
+        if framework == "zero_redundancy":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
+                                          weight_decay=0.01, foreach=True)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=True)
+
+        def state_bytes():
+            return _state_bytes(model, opt.optim if hasattr(opt, "optim") else opt)
 
         def step(x, y):
             loss = lm_loss(ddp(x), y)
@@ -92,49 +114,55 @@ def _worker(rank: int, world: int, port: int, framework: str, steps: int, out_di
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     warm = max(5, steps // 5)
     with open(os.path.join(out_dir, f"{framework}.{rank}"), "w") as f:
-        f.write(f"{statistics.median(times[warm:])} {peak_mb} {loss.item()}\n")
+        f.write(f"{statistics.median(times[warm:])} {peak_mb} {loss.item()} {state_bytes()}\n")
     dist.destroy_process_group()
 
 
-def _run(framework: str, steps: int, world: int) -> tuple[float, list[float], float]:
+def _run(framework: str, steps: int, world: int) -> tuple[float, list[float], float, int]:
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_worker, args=(world, _free_port(), framework, steps, out), nprocs=world,
                            start_method="spawn")
         rows = [open(os.path.join(out, f"{framework}.{r}")).read().split() for r in range(world)]
-    return float(rows[0][0]), [float(r[1]) for r in rows], float(rows[0][2])
+    return float(rows[0][0]), [float(r[1]) for r in rows], float(rows[0][2]), int(rows[0][3])
+
+
+NAMES = {"zero0": "shardwise ZeRO-0", "zero1": "shardwise ZeRO-1", "zero2": "shardwise ZeRO-2",
+         "ddp": "torch DDP", "zero_redundancy": "DDP + ZeroRedundancyOptimizer"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--no-zero-redundancy", action="store_true", help="skip torch's ZeroRedundancyOptimizer")
     args = ap.parse_args()
-    res: dict[str, list] = {"shardwise": [], "ddp": []}
-    ratios = []
+    frameworks = [f"zero{s}" for s in args.stages] + ["ddp"]
+    if not args.no_zero_redundancy:
+        frameworks.append("zero_redundancy")
+    res: dict[str, list] = {fw: [] for fw in frameworks}
+    ratios: dict[str, list[float]] = {fw: [] for fw in frameworks}
     for rep in range(args.repeats):
-        pair = {}
-        for fw in ("shardwise", "ddp"):
-            pair[fw] = _run(fw, args.steps, args.procs)
-            res[fw].append(pair[fw])
-        ratios.append(pair["shardwise"][0] / pair["ddp"][0])
-        print(f"repeat {rep + 1}: shardwise {pair['shardwise'][0] * 1e3:.1f} ms/step, "
-              f"ddp {pair['ddp'][0] * 1e3:.1f} ms/step, ratio {ratios[-1]:.3f}", flush=True)
+        for fw in frameworks:
+            res[fw].append(_run(fw, args.steps, args.procs))
+        for fw in frameworks:
+            ratios[fw].append(res[fw][-1][0] / res["ddp"][-1][0])
+        print(f"repeat {rep + 1}: " + ", ".join(f"{fw} {res[fw][-1][0] * 1e3:.1f} ms" for fw in frameworks), flush=True)
 
     def med(fw, i):
         return statistics.median(r[i] for r in res[fw])
 
     print(f"\nGPT demo model, {args.procs} processes (gloo, CPU), {args.steps} steps per run, "
           f"{args.repeats} runs each, torch {torch.__version__}")
-    print("| metric | shardwise ZeRO-0 | torch DDP | ratio |")
-    print("|---|---|---|---|")
-    print(f"| step time, median (ms) | {med('shardwise', 0) * 1e3:.1f} | {med('ddp', 0) * 1e3:.1f} | "
-          f"{statistics.median(ratios):.3f} |")
-    for r in range(args.procs):
-        sw = statistics.median(x[1][r] for x in res["shardwise"])
-        dd = statistics.median(x[1][r] for x in res["ddp"])
-        print(f"| peak RSS rank {r} (MB) | {sw:.0f} | {dd:.0f} | {sw / dd:.3f} |")
-    print(f"| final loss (rank 0) | {med('shardwise', 2):.4f} | {med('ddp', 2):.4f} | |")
+    print("| configuration | step time (ms) | ratio vs DDP | model states rank 0 (MB) | ratio vs DDP | "
+          + " | ".join(f"peak RSS rank {r} (MB)" for r in range(args.procs)) + " | final loss |")
+    print("|---" * (5 + args.procs + 1) + "|")
+    ddp_states = med("ddp", 3)
+    for fw in frameworks:
+        rss = " | ".join(f"{statistics.median(x[1][r] for x in res[fw]):.0f}" for r in range(args.procs))
+        print(f"| {NAMES[fw]} | {med(fw, 0) * 1e3:.1f} | {statistics.median(ratios[fw]):.3f} | "
+              f"{med(fw, 3) / 2**20:.2f} | {med(fw, 3) / ddp_states:.3f} | {rss} | {med(fw, 2):.4f} |")
 
 
 if __name__ == "__main__":
