@@ -75,3 +75,50 @@ def reference_training(steps: int, global_batch: int, *, clip: float = 0.0, lr: 
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class TiedModel(nn.Module):
+    """Tied weights (one Parameter in two modules), a module called twice per forward, a parameter
+    used functionally by the root module (external to its owner), a frozen and an unused one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(7, 13)
+        self.shared = nn.Linear(13, 13)
+        self.proj = nn.Linear(13, 13, bias=False)
+        self.proj2 = nn.Linear(13, 13, bias=False)
+        self.proj2.weight = self.proj.weight
+        self.out = nn.Linear(7, 3)
+        self.frozen = nn.Parameter(torch.randn(13), requires_grad=False)
+        self.unused = nn.Parameter(torch.randn(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.emb(x))
+        h = torch.tanh(self.shared(h))
+        h = torch.tanh(self.shared(h) + self.frozen)
+        h = torch.tanh(self.proj2(torch.tanh(self.proj(h))))
+        h = h @ self.emb.weight  # functional use of emb's weight outside emb's forward
+        return self.out(h)
+
+
+def make_tied_model(seed: int = 0) -> TiedModel:
+    torch.manual_seed(seed)
+    return TiedModel()
+
+
+def reference_training_for(model: nn.Module, steps: int, global_batch: int, *, clip: float = 0.0,
+                           lr: float = 1e-2, wd: float = 0.01):
+    """Single-process training of ``model`` on the whole global batch (as ``reference_training``)."""
+    x, y = make_data(steps, global_batch)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=wd)
+    losses = []
+    for s in range(steps):
+        loss = mse(model(x[s]), y[s])
+        opt.zero_grad()
+        loss.backward()
+        zero_fill_grads(model)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

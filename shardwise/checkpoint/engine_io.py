@@ -102,8 +102,11 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_lates
         all_files.update(part_files)
         all_descs.extend(part_descs)
 
+    # Stage 3 assembles the full weights collectively; other stages read them on rank 0 alone.
+    module_sd = engine.strategy.module_state_dict(engine.module) \
+        if (rank == 0 or engine.strategy.gathers_module_state) else None
     if rank == 0:
-        manifest = _write_shared(engine, tmp, all_files, client_state or {}, exclude_frozen_parameters)
+        manifest = _write_shared(engine, tmp, all_files, module_sd, client_state or {}, exclude_frozen_parameters)
         manifest["tensors"].update(index_fragments(all_descs))
         manifest["tag"] = tag
         write_json(tmp / "manifest.json", manifest)
@@ -114,8 +117,7 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_lates
     return True
 
 
-def _write_shared(engine, tmp: Path, files: dict, client_state: dict, exclude_frozen: bool) -> dict:
-    module_sd = engine.module.state_dict()
+def _write_shared(engine, tmp: Path, files: dict, module_sd: dict, client_state: dict, exclude_frozen: bool) -> dict:
     if exclude_frozen:
         frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
         module_sd = {k: v for k, v in module_sd.items() if k not in frozen}
@@ -233,11 +235,12 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict=True, load
 
 
 def _load_module(engine, state: dict[str, torch.Tensor], *, strict: bool, where: Path) -> None:
-    own = engine.module.state_dict()
+    own = {k: tuple(v._sw.shape if hasattr(v, "_sw") else v.shape)
+           for k, v in engine.module.state_dict(keep_vars=True).items()}
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
-    mismatched = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-                        for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    mismatched = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {own[k]}"
+                        for k in set(own) & set(state) if own[k] != tuple(state[k].shape))
     if mismatched or (strict and (missing or unexpected)):
         parts = []
         if missing:
@@ -248,7 +251,7 @@ def _load_module(engine, state: dict[str, torch.Tensor], *, strict: bool, where:
             parts.append("shape mismatch: " + "; ".join(mismatched))
         raise ValueError(f"checkpoint {where} does not match the model ({' | '.join(parts)}); "
                          "load_module_strict=False ignores missing/unexpected names")
-    engine.module.load_state_dict(state, strict=False)
+    engine.strategy.load_module_state_dict(engine.module, state)
 
 
 def _load_group_settings(engine, saved: list[dict]) -> None:

@@ -35,25 +35,19 @@ def _switched_on(block: dict[str, Any]) -> bool:
 
 
 NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
-    "zero_optimization.stage": lambda c: c.zero_optimization.stage == 3,
     "zero_optimization.offload_param": lambda c: _offloads(c.zero_optimization.offload_param),
     "zero_optimization.offload_optimizer": lambda c: _offloads(c.zero_optimization.offload_optimizer),
     "optimizer.type": lambda c: c.optimizer is not None and c.optimizer.type.lower() in UNIMPLEMENTED_OPTIMIZERS,
     "amp.enabled": lambda c: c.amp.enabled,
     "torch_autocast.enabled": lambda c: c.torch_autocast.enabled,
     "sparse_gradients": lambda c: c.sparse_gradients,
-    "activation_checkpointing": lambda c: _changed(c.activation_checkpointing),
+    "activation_checkpointing.contiguous_memory_optimization":
+        lambda c: c.activation_checkpointing.contiguous_memory_optimization,
     "pipeline": lambda c: _changed(c.pipeline),
     "data_types.grad_accum_dtype": lambda c: c.data_types.grad_accum_dtype not in (None, "fp32"),
     "checkpoint.load_universal": lambda c: c.checkpoint.load_universal,
     "checkpoint.use_node_local_storage": lambda c: c.checkpoint.use_node_local_storage,
-    "tensorboard": lambda c: c.tensorboard.enabled,
-    "csv_monitor": lambda c: c.csv_monitor.enabled,
-    "wandb": lambda c: c.wandb.enabled,
     "comet": lambda c: c.comet.enabled,
-    "flops_profiler": lambda c: c.flops_profiler.enabled,
-    "comms_logger": lambda c: c.comms_logger.enabled,
-    "autotuning": lambda c: c.autotuning.enabled,
     "elasticity": lambda c: c.elasticity.enabled,
     "tensor_parallel": lambda c: _switched_on(c.tensor_parallel),
     "expert_parallel": lambda c: _switched_on(c.expert_parallel),

@@ -4,12 +4,12 @@
 weight (2 for fp16/bf16, 4 for fp32), K = optimizer state bytes per element
 (Adam: 8).  Per rank:
 
-    params             b·Ψ
+    params             b·Ψ            (stage 3: b·Ψ/N, plus the units gathered at the moment)
     grads              b·Ψ            (stage 2: b·Ψ/N)
     master weights     4·Ψ / N_s      (16-bit training only; N_s = 1 at stage 0, N otherwise)
     optimizer states   K·Ψ / N_s
 
-e.g. mixed-precision Adam: stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N.
+e.g. mixed-precision Adam: stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ class MemoryBreakdown:
     grads: int
     master_params: int
     optimizer_states: int
-    bucket_buffers: int  # transient gradient buckets in flight (stage 2), an upper bound
+    bucket_buffers: int  # transient gradient buckets in flight (stages 2-3), an upper bound
     total: int  # params + grads + master_params + optimizer_states
     theoretical: int
     num_params: int
     stage: int
     dp_world_size: int
     precision: str
+    live_params: int = 0  # stage 3: gathered (full) parameters alive right now, beyond the shards
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -43,7 +44,8 @@ class MemoryBreakdown:
         mb = 1024 * 1024
         rows = [("params", self.params), ("grads", self.grads), ("master params", self.master_params),
                 ("optimizer states", self.optimizer_states), ("total model states", self.total),
-                ("theoretical", self.theoretical), ("bucket buffers (bound)", self.bucket_buffers)]
+                ("theoretical", self.theoretical), ("bucket buffers (bound)", self.bucket_buffers),
+                ("gathered params (now)", self.live_params)]
         head = (f"model states per rank: ZeRO stage {self.stage}, {self.precision}, "
                 f"{self.num_params:,} parameters, data-parallel size {self.dp_world_size}")
         return "\n".join([head] + [f"  {k:<24}{v / mb:12.3f} MB" for k, v in rows])
@@ -67,26 +69,21 @@ def optimizer_state_bytes_per_element(optimizer) -> int:
 
 
 def measure(strategy, optimizer, *, precision: str, weight_bytes: int) -> MemoryBreakdown:
-    groups = strategy.groups
+    parts = strategy.memory_parts()
     n = strategy.dp_world_size if hasattr(strategy, "dp_world_size") else strategy.world
-    params = sum(g.param_buffer.nbytes for g in groups)
-    if strategy.stage == 2:
-        grads = sum(t.nbytes for t in strategy.partition_grads)
-        bucket = 2 * max(b.numel for b in strategy.buckets) * weight_bytes
-    else:
-        grads = sum(t.nbytes for t in strategy.grad_buffers)
-        bucket = 0
-    masters = sum(t.nbytes for t in strategy.master_buffers) if strategy.master_buffers is not None else 0
     states = 0
     if optimizer is not None:
         for state in optimizer.state.values():
             states += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
-    psi = sum(g.numel for g in groups)
+    psi = sum(p.numel() if not hasattr(p, "_sw") else p._sw.numel
+              for g in strategy.groups for p in g.params if p.requires_grad)
     k = optimizer_state_bytes_per_element(optimizer) if optimizer is not None else 0
-    shard = 1 if strategy.stage == 0 else n
-    theory = weight_bytes * psi
-    theory += weight_bytes * psi // (n if strategy.stage == 2 else 1)
-    theory += (4 * psi // shard) if strategy.master_buffers is not None else 0
+    stage = strategy.stage
+    shard = 1 if stage == 0 else n
+    theory = weight_bytes * psi // (n if stage == 3 else 1)  # parameters
+    theory += weight_bytes * psi // (n if stage >= 2 else 1)  # gradients
+    theory += (4 * psi // shard) if parts["master_params"] else 0
     theory += k * psi // shard
-    total = params + grads + masters + states
-    return MemoryBreakdown(params, grads, masters, states, bucket, total, theory, psi, strategy.stage, n, precision)
+    total = parts["params"] + parts["grads"] + parts["master_params"] + states
+    return MemoryBreakdown(parts["params"], parts["grads"], parts["master_params"], states, parts["bucket_buffers"],
+                           total, theory, psi, stage, n, precision, parts["live_params"])

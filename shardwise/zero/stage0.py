@@ -170,6 +170,15 @@ class DataParallelStrategy(ZeroStrategy):
         for name, t in zip(names, self._opt_tensors):
             yield name, 0, t.numel(), t
 
+    def memory_parts(self) -> dict[str, int]:
+        return {
+            "params": sum(g.param_buffer.nbytes for g in self.groups),
+            "grads": sum(t.nbytes for t in self.grad_buffers),
+            "master_params": sum(t.nbytes for t in self.master_buffers) if self.master_buffers is not None else 0,
+            "bucket_buffers": 0,
+            "live_params": 0,
+        }
+
     def local_grad(self, name: str, start: int, end: int) -> torch.Tensor:
         for gi, g in enumerate(self.groups):
             if name in g.names:

@@ -264,6 +264,18 @@ class PartitionedStrategy(ZeroStrategy):
     # -- introspection --------------------------------------------------------------------
     replicated = False
 
+    def memory_parts(self) -> dict[str, int]:
+        grads = self.partition_grads if self.stage == 2 else self.grad_buffers
+        bucket = 2 * max(b.numel for b in self.buckets) * self.groups[0].param_buffer.element_size() \
+            if self.stage == 2 else 0
+        return {
+            "params": sum(g.param_buffer.nbytes for g in self.groups),
+            "grads": sum(t.nbytes for t in grads),
+            "master_params": sum(t.nbytes for t in self.master_buffers) if self.master_buffers is not None else 0,
+            "bucket_buffers": bucket,
+            "live_params": 0,
+        }
+
     def local_grad(self, name: str, start: int, end: int) -> torch.Tensor:
         for gi, frags in enumerate(self.fragments):
             for f in frags:

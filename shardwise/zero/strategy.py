@@ -50,6 +50,18 @@ class ZeroStrategy(abc.ABC):
     @abc.abstractmethod
     def zero_grad(self) -> None: ...
 
+    def module_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The module's full state dict (stage 3 gathers it; collective there)."""
+        return module.state_dict()
+
+    def load_module_state_dict(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        module.load_state_dict(state, strict=False)
+
+    @property
+    def gathers_module_state(self) -> bool:
+        """True when ``module_state_dict`` is collective (every rank must call it)."""
+        return self.stage == 3
+
     def master_named_params(self) -> dict[str, torch.Tensor]:
         """This rank's fp32 weights by ``name`` (stage 0) or ``name@start:end`` (partitioned stages)."""
         return {name if self.replicated else f"{name}@{start}:{end}": t.detach()
@@ -99,6 +111,11 @@ class ZeroStrategy(abc.ABC):
 def build_strategy(zero_config, **kwargs) -> ZeroStrategy:
     """The strategy for ``zero_config.stage`` (a ``zero_optimization`` config block)."""
     stage = int(zero_config.stage)
+    module = kwargs.pop("module")
+    if stage == 3:
+        from shardwise.zero.stage3 import Stage3Strategy
+
+        return Stage3Strategy(module=module, zero_config=zero_config, **kwargs)
     if stage == 0:
         from shardwise.zero.stage0 import DataParallelStrategy
 

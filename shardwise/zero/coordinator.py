@@ -1,0 +1,232 @@
+"""ZeRO stage 3: when parameters are gathered, released and prefetched.
+
+Each module with parameters maps to the units it needs (its own parameters,
+tied ones owned elsewhere, and any registered external parameter).  Forward
+pre-hook: gather them (waiting for a prefetch if one is in flight) and start
+gathering the next units of the recorded forward order; forward post-hook:
+release them unless they are persistent or reused soon, and wrap the module's
+outputs so that their backward first gathers the units again.  A unit's
+gathered buffer is freed by shrinking its storage to zero bytes, so tensors
+autograd saved during forward point at the same storage once re-gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise import comm
+
+
+class Unit:
+    """The parameters of one module, gathered and released together."""
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter], names: list[str], world: int) -> None:
+        self.index = index
+        self.params, self.names = params, names
+        self.position_of = {id(p): k for k, p in enumerate(params)}
+        self.world = world
+        metas = [p._sw for p in params]
+        self.dtype = metas[0].shard.dtype
+        self.device = metas[0].shard.device
+        self.chunks = [m.chunk for m in metas]
+        self.offsets, off = [], 0
+        for c in self.chunks:
+            self.offsets.append(off)
+            off += c
+        self.shard_numel = off
+        # Re-home every parameter's shard into one contiguous unit shard.
+        self.shard = torch.zeros(off, dtype=self.dtype, device=self.device)
+        for m, o, c in zip(metas, self.offsets, self.chunks):
+            self.shard[o : o + c].copy_(m.shard)
+            m.shard = self.shard[o : o + c]
+            m.unit = self
+        self.full_numel = sum(m.numel for m in metas)
+        self.full = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
+        pos = 0
+        self.positions = []
+        for p, m in zip(params, metas):
+            self.positions.append(pos)
+            p.data = self.full[pos : pos + m.numel].view(m.shape)
+            pos += m.numel
+        self._storage_bytes = self.full.untyped_storage().nbytes()
+        self.gathered = False
+        self.pending = None  # (work, gather buffer) of an in-flight all-gather
+        self.users = 0
+        self.persistent = False
+        self.release()
+
+    @property
+    def live_numel(self) -> int:
+        return self.full_numel if self.gathered else 0
+
+    def start_gather(self, group) -> None:
+        if self.gathered or self.pending is not None:
+            return
+        buf = torch.empty(self.shard_numel * self.world, dtype=self.dtype, device=self.device)
+        work = comm.all_gather_into_tensor(buf, self.shard, group=group, async_op=True) if self.world > 1 else None
+        if work is None:
+            buf.copy_(self.shard)
+        self.pending = (work, buf)
+
+    def finish_gather(self) -> None:
+        if self.gathered:
+            return
+        work, buf = self.pending
+        if work is not None:
+            work.wait()
+        self.pending = None
+        self.full.untyped_storage().resize_(self._storage_bytes)
+        rows = buf.view(self.world, self.shard_numel)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
+            for p, pos, o, c in zip(self.params, self.positions, self.offsets, self.chunks):
+                n = p._sw.numel
+                self.full[pos : pos + n].copy_(rows[:, o : o + c].reshape(-1)[:n])
+        self.gathered = True
+
+    def release(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+
+class _GatherBeforeBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, coordinator, units, *tensors):
+        ctx.coordinator, ctx.units = coordinator, units
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.coordinator.fetch_for_backward(ctx.units)
+        return (None, None, *grads)
+
+
+class ParamCoordinator:
+    def __init__(self, units: list[Unit], module_units: dict[torch.nn.Module, list[Unit]], *, group,
+                 prefetch_elements: int, max_live_elements: int, reuse_distance: int) -> None:
+        self.units = units
+        self.module_units = module_units
+        self.group = group
+        self.prefetch_elements = prefetch_elements
+        self.max_live_elements = max_live_elements
+        self.reuse_distance = reuse_distance
+        self.fwd_trace: list[int] = []  # unit order of the previous forward, for prefetching
+        self.bwd_trace: list[int] = []
+        self._fwd_now: list[int] = []
+        self._bwd_now: list[int] = []
+        self._handles = []
+        for module, us in module_units.items():
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(module.register_forward_hook(self._post_forward))
+
+    # -- gathering ------------------------------------------------------------------------
+    def fetch(self, units: list[Unit]) -> None:
+        for u in units:
+            u.start_gather(self.group)
+        for u in units:
+            u.finish_gather()
+
+    def _live(self) -> int:
+        return sum(u.full_numel for u in self.units if u.gathered or u.pending is not None)
+
+    def _prefetch(self, trace: list[int], position: int) -> None:
+        budget = self.prefetch_elements
+        live = self._live()
+        for idx in trace[position + 1 :]:
+            u = self.units[idx]
+            if u.gathered or u.pending is not None:
+                continue
+            if u.full_numel > budget or live + u.full_numel > self.max_live_elements:
+                break
+            u.start_gather(self.group)
+            budget -= u.full_numel
+            live += u.full_numel
+
+    # -- forward --------------------------------------------------------------------------
+    def _pre_forward(self, module, args):
+        units = self.module_units[module]
+        for u in units:
+            u.users += 1
+        self.fetch(units)
+        self._fwd_now.extend(u.index for u in units)
+        if self.fwd_trace:
+            self._prefetch(self.fwd_trace, len(self._fwd_now) - 1)
+
+    def _reused_soon(self, u: Unit) -> bool:
+        if not self.fwd_trace:
+            return False
+        pos = len(self._fwd_now)
+        distance = 0
+        for idx in self.fwd_trace[pos:]:
+            if idx == u.index:
+                return True
+            distance += self.units[idx].full_numel
+            if distance > self.reuse_distance:
+                return False
+        return False
+
+    def _post_forward(self, module, args, output):
+        units = self.module_units[module]
+        for u in units:
+            u.users -= 1
+            if u.users == 0 and not u.persistent and not self._reused_soon(u):
+                u.release()
+        if torch.is_grad_enabled():
+            output = _wrap_outputs(output, lambda ts: _GatherBeforeBackward.apply(self, units, *ts))
+        return output
+
+    # -- backward -------------------------------------------------------------------------
+    def fetch_for_backward(self, units: list[Unit]) -> None:
+        self.fetch(units)
+        self._bwd_now.extend(u.index for u in units)
+        if self.bwd_trace:
+            self._prefetch(self.bwd_trace, len(self._bwd_now) - 1)
+
+    def end_of_pass(self) -> None:
+        """After backward (or a step): release everything, keep this pass's order for prefetching."""
+        if self._fwd_now:
+            self.fwd_trace = self._fwd_now
+        if self._bwd_now:
+            self.bwd_trace = self._bwd_now
+        self._fwd_now, self._bwd_now = [], []
+        for u in self.units:
+            if u.pending is not None:
+                u.finish_gather()
+            u.users = 0
+            if u.gathered:
+                u.release()
+
+
+def _wrap_outputs(output, apply):
+    """Route every grad-requiring tensor in ``output`` through ``apply`` (tuple in, tuple out)."""
+    tensors = []
+
+    def collect(x):
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                tensors.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                collect(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                collect(y)
+
+    collect(output)
+    if not tensors:
+        return output
+    wrapped = dict(zip(map(id, tensors), apply(tensors)))
+
+    def rebuild(x):
+        if isinstance(x, torch.Tensor):
+            return wrapped.get(id(x), x)
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*(rebuild(y) for y in x))
+        if isinstance(x, (list, tuple)):
+            return type(x)(rebuild(y) for y in x)
+        if isinstance(x, dict):
+            for k in list(x.keys()):
+                x[k] = rebuild(x[k])
+            return x
+        return x
+
+    return rebuild(output)

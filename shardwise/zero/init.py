@@ -1,0 +1,152 @@
+"""``zero.Init``, ``zero.GatheredParameters`` and ``zero.register_external_parameter``.
+
+``Init`` shards every parameter as soon as the module that creates it has
+finished its constructor, so a model built inside the context never exists
+whole on any rank (at most one module's parameters at a time).
+``Module.apply`` is wrapped while the context is active so that
+initialisation functions (``model.apply(init_fn)``) see whole parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import torch
+
+from shardwise import comm
+from shardwise.zero.partitioned_param import gather_full, is_sharded, scatter_full_, shard_param_
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Declare that ``module``'s forward uses ``parameter`` although another module owns it
+    (e.g. a tied LM head reading the embedding weight functionally): stage 3 then gathers it
+    around ``module``'s forward and backward too."""
+    external = module.__dict__.setdefault("_sw_external_params", [])
+    if not any(p is parameter for p in external):
+        external.append(parameter)
+
+
+class GatheredParameters:
+    """Make whole, inside the block, the (stage-3 sharded) ``params``; collective on every rank.
+
+    With ``modifier_rank=r``, changes rank r makes inside the block are broadcast and written back
+    into every rank's shard (and the fp32 master weights, when an engine owns the parameter).
+    """
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in params if is_sharded(p)] if enabled else []
+        self.modifier_rank = modifier_rank
+        self._saved: list[torch.Tensor] = []
+
+    def __enter__(self):
+        self._saved = [p.data for p in self.params]
+        for p in self.params:
+            p.data = gather_full(p).clone()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.modifier_rank is not None and exc[0] is None:
+                for p in self.params:
+                    if comm.get_world_size() > 1:
+                        comm.broadcast(p.data, src=self.modifier_rank)
+                    scatter_full_(p, p.data)
+                    _refresh_owner(p)
+        finally:
+            for p, data in zip(self.params, self._saved):
+                p.data = data
+
+
+def _refresh_owner(p: torch.nn.Parameter) -> None:
+    unit = getattr(p._sw, "unit", None)
+    if unit is not None and unit.gathered:
+        unit.release()  # stale now; the next use gathers the new values
+    owner = getattr(p, "_shardwise_owner", None)
+    engine = owner[0]() if owner is not None else None
+    if engine is not None:
+        engine.strategy.refresh_master(owner[1], p)
+
+
+class Init:
+    """Build a model already partitioned for ZeRO stage 3 (DeepSpeed's ``deepspeed.zero.Init``)."""
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
+                 pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
+                 **kwargs) -> None:
+        self.enabled = enabled
+        self.group = data_parallel_group if data_parallel_group is not None else (
+            mpu.get_data_parallel_group() if mpu is not None else None)
+        self.dtype = dtype
+        self._patched: list[tuple[type, str, object]] = []
+        self._depth: dict[int, int] = {}
+        if module is not None and enabled:  # DeepSpeed also accepts an already built module
+            comm.init_distributed()
+            self._shard_tree(module)
+
+    def _shard_tree(self, module: torch.nn.Module) -> None:
+        for p in module.parameters():
+            if not is_sharded(p):
+                if self.dtype is not None and p.is_floating_point():
+                    p.data = p.data.to(self.dtype)
+                shard_param_(p, group=self.group)
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        comm.init_distributed()
+        for cls in _all_module_classes():
+            if "__init__" in cls.__dict__:
+                original = cls.__dict__["__init__"]
+                self._patched.append((cls, "__init__", original))
+                setattr(cls, "__init__", self._wrap_init(original))
+        self._patched.append((torch.nn.Module, "apply", torch.nn.Module.__dict__["apply"]))
+        torch.nn.Module.apply = _gathering_apply()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for cls, attr, original in reversed(self._patched):
+            setattr(cls, attr, original)
+        self._patched.clear()
+
+    def _wrap_init(self, original):
+        ctx = self
+
+        def __init__(module, *args, **kwargs):
+            key = id(module)
+            ctx._depth[key] = ctx._depth.get(key, 0) + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                ctx._depth[key] -= 1
+            if ctx._depth[key] == 0:
+                del ctx._depth[key]
+                ctx._shard_tree(module)
+
+        __init__.__wrapped__ = original
+        return __init__
+
+
+def _all_module_classes() -> list[type]:
+    seen, stack = [], [torch.nn.Module]
+    while stack:
+        cls = stack.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                stack.append(sub)
+    return seen
+
+
+def _gathering_apply():
+    """``Module.apply`` that shows ``fn`` whole parameters and keeps rank 0's result."""
+
+    def apply(module, fn):
+        for m in module.children():
+            apply(m, fn)
+        own = [p for p in module._parameters.values() if p is not None and is_sharded(p)]
+        with GatheredParameters(own, modifier_rank=0) if own else contextlib.nullcontext():
+            fn(module)
+        return module
+
+    return apply
