@@ -20,33 +20,39 @@ from shardwise.checkpoint.files import sha256, write_tensors
 
 
 def write_rank_fragments(engine, tmp: Path, rank: int) -> tuple[dict[str, str], list[dict]]:
-    """Write this rank's fragments; return ``(file -> sha256, fragment descriptors)``."""
+    """Write this rank's fragments; return ``(file -> sha256, fragment descriptors)``.
+
+    One pair of files per resident batch of fragments (a single batch unless the optimizer is
+    offloaded to NVMe, whose sub-groups are written one at a time)."""
     strategy = engine.strategy
     if strategy.replicated and rank != 0:
         return {}, []
-    shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
+    shapes = {n: list(p._sw.shape if hasattr(p, "_sw") else p.shape) for n, p in engine.module.named_parameters()}
     opt = engine.optimizer
-    master, optim, descs = {}, {}, []
-    mfile, ofile = f"master_rank{rank}.safetensors", f"optim_rank{rank}.safetensors"
-    for name, start, end, t in strategy.local_fragments():
-        key = f"{name}@{start}:{end}"
-        base = {"name": name, "shape": shapes[name], "start": start, "end": end}
-        if engine.precision.master_weights:
-            master[key] = t.detach().reshape(-1)
-            descs.append({**base, "kind": "master", "file": mfile, "key": key, "dtype": "float32"})
-        for state_key, value in (opt.state.get(t, {}) if opt is not None else {}).items():
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"optimizer state '{state_key}' of {name} is a {type(value).__name__}, not a tensor")
-            skey = f"{key}/{state_key}"
-            scalar = value.numel() != t.numel()
-            optim[skey] = value.detach() if scalar else value.detach().reshape(-1)
-            descs.append({**base, "kind": "optim", "state": state_key, "scalar": scalar, "file": ofile,
-                          "key": skey, "dtype": str(value.dtype).removeprefix("torch.")})
-    files = {}
-    if master:
-        files[mfile] = write_tensors(tmp / mfile, master)
-    if optim:
-        files[ofile] = write_tensors(tmp / ofile, optim)
+    files, descs = {}, []
+    for k, batch in enumerate(strategy.fragment_batches()):
+        suffix = f"rank{rank}" if k == 0 else f"rank{rank}_{k}"
+        mfile, ofile = f"master_{suffix}.safetensors", f"optim_{suffix}.safetensors"
+        master, optim = {}, {}
+        for name, start, end, t in batch:
+            key = f"{name}@{start}:{end}"
+            base = {"name": name, "shape": shapes[name], "start": start, "end": end}
+            if engine.precision.master_weights:
+                master[key] = t.detach().reshape(-1)
+                descs.append({**base, "kind": "master", "file": mfile, "key": key, "dtype": "float32"})
+            for state_key, value in (opt.state.get(t, {}) if opt is not None else {}).items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"optimizer state '{state_key}' of {name} is a {type(value).__name__}, "
+                                    "not a tensor")
+                skey = f"{key}/{state_key}"
+                scalar = value.numel() != t.numel()
+                optim[skey] = value.detach() if scalar else value.detach().reshape(-1)
+                descs.append({**base, "kind": "optim", "state": state_key, "scalar": scalar, "file": ofile,
+                              "key": skey, "dtype": str(value.dtype).removeprefix("torch.")})
+        if master:
+            files[mfile] = write_tensors(tmp / mfile, master)
+        if optim:
+            files[ofile] = write_tensors(tmp / ofile, optim)
     return files, descs
 
 
@@ -114,8 +120,9 @@ def load_fragments(engine, reader: FragmentReader, manifest: dict, model_state: 
         name, state = key.rsplit("/", 1)
         states_of.setdefault(name, []).append(state)
     opt = engine.optimizer
+    fragments = (x for batch in engine.strategy.fragment_batches() for x in batch)
     with torch.no_grad():
-        for name, start, end, t in engine.strategy.local_fragments():
+        for name, start, end, t in fragments:
             if name in masters:
                 value = reader.read_range(masters[name], start, end, what=f"master weights of {name}")
             else:
@@ -128,5 +135,9 @@ def load_fragments(engine, reader: FragmentReader, manifest: dict, model_state: 
                 entry = optim[f"{name}/{state_key}"]
                 v = reader.read_range(entry, start, end, what=f"optimizer state '{state_key}' of {name}")
                 state[state_key] = v if entry.get("scalar") else v.view(t.shape)
-            if state:
-                opt.state[t] = {k: v.to(t.device) if k != "step" else v for k, v in state.items()}
+            for k, v in state.items():  # in place where the state exists (it may live in an NVMe buffer)
+                current = opt.state[t].get(k)
+                if current is not None and current.shape == v.shape and k != "step":
+                    current.copy_(v)
+                else:
+                    opt.state[t][k] = v.to(t.device) if k != "step" else v.clone()

@@ -36,6 +36,7 @@ class MemoryBreakdown:
     dp_world_size: int
     precision: str
     live_params: int = 0  # stage 3: gathered (full) parameters alive right now, beyond the shards
+    on_disk: int = 0  # NVMe offload: bytes of this rank's files
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -45,7 +46,7 @@ class MemoryBreakdown:
         rows = [("params", self.params), ("grads", self.grads), ("master params", self.master_params),
                 ("optimizer states", self.optimizer_states), ("total model states", self.total),
                 ("theoretical", self.theoretical), ("bucket buffers (bound)", self.bucket_buffers),
-                ("gathered params (now)", self.live_params)]
+                ("gathered params (now)", self.live_params), ("on disk (NVMe offload)", self.on_disk)]
         head = (f"model states per rank: ZeRO stage {self.stage}, {self.precision}, "
                 f"{self.num_params:,} parameters, data-parallel size {self.dp_world_size}")
         return "\n".join([head] + [f"  {k:<24}{v / mb:12.3f} MB" for k, v in rows])
@@ -86,4 +87,4 @@ def measure(strategy, optimizer, *, precision: str, weight_bytes: int) -> Memory
     theory += k * psi // shard
     total = parts["params"] + parts["grads"] + parts["master_params"] + states
     return MemoryBreakdown(parts["params"], parts["grads"], parts["master_params"], states, parts["bucket_buffers"],
-                           total, theory, psi, stage, n, precision, parts["live_params"])
+                           total, theory, psi, stage, n, precision, parts["live_params"], parts["on_disk"])

@@ -177,6 +177,7 @@ class DataParallelStrategy(ZeroStrategy):
             "master_params": sum(t.nbytes for t in self.master_buffers) if self.master_buffers is not None else 0,
             "bucket_buffers": 0,
             "live_params": 0,
+            "on_disk": 0,
         }
 
     def local_grad(self, name: str, start: int, end: int) -> torch.Tensor:

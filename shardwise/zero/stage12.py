@@ -54,6 +54,9 @@ class PartitionedStrategy(ZeroStrategy):
         reduce: ReduceSettings = ReduceSettings(),
         allgather_bucket_elements: int = 500_000_000,
         use_reduce_scatter: bool = True,
+        offload_optimizer=None,
+        sub_group_size: int = 1_000_000_000,
+        aio=None,
     ) -> None:
         assert stage in (1, 2)
         self.stage = stage
@@ -72,7 +75,9 @@ class PartitionedStrategy(ZeroStrategy):
         self.chunk_local = [_local_offsets(ch) for ch in self.chunks]
         for g in self.groups:
             g.flatten_params_()
+        self.offload_device = _offload_device(offload_optimizer)
         self._build_partitions()  # fp32 masters from the fp32 weights, before the cast
+        self._setup_offload(offload_optimizer, sub_group_size, aio)
         for g in self.groups:
             if g.dtype != precision.param_dtype and g.dtype.is_floating_point:
                 g.cast_(precision.param_dtype)
@@ -90,13 +95,14 @@ class PartitionedStrategy(ZeroStrategy):
     # -- set-up ---------------------------------------------------------------------------
     def _build_partitions(self) -> None:
         """This rank's fp32 weights (a copy for 16-bit training, views otherwise) as fragments."""
-        self.master_buffers: list[torch.Tensor] | None = [] if self.precision.master_weights else None
+        self.master_buffers: list[torch.Tensor] | None = [] if self._wants_master() else None
         self.fragments: list[list[_Fragment]] = []
         replace: dict[int, list[torch.Tensor]] = {}
         for gi, g in enumerate(self.groups):
             if self.master_buffers is not None:
-                master = torch.cat([g.param_buffer[a:b] for a, b in self.chunks[gi]]).to(torch.float32)
-                self.master_buffers.append(master)
+                master = torch.cat([g.param_buffer[a:b] for a, b in self.chunks[gi]])
+                self.master_buffers.append(master.to(device=self._master_device(g.device), dtype=torch.float32,
+                                                     copy=True))
             frags = []
             for (a, b), local0 in zip(self.chunks[gi], self.chunk_local[gi]):
                 for f in g.fragments(a, b):
@@ -118,6 +124,28 @@ class PartitionedStrategy(ZeroStrategy):
             for group in self.optimizer.param_groups:  # a parameter owned elsewhere is dropped here
                 group["params"] = [t for p in group["params"]
                                    for t in (replace.get(id(p), []) if id(p) in laid_out else [p])]
+
+    def _wants_master(self) -> bool:
+        """A separate fp32 copy in memory: 16-bit training, or the optimizer offloaded to the CPU.
+        (NVMe offload keeps its copy in files; see ``_setup_offload``.)"""
+        return self.offload_device != "nvme" and (self.precision.master_weights or self.offload_device == "cpu")
+
+    def _master_device(self, device: torch.device) -> torch.device:
+        return torch.device("cpu") if self.offload_device == "cpu" else device
+
+    def _setup_offload(self, offload, sub_group_size: int, aio) -> None:
+        """NVMe: move the fp32 weights (and, once created, the optimizer states) into files."""
+        self.swapper = None
+        if self.offload_device != "nvme":
+            return
+        from shardwise.zero.offload import NvmeStore, OptimizerSwapper
+
+        store = NvmeStore(offload.nvme_path, rank=comm.get_rank(),
+                          threads=aio.thread_count if aio is not None else 1,
+                          block_size=aio.block_size if aio is not None else 1 << 20)
+        self.swapper = OptimizerSwapper(store, self.optimizer, [f for fr in self.fragments for f in fr],
+                                        sub_group_size=sub_group_size, buffer_count=offload.buffer_count,
+                                        initial_value=lambda f: f.tensor.detach())
 
     def _build_grads(self) -> None:
         if self.stage == 1:  # full local gradient buffer; param.grad are views of it
@@ -182,63 +210,82 @@ class PartitionedStrategy(ZeroStrategy):
             return [self.grad_buffers[gi][a:b] for a, b in self.chunks[gi]]
         return [self.partition_grads[gi]]
 
-    def _fp32_grads(self, loss_scale: float) -> list[torch.Tensor]:
-        """fp32 gradients of this rank's partition, unscaled, attached to the fragments."""
-        out = []
-        for gi, g in enumerate(self.groups):
-            chunks = self._own_grad_chunks(gi)
-            if self.master_buffers is None and self.stage == 1:
-                grads = chunks  # fp32 already, in place
-                for f in self.fragments[gi]:
-                    f.tensor.grad = self.grad_buffers[gi][f.buffer_start : f.buffer_start + f.numel]
-            else:
-                flat = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
-                grads = [flat.to(torch.float32) if flat.dtype != torch.float32 else flat]
-                for f in self.fragments[gi]:
-                    f.tensor.grad = grads[0][f.local : f.local + f.numel]
-            if loss_scale != 1.0:
-                for t in grads:
-                    t.mul_(1.0 / loss_scale)
-            out.extend(grads)
-        return out
+    def _grad_source(self, f: _Fragment) -> torch.Tensor:
+        """This rank's reduced gradient (model dtype) of fragment ``f``."""
+        if self.stage == 1:
+            return self.grad_buffers[f.group][f.buffer_start : f.buffer_start + f.numel]
+        return self.partition_grads[f.group][f.local : f.local + f.numel]
+
+    def _weight_target(self, f: _Fragment) -> torch.Tensor:
+        """Where the model's own (possibly 16-bit) weights of fragment ``f`` live."""
+        return self.groups[f.group].param_buffer[f.buffer_start : f.buffer_start + f.numel]
+
+    @property
+    def _separate_master(self) -> bool:
+        """True when the optimizer steps a copy of the weights (fp32 master, or offloaded)."""
+        return self.master_buffers is not None or self.swapper is not None
+
+    def _fragment_batches(self):
+        """Lists of fragments whose weights and optimizer states are resident (all of them at once,
+        unless the optimizer is offloaded to NVMe: then one sub-group after another)."""
+        if self.swapper is not None:
+            yield from self.swapper.batches()
+        else:
+            yield [f for frags in self.fragments for f in frags]
 
     def step(self, *, loss_scale: float, clip: float) -> StepResult:
-        grads = self._fp32_grads(loss_scale)
-        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-        for t in grads:
-            sq += t.pow(2).sum()
+        sq = None
+        for gi in range(len(self.groups)):
+            for t in self._own_grad_chunks(gi):
+                part = _sq_sum(t)
+                sq = part if sq is None else sq + part
         if self.world > 1:
             comm.all_reduce(sq, group=self.dp_group)
-        total = sq.sqrt()
-        finite = bool(torch.isfinite(total))
-        if self.precision.check_overflow and not finite:
-            self._drop_fragment_grads()
+        total = sq.sqrt() / loss_scale
+        if self.precision.check_overflow and not bool(torch.isfinite(total)):
             return StepResult(grad_norm=float("inf"), overflow=True)
         norm = float(total)
-        if clip > 0:
-            coef = clip / (norm + 1e-6)
-            if coef < 1.0:
-                for t in grads:
-                    t.mul_(coef)
-        self.optimizer.step()
-        self._drop_fragment_grads()
-        self._publish_params()
-        return StepResult(grad_norm=norm, overflow=False)
-
-    def _drop_fragment_grads(self) -> None:
-        for frags in self.fragments:
+        coef = 1.0 / loss_scale
+        if clip > 0 and clip / (norm + 1e-6) < 1.0:
+            coef *= clip / (norm + 1e-6)
+        for frags in self._fragment_batches():
+            grads = [self._grad_source(f) for f in frags]
+            if self._separate_master or grads and grads[0].dtype != torch.float32:
+                grads = [g.to(device=f.tensor.device, dtype=torch.float32, copy=True) for g, f in zip(grads, frags)]
+            if coef != 1.0 and grads:
+                torch._foreach_mul_(grads, coef)
+            for f, g in zip(frags, grads):
+                f.tensor.grad = g.view_as(f.tensor)
+            self._step_subset(frags)
             for f in frags:
                 f.tensor.grad = None
+                if self._separate_master:
+                    self._weight_target(f).copy_(f.tensor.detach().reshape(-1))
+        self._after_step()
+        return StepResult(grad_norm=norm, overflow=False)
 
-    def _publish_params(self) -> None:
-        """Write updated chunks into the 16-bit buffer (if any) and all-gather every bucket in place."""
+    def _step_subset(self, frags: list[_Fragment]) -> None:
+        """``optimizer.step()`` on just these fragments (all of them: a plain step)."""
+        if self.swapper is None:
+            self.optimizer.step()
+            return
+        wanted = {id(f.tensor) for f in frags}
+        saved = [g["params"] for g in self.optimizer.param_groups]
+        try:
+            for g in self.optimizer.param_groups:
+                g["params"] = [t for t in g["params"] if id(t) in wanted]
+            self.optimizer.step()
+        finally:
+            for g, params in zip(self.optimizer.param_groups, saved):
+                g["params"] = params
+
+    def _after_step(self) -> None:
+        """All-gather every bucket in place: each rank contributes the chunks it just updated."""
+        if self.world == 1:
+            return
         pending, in_flight = [], 0
         for gi, g in enumerate(self.groups):
-            for (a, b), local, (bs, be) in zip(self.chunks[gi], self.chunk_local[gi], g.buckets):
-                if self.master_buffers is not None:
-                    g.param_buffer[a:b].copy_(self.master_buffers[gi][local : local + b - a])
-                if self.world == 1:
-                    continue
+            for (a, b), (bs, be) in zip(self.chunks[gi], g.buckets):
                 pending.append(comm.all_gather_into_tensor(g.param_buffer[bs:be], g.param_buffer[a:b],
                                                            group=self.dp_group, async_op=True))
                 in_flight += be - bs
@@ -274,6 +321,7 @@ class PartitionedStrategy(ZeroStrategy):
             "master_params": sum(t.nbytes for t in self.master_buffers) if self.master_buffers is not None else 0,
             "bucket_buffers": bucket,
             "live_params": 0,
+            "on_disk": self.swapper.store.disk_bytes() if self.swapper is not None else 0,
         }
 
     def local_grad(self, name: str, start: int, end: int) -> torch.Tensor:
@@ -285,11 +333,28 @@ class PartitionedStrategy(ZeroStrategy):
                     return self.partition_grads[gi][f.local : f.local + f.numel]
         raise KeyError(f"{name}[{start}:{end}] is not owned by this rank")
 
+    def fragment_batches(self):
+        for frags in self._fragment_batches():
+            yield [(f.name, f.param_start, f.param_end, f.tensor) for f in frags]
+
     def local_fragments(self):
         """(name, param_start, param_end, optimizer tensor = fp32 weights) for every owned fragment."""
         for frags in self.fragments:
             for f in frags:
                 yield f.name, f.param_start, f.param_end, f.tensor
+
+
+def _offload_device(block) -> str:
+    return getattr(block, "device", "none") if block is not None else "none"
+
+
+def _sq_sum(t: torch.Tensor, piece: int = 1 << 24) -> torch.Tensor:
+    """Sum of squares in fp32, a slice at a time (no full-size fp32 copy of a 16-bit tensor)."""
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.float32, device=t.device)
+    for i in range(0, flat.numel(), piece):
+        total += flat[i : i + piece].float().pow(2).sum()
+    return total
 
 
 def _local_offsets(chunks: list[tuple[int, int]]) -> list[int]:

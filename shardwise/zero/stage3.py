@@ -23,7 +23,7 @@ from shardwise.precision import PrecisionPolicy
 from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.coordinator import ParamCoordinator, Unit
 from shardwise.zero.partitioned_param import gather_full, is_sharded, scatter_full_, shard_param_
-from shardwise.zero.stage12 import PartitionedStrategy, _Fragment
+from shardwise.zero.stage12 import PartitionedStrategy, _Fragment, _offload_device
 from shardwise.zero.strategy import ReduceSettings
 
 
@@ -58,6 +58,7 @@ class Stage3Strategy(PartitionedStrategy):
         dp_group=None,
         reduce: ReduceSettings = ReduceSettings(),
         zero_config=None,
+        aio=None,
     ) -> None:
         self.stage = 3
         self.optimizer = optimizer
@@ -76,7 +77,10 @@ class Stage3Strategy(PartitionedStrategy):
         for u in self.units:
             u.persistent = all(p._sw.numel <= threshold for p in u.params)
         self.groups = self.units  # the fragment/gradient code of stages 1-2 indexes "groups"
+        offload = zero_config.offload_optimizer if zero_config is not None else None
+        self.offload_device = _offload_device(offload)
         self._build_partitions()
+        self._setup_offload(offload, int(zero_config.sub_group_size) if zero_config is not None else 10**9, aio)
         for u in self.units:  # 16-bit training: shards hold 16-bit weights, masters fp32
             if u.dtype != precision.param_dtype:
                 _cast_unit_(u, precision.param_dtype)
@@ -102,12 +106,13 @@ class Stage3Strategy(PartitionedStrategy):
 
     # -- layout ---------------------------------------------------------------------------
     def _build_partitions(self) -> None:
-        self.master_buffers = [] if self.precision.master_weights else None
+        self.master_buffers = [] if self._wants_master() else None
         self.fragments = []
         replace: dict[int, list[torch.Tensor]] = {}
         for ui, u in enumerate(self.units):
             if self.master_buffers is not None:
-                self.master_buffers.append(u.shard.to(torch.float32, copy=True))
+                self.master_buffers.append(u.shard.to(device=self._master_device(u.device), dtype=torch.float32,
+                                                      copy=True))
             frags = []
             for p, name, off in zip(u.params, u.names, u.offsets):
                 start, end = p._sw.owned
@@ -160,11 +165,11 @@ class Stage3Strategy(PartitionedStrategy):
         self.coordinator.end_of_pass()
 
     # -- step -----------------------------------------------------------------------------
-    def _publish_params(self) -> None:
-        if self.master_buffers is not None:
-            for u, master in zip(self.units, self.master_buffers):
-                u.shard.copy_(master)
-        self.coordinator.end_of_pass()  # the next forward gathers fresh weights
+    def _weight_target(self, f) -> torch.Tensor:
+        return self.units[f.group].shard[f.local : f.local + f.numel]
+
+    def _after_step(self) -> None:
+        self.coordinator.end_of_pass()  # shards were updated in place; the next forward gathers them
 
     def zero_grad(self) -> None:
         for buf in self.partition_grads:
@@ -217,6 +222,7 @@ class Stage3Strategy(PartitionedStrategy):
             "bucket_buffers": 2 * max((b.numel for b in self.reducer.buckets), default=0)
             * torch.finfo(self.precision.param_dtype).bits // 8,
             "live_params": sum(u.full_numel * u.shard.element_size() for u in self.units if u.gathered),
+            "on_disk": self.swapper.store.disk_bytes() if self.swapper is not None else 0,
         }
 
 

@@ -78,6 +78,11 @@ class ZeroStrategy(abc.ABC):
     def local_grad(self, name: str, start: int, end: int) -> torch.Tensor:
         """This rank's reduced gradient for elements ``[start, end)`` of parameter ``name``."""
 
+    def fragment_batches(self):
+        """Lists of ``(name, start, end, tensor)`` whose tensors are resident while the list is in use
+        (everything at once, except with NVMe offload)."""
+        yield list(self.local_fragments())
+
     def gather_full(self, name: str, shape: torch.Size, what: str) -> torch.Tensor:
         """The whole fp32 ``param`` / ``grad`` / optimizer state ``what`` of one parameter, assembled
         from every rank's fragments. Collective for partitioned stages: call it on every rank."""
@@ -85,7 +90,7 @@ class ZeroStrategy(abc.ABC):
         numel = 1
         for d in shape:
             numel *= d
-        for fname, start, end, t in self.local_fragments():
+        for fname, start, end, t in (x for batch in self.fragment_batches() for x in batch):
             if out is None:
                 out = torch.zeros(numel, dtype=torch.float32, device=t.device)
             if fname != name:
@@ -108,14 +113,20 @@ class ZeroStrategy(abc.ABC):
         return out.view(shape)
 
 
-def build_strategy(zero_config, **kwargs) -> ZeroStrategy:
+def build_strategy(zero_config, *, aio=None, **kwargs) -> ZeroStrategy:
     """The strategy for ``zero_config.stage`` (a ``zero_optimization`` config block)."""
     stage = int(zero_config.stage)
     module = kwargs.pop("module")
+    opt_off = getattr(zero_config.offload_optimizer, "device", "none")
+    param_off = getattr(zero_config.offload_param, "device", "none")
+    if opt_off != "none" and stage == 0:
+        raise ValueError("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (stage is 0)")
+    if param_off != "none" and stage != 3:
+        raise ValueError(f"zero_optimization.offload_param needs ZeRO stage 3 (stage is {stage})")
     if stage == 3:
         from shardwise.zero.stage3 import Stage3Strategy
 
-        return Stage3Strategy(module=module, zero_config=zero_config, **kwargs)
+        return Stage3Strategy(module=module, zero_config=zero_config, aio=aio, **kwargs)
     if stage == 0:
         from shardwise.zero.stage0 import DataParallelStrategy
 
@@ -127,6 +138,9 @@ def build_strategy(zero_config, **kwargs) -> ZeroStrategy:
             stage=stage,
             allgather_bucket_elements=int(zero_config.allgather_bucket_size),
             use_reduce_scatter=bool(zero_config.reduce_scatter),
+            offload_optimizer=zero_config.offload_optimizer,
+            sub_group_size=int(zero_config.sub_group_size),
+            aio=aio,
             **kwargs,
         )
     raise ValueError(f"not implemented yet: zero_optimization.stage={stage}")
