@@ -110,3 +110,38 @@ def test_nvme_offload_keeps_states_on_disk_bounded_in_memory_and_resumes(tmp_pat
         # ... and during the step at most two sub-groups (buffer_count 2) were resident at once.
         assert r["peak"] <= 2 * r["biggest"] * 12 < 12 * r["owned"]
         assert r["losses"] == r["resumed"], "resume from a checkpoint under NVMe offload must be exact"
+
+
+def _param_offload_body(rank, world, nvme_dir):
+    out = {}
+    for device in ("cpu", "nvme"):
+        cfg = _cfg(3, device, nvme_dir)
+        cfg["zero_optimization"]["offload_param"] = {"device": device, "nvme_path": nvme_dir}
+        out[device] = _train(rank, world, make_tied_model, cfg)
+    import shardwise
+
+    # With parameters on NVMe, no shard stays in memory between steps.
+    cfg = _cfg(3, "nvme", nvme_dir)
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir}
+    model = make_tied_model()
+    shardwise.zero.register_external_parameter(model, model.emb.weight)
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    x, y = make_data(1, BATCH)
+    engine.backward(mse(engine(x[0, :4]), y[0, :4]))
+    engine.step()
+    out["breakdown"] = engine.memory_breakdown().as_dict()
+    return out
+
+
+def test_stage3_parameter_offload_cpu_and_nvme_match_single_process(tmp_path):
+    results = run_distributed(_param_offload_body, 2, args=(str(tmp_path / "nvme"),), timeout=300)
+    ref_losses, ref_params = reference_training_for(make_tied_model(), STEPS, BATCH)
+    for r in results:
+        for device in ("cpu", "nvme"):
+            losses, params = r[device]
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-7)
+            for n in ref_params:
+                torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6, msg=f"{device}: {n}")
+        m = r["breakdown"]
+        assert m["params"] == 0 and m["master_params"] == 0 and m["optimizer_states"] == 0
+        assert m["on_disk"] > 0 and m["live_params"] == 0

@@ -12,6 +12,8 @@ autograd saved during forward point at the same storage once re-gathered.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from shardwise import comm
@@ -50,10 +52,41 @@ class Unit:
             pos += m.numel
         self._storage_bytes = self.full.untyped_storage().nbytes()
         self.gathered = False
-        self.pending = None  # (work, gather buffer) of an in-flight all-gather
+        self.pending = None  # ("comm", work, buffer) in-flight all-gather, or ("disk", future, shard) read
         self.users = 0
         self.persistent = False
+        self.store = None  # NvmeStore when the shard lives in a file (offload_param: nvme)
         self.release()
+
+    # -- where the shard lives (offload_param) ------------------------------------------------
+    def _point(self, shard: torch.Tensor) -> None:
+        self.shard = shard
+        for p, o, c in zip(self.params, self.offsets, self.chunks):
+            p._sw.shard = shard[o : o + c] if shard.numel() else shard
+
+    def offload_to_cpu(self) -> None:
+        self._point(self.shard.to("cpu"))
+
+    def offload_to_nvme(self, store) -> None:
+        self.store, self.file = store, f"unit{self.index}.bin"
+        store.write_async(self.file, self.shard).result()
+        self._point(torch.empty(0, dtype=self.dtype))
+
+    @contextlib.contextmanager
+    def resident(self, *, write: bool):
+        """Hold the shard in memory inside the block (and write it back after, if ``write``)."""
+        if self.store is None:
+            yield self.shard
+            return
+        buf = torch.empty(self.shard_numel, dtype=self.dtype)
+        self.store.read_async(self.file, buf).result()
+        self._point(buf)
+        try:
+            yield buf
+        finally:
+            if write:
+                self.store.write_async(self.file, buf).result()
+            self._point(torch.empty(0, dtype=self.dtype))
 
     @property
     def live_numel(self) -> int:
@@ -62,18 +95,30 @@ class Unit:
     def start_gather(self, group) -> None:
         if self.gathered or self.pending is not None:
             return
+        self.group = group
+        if self.store is not None:  # read now; the collective is issued in finish_gather (same order everywhere)
+            shard = torch.empty(self.shard_numel, dtype=self.dtype)
+            self.pending = ("disk", self.store.read_async(self.file, shard), shard)
+            return
+        self.pending = ("comm", *self._all_gather(self.shard, async_op=True))
+
+    def _all_gather(self, shard: torch.Tensor, *, async_op: bool):
+        shard = shard.to(self.device)  # offload_param cpu: the shard comes to the compute device
         buf = torch.empty(self.shard_numel * self.world, dtype=self.dtype, device=self.device)
-        work = comm.all_gather_into_tensor(buf, self.shard, group=group, async_op=True) if self.world > 1 else None
-        if work is None:
-            buf.copy_(self.shard)
-        self.pending = (work, buf)
+        if self.world == 1:
+            buf.copy_(shard)
+            return None, buf
+        return comm.all_gather_into_tensor(buf, shard, group=self.group, async_op=async_op), buf
 
     def finish_gather(self) -> None:
         if self.gathered:
             return
-        work, buf = self.pending
-        if work is not None:
-            work.wait()
+        kind, handle, buf = self.pending
+        if kind == "disk":
+            handle.result()
+            handle, buf = self._all_gather(buf, async_op=False)
+        if handle is not None:
+            handle.wait()
         self.pending = None
         self.full.untyped_storage().resize_(self._storage_bytes)
         rows = buf.view(self.world, self.shard_numel)

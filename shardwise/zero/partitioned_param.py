@@ -12,6 +12,7 @@ engine or global layout exists.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -59,14 +60,20 @@ def is_sharded(param: torch.Tensor) -> bool:
     return getattr(param, "_sw", None) is not None
 
 
+def _resident(meta: ShardedParam, *, write: bool):
+    unit = getattr(meta, "unit", None)  # a stage-3 unit may keep the shard on disk
+    return unit.resident(write=write) if unit is not None else contextlib.nullcontext()
+
+
 def gather_full(param: torch.nn.Parameter, *, group=None) -> torch.Tensor:
     """A freshly gathered full copy of a sharded parameter (collective)."""
     meta: ShardedParam = param._sw
-    out = torch.empty(meta.chunk * meta.world, dtype=meta.shard.dtype, device=meta.shard.device)
-    if meta.world > 1:
-        comm.all_gather_into_tensor(out, meta.shard, group=group)
-    else:
-        out.copy_(meta.shard)
+    with _resident(meta, write=False):
+        out = torch.empty(meta.chunk * meta.world, dtype=meta.shard.dtype, device=meta.shard.device)
+        if meta.world > 1:
+            comm.all_gather_into_tensor(out, meta.shard, group=group)
+        else:
+            out.copy_(meta.shard)
     return out[: meta.numel].view(meta.shape)
 
 
@@ -74,5 +81,5 @@ def scatter_full_(param: torch.nn.Parameter, full: torch.Tensor) -> None:
     """Write this rank's chunk of ``full`` back into the shard."""
     meta: ShardedParam = param._sw
     start, end = meta.owned
-    with torch.no_grad():
+    with _resident(meta, write=True), torch.no_grad():
         meta.shard[: end - start].copy_(full.reshape(-1)[start:end])

@@ -259,10 +259,15 @@ class PartitionedStrategy(ZeroStrategy):
             self._step_subset(frags)
             for f in frags:
                 f.tensor.grad = None
-                if self._separate_master:
-                    self._weight_target(f).copy_(f.tensor.detach().reshape(-1))
+            if self._separate_master:
+                self._write_back(frags)
         self._after_step()
         return StepResult(grad_norm=norm, overflow=False)
+
+    def _write_back(self, frags: list[_Fragment]) -> None:
+        """Copy the updated fp32 weights into the model's own (possibly 16-bit) weights."""
+        for f in frags:
+            self._weight_target(f).copy_(f.tensor.detach().reshape(-1))
 
     def _step_subset(self, frags: list[_Fragment]) -> None:
         """``optimizer.step()`` on just these fragments (all of them: a plain step)."""

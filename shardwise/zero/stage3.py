@@ -84,6 +84,8 @@ class Stage3Strategy(PartitionedStrategy):
         for u in self.units:  # 16-bit training: shards hold 16-bit weights, masters fp32
             if u.dtype != precision.param_dtype:
                 _cast_unit_(u, precision.param_dtype)
+        self.param_store = None
+        self._offload_params(zero_config.offload_param if zero_config is not None else None, aio)
         self.partition_grads = [torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device) for u in self.units]
         self._layout = _UnitBuckets(self.units, self.world)
         self._bucket_unit = {}
@@ -165,8 +167,30 @@ class Stage3Strategy(PartitionedStrategy):
         self.coordinator.end_of_pass()
 
     # -- step -----------------------------------------------------------------------------
+    def _offload_params(self, block, aio) -> None:
+        device = _offload_device(block)
+        if device == "cpu":
+            for u in self.units:
+                u.offload_to_cpu()
+        elif device == "nvme":
+            from shardwise.zero.offload import NvmeStore
+
+            self.param_store = NvmeStore(block.nvme_path, rank=comm.get_rank(),
+                                         threads=aio.thread_count if aio is not None else 1,
+                                         block_size=aio.block_size if aio is not None else 1 << 20)
+            for u in self.units:
+                u.offload_to_nvme(self.param_store)
+
     def _weight_target(self, f) -> torch.Tensor:
         return self.units[f.group].shard[f.local : f.local + f.numel]
+
+    def _write_back(self, frags) -> None:
+        by_unit: dict[int, list] = {}
+        for f in frags:
+            by_unit.setdefault(f.group, []).append(f)
+        for ui, fs in by_unit.items():
+            with self.units[ui].resident(write=True):  # the shard may live on disk
+                super()._write_back(fs)
 
     def _after_step(self) -> None:
         self.coordinator.end_of_pass()  # shards were updated in place; the next forward gathers them
@@ -180,12 +204,14 @@ class Stage3Strategy(PartitionedStrategy):
 
     def refresh_master(self, name: str, p: torch.nn.Parameter) -> None:
         """After ``GatheredParameters(modifier_rank=...)`` rewrote ``p``'s shard: update its fp32 copy."""
-        if self.master_buffers is None:
+        if not self._separate_master:
             return  # the optimizer steps views of the shard itself
         u = p._sw.unit
-        for f in self.fragments[u.index]:
-            if f.name == name:
-                f.tensor.data.copy_(u.shard[f.local : f.local + f.numel])
+        for batch in self._fragment_batches():
+            with u.resident(write=False):
+                for f in batch:
+                    if f.name == name and f.group == u.index:
+                        f.tensor.data.copy_(u.shard[f.local : f.local + f.numel])
 
     # -- whole-model views ----------------------------------------------------------------
     def module_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -216,13 +242,14 @@ class Stage3Strategy(PartitionedStrategy):
 
     def memory_parts(self) -> dict[str, int]:
         return {
-            "params": sum(u.shard.nbytes for u in self.units),
+            "params": sum(u.shard.nbytes for u in self.units),  # 0 when the shards are on NVMe
             "grads": sum(t.nbytes for t in self.partition_grads),
             "master_params": sum(t.nbytes for t in self.master_buffers) if self.master_buffers is not None else 0,
             "bucket_buffers": 2 * max((b.numel for b in self.reducer.buckets), default=0)
             * torch.finfo(self.precision.param_dtype).bits // 8,
             "live_params": sum(u.full_numel * u.shard.element_size() for u in self.units if u.gathered),
-            "on_disk": self.swapper.store.disk_bytes() if self.swapper is not None else 0,
+            "on_disk": (self.swapper.store.disk_bytes() if self.swapper is not None else 0)
+            + (self.param_store.disk_bytes() if self.param_store is not None else 0),
         }
 
 
