@@ -152,3 +152,30 @@ def test_zero_init_never_materialises_the_model_and_trains():
         assert grown < 0.75 * full_bytes, (grown, full_bytes)
         assert losses[-1] < losses[0]
         assert bias_ok, "model.apply(init) inside zero.Init must reach the shards"
+
+
+def _save16_body(rank, world, out_dir):
+    import shardwise
+
+    results = {}
+    for stage, gather in ((0, False), (3, False), (3, True)):
+        z = {"stage": stage, "stage3_param_persistence_threshold": 0,
+             "stage3_gather_16bit_weights_on_model_save": gather}
+        engine, *_ = shardwise.initialize(model=make_model(), config=base_config(
+            bf16={"enabled": True}, zero_optimization=z))
+        results[(stage, gather)] = engine.save_16bit_model(f"{out_dir}/s{stage}{gather}")
+    return results
+
+
+def test_save_16bit_model_gathers_stage3_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    (r0, r1) = run_distributed(_save16_body, 2, args=(str(tmp_path),), timeout=180)
+    assert r0 == r1 == {(0, False): True, (3, False): False, (3, True): True}
+    ref = {k: v.to(torch.bfloat16) for k, v in make_model().state_dict().items()}
+    for folder in ("s0False", "s3True"):
+        saved = load_file(str(tmp_path / folder / "model.safetensors"))
+        assert saved.keys() == ref.keys()
+        for k in ref:
+            assert saved[k].dtype == torch.bfloat16 and torch.equal(saved[k], ref[k]), (folder, k)
+    assert not (tmp_path / "s3False").exists()

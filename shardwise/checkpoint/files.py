@@ -86,3 +86,13 @@ def read_tensors(path: Path, expected_sha256: str | None) -> dict[str, torch.Ten
                 f"checkpoint file {path} is corrupted: sha256 {actual} does not match the manifest's {expected_sha256}"
             )
     return load_file(str(path))
+
+
+def save_state_dict_atomically(state: dict[str, torch.Tensor], path) -> None:
+    """A whole state dict as one safetensors file, written to a temporary name and renamed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    write_tensors(tmp, state)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
