@@ -179,3 +179,29 @@ def test_save_16bit_model_gathers_stage3_weights(tmp_path):
         for k in ref:
             assert saved[k].dtype == torch.bfloat16 and torch.equal(saved[k], ref[k]), (folder, k)
     assert not (tmp_path / "s3False").exists()
+
+
+def test_units_follow_the_module_tree():
+    """Units: whole subtrees up to stage3_prefetch_bucket_size elements; ModuleList is descended."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "gpt"))
+    from model import GPT, GPTConfig
+
+    from shardwise.zero.partitioned_param import shard_param_
+    from shardwise.zero.stage3 import _build_units
+
+    import shardwise
+
+    shardwise.init_distributed()
+    model = GPT(GPTConfig())
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in model.parameters():
+        shard_param_(p)
+    block = sum(p._sw.numel for p in model.blocks[0].parameters())
+    units, module_units = _build_units(model, names, 1, block)
+    roots = {m for m, us in module_units.items()}
+    assert all(b in roots for b in model.blocks) and model.blocks not in roots and model not in roots
+    assert len(units) == 4 + 4  # tok, pos, 4 blocks, ln_f, head
+    assert sorted(u.full_numel for u in units if "blocks.0." in u.names[0]) == [block]

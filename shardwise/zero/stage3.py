@@ -72,7 +72,8 @@ class Stage3Strategy(PartitionedStrategy):
         for p in module.parameters():
             if not is_sharded(p):
                 shard_param_(p, group=dp_group)
-        self.units, module_units = _build_units(module, names, self.world)
+        unit_elements = int(zero_config.stage3_prefetch_bucket_size) if zero_config is not None else 0
+        self.units, module_units = _build_units(module, names, self.world, unit_elements)
         threshold = int(zero_config.stage3_param_persistence_threshold) if zero_config is not None else 0
         for u in self.units:
             u.persistent = all(p._sw.numel <= threshold for p in u.params)
@@ -141,10 +142,13 @@ class Stage3Strategy(PartitionedStrategy):
     def _accept_grad(self, b: Bucket, i: int, p: torch.Tensor) -> None:
         u = self._bucket_unit[b.index]
         k = u.position_of[id(p)]
-        meta, off, c = p._sw, u.offsets[k], u.chunks[k]
-        padded = torch.zeros(c * self.world, dtype=u.dtype, device=u.device)
-        padded[: meta.numel].copy_(p.grad.reshape(-1))
-        b.data.view(self.world, u.shard_numel)[:, off : off + c].copy_(padded.view(self.world, c))
+        n, off, c = p._sw.numel, u.offsets[k], u.chunks[k]
+        rows = b.data.view(self.world, u.shard_numel)[:, off : off + c]  # rank-major: row r -> rank r
+        grad = p.grad.reshape(-1)
+        full = n // c
+        rows[:full].copy_(grad[: full * c].view(full, c))
+        if full * c < n:  # the last, partial chunk (the rest of the bucket is already zero)
+            rows[full, : n - full * c].copy_(grad[full * c :])
         p.grad = None
         self._accepted[u.index] += 1
         if self._accepted[u.index] == self._trainable[u.index] and not u.persistent and u.users == 0:
@@ -266,28 +270,66 @@ def _cast_unit_(u: Unit, dtype: torch.dtype) -> None:
     u.release()
 
 
-def _build_units(module: torch.nn.Module, names: dict[int, str], world: int):
-    """One unit per module that owns parameters (reverse registration order); each module maps to
-    the units holding every parameter it uses (its own, tied ones, registered external ones)."""
-    owner: dict[int, Unit] = {}
-    units: list[Unit] = []
-    modules = list(module.named_modules())
-    for _, m in reversed(modules):
-        own = [p for p in m._parameters.values() if p is not None and id(p) not in owner]
-        if own:
-            u = Unit(len(units), own, [names.get(id(p), "?") for p in own], world)
-            units.append(u)
-            for p in own:
-                owner[id(p)] = u
+def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, unit_elements: int):
+    """Cut the module tree into units of at most ``unit_elements`` parameters: a module whose whole
+    subtree fits becomes one unit; a bigger one (or a ModuleList/ModuleDict, which is never called
+    itself) keeps its direct parameters as a unit and its children are cut the same way.  Returns the units (index order: last used in forward first, the order
+    gradients become ready) and, for each module that needs hooks, the units it needs whole: its own
+    unit, plus units of parameters it uses but that lie outside its subtree (tied weights, parameters
+    registered with ``register_external_parameter``)."""
+    owner: dict[int, list] = {}  # id(param) -> [unit params list, root module]
+    order: list[tuple[torch.nn.Module, list]] = []
+
+    def fresh(params):
+        out, seen = [], set()
+        for p in params:
+            if id(p) not in owner and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def claim(root, params):
+        if params:
+            for p in params:
+                owner[id(p)] = params
+            order.append((root, params))
+
+    def visit(m: torch.nn.Module) -> None:
+        subtree = fresh(p for p in m.parameters())
+        container = isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))  # never called itself
+        fits = sum(p._sw.numel for p in subtree) <= unit_elements and not container
+        if fits or not any(True for _ in m.children()):
+            claim(m, subtree)
+            return
+        claim(m, fresh(p for p in m._parameters.values() if p is not None))
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+    units, by_params = [], {}
+    for index, (root, params) in enumerate(reversed(order)):
+        u = Unit(index, params, [names.get(id(p), "?") for p in params], world)
+        units.append(u)
+        by_params[id(params)] = (u, root)
+    unit_of = {pid: by_params[id(params)][0] for pid, params in owner.items()}
+    roots = {id(root): u for u, root in by_params.values()}
+
     module_units: dict[torch.nn.Module, list[Unit]] = {}
-    for _, m in modules:
+
+    def assign(m: torch.nn.Module, covered: set[int]) -> None:
+        own = roots.get(id(m))
+        covered = covered | ({own.index} if own is not None else set())
         used = [p for p in m._parameters.values() if p is not None]
         used += list(getattr(m, "_sw_external_params", []))
-        us: list[Unit] = []
+        extra = []
         for p in used:
-            u = owner.get(id(p))
-            if u is not None and u not in us:
-                us.append(u)
-        if us:
-            module_units[m] = us
+            u = unit_of.get(id(p))
+            if u is not None and u.index not in covered and u not in extra:
+                extra.append(u)
+        if own is not None or extra:
+            module_units[m] = ([own] if own is not None else []) + extra
+        for child in m.children():
+            assign(child, covered)
+
+    assign(module, set())
     return units, module_units
