@@ -43,6 +43,7 @@ def initialize(
     source = _config_source(args, config, config_params)
     cfg = load_config(source)
     init_distributed(dist_init_required=dist_init_required)
+    comm.configure(comms_logger=cfg.comms_logger, timeout=cfg.comm_timeout)
     grid = MpuGrid(mpu) if mpu is not None else ParallelGrid.data_parallel_only()
     engine = Engine(
         model=model,
@@ -94,6 +95,9 @@ _LAZY = {
     "zero": ("shardwise.zero", None),
     "runtime": ("shardwise.runtime", None),
     "checkpoint": ("shardwise.checkpoint", None),
+    "checkpointing": ("shardwise.checkpointing", None),  # activation checkpointing (deepspeed.checkpointing)
+    "profiling": ("shardwise.profiling", None),
+    "monitor": ("shardwise.monitor", None),
 }
 
 

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.comm import ops
 from shardwise.comm.device import default_backend, get_accelerator_device
+from shardwise.comm.logger import CommsLogger, format_table
 
 logger = logging.getLogger("shardwise")
 
@@ -19,6 +21,32 @@ ReduceOp = dist.ReduceOp
 Work = Any  # the handle an async collective returns (torch.distributed.Work)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+_TIMEOUT_ENV = "SHARDWISE_COMM_TIMEOUT"  # seconds; set by `shardwise run --comm_timeout`
+
+
+def _env_timeout() -> datetime.timedelta:
+    raw = os.environ[_TIMEOUT_ENV]
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"{_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    return datetime.timedelta(seconds=seconds)
+
+
+def resolve_timeout(timeout: datetime.timedelta | None) -> datetime.timedelta:
+    """The collective timeout: the launcher's --comm_timeout, else ``timeout``, else
+    DEEPSPEED_TIMEOUT (minutes, as DeepSpeed reads it), else 30 minutes."""
+    if _TIMEOUT_ENV in os.environ:
+        return _env_timeout()
+    if timeout is not None:
+        return timeout
+    minutes = os.environ.get("DEEPSPEED_TIMEOUT")
+    if minutes is not None:
+        return datetime.timedelta(minutes=float(minutes))
+    return DEFAULT_TIMEOUT
+
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -36,7 +64,7 @@ def init_distributed(
     auto_mpi_discovery: bool = True,
     distributed_port: int = 29500,
     verbose: bool = True,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    timeout: datetime.timedelta | None = None,
     init_method: str | None = None,
     dist_init_required: bool | None = None,
     config: Any = None,
@@ -48,7 +76,8 @@ def init_distributed(
     Reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as set by
     ``shardwise run``, ``torchrun`` or ``deepspeed``.  Without them (a plain
     ``python train.py``) it forms a world of one process on a free local port.
-    Calling it again once a group exists does nothing.
+    Calling it again once a group exists does nothing. ``timeout`` is how long a
+    collective may take before every rank raises a report naming it (see resolve_timeout).
     """
     if dist_init_required is False or dist.is_initialized():
         return
@@ -60,27 +89,31 @@ def init_distributed(
     if world_size < 0:
         world_size = int(env.get("WORLD_SIZE", env.get("OMPI_COMM_WORLD_SIZE", "1")))
     if init_method is None:
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in env:
-            if world_size > 1:
-                raise ValueError(
-                    f"WORLD_SIZE={world_size} but MASTER_PORT is not set: launch with "
-                    "`shardwise run`, torchrun, or set MASTER_ADDR/MASTER_PORT for every rank"
-                )
-            env["MASTER_PORT"] = str(_free_port())
-        env.setdefault("RANK", str(rank))
-        env.setdefault("WORLD_SIZE", str(world_size))
-        env.setdefault("LOCAL_RANK", str(rank if world_size == 1 else env.get("LOCAL_RANK", "0")))
-        init_method = "env://"
+        if "MASTER_PORT" in env:
+            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            init_method = "env://"
+        elif world_size > 1:
+            raise ValueError(
+                f"WORLD_SIZE={world_size} but MASTER_PORT is not set: launch with "
+                "`shardwise run`, torchrun, or set MASTER_ADDR/MASTER_PORT for every rank"
+            )
+        else:
+            # Un-launched (`python train.py`): a world of one on a private port. The environment is
+            # left alone, so subprocesses this one starts do not inherit a port that is in use.
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
     backend = dist_backend or default_backend()
     device = get_accelerator_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if verbose and rank == 0:
         logger.info("shardwise: initializing %s process group, world size %d", backend, world_size)
+    timeout = resolve_timeout(timeout)
     dist.init_process_group(
         backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
     )
+    ops.reset()
+    ops.timeout = timeout
+    ops.on_first_op = _start_watchdog
 
 
 def is_initialized() -> bool:
@@ -100,37 +133,155 @@ def get_local_rank() -> int:
 
 
 def new_group(ranks=None, **kwargs):
+    """A new process group; it gets the collective timeout the default group has."""
+    if "timeout" not in kwargs and ops.timeout is not None:
+        kwargs["timeout"] = ops.timeout
     return dist.new_group(ranks=ranks, **kwargs)
 
 
 def destroy_process_group() -> None:
     if is_initialized():
+        _stop_watchdog()
         dist.destroy_process_group()
+        ops.reset()
+        ops.on_first_op = _start_watchdog
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return ops.run("all_reduce", lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+                   group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return ops.run("broadcast", lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+                   group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
 
 
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     """Broadcast a small JSON-like python object (tag names, paths)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    ops.run("broadcast_object", lambda: dist.broadcast_object_list(box, src=src, group=group),
+            group=group, tensors=(), nbytes=0)
     return box[0]
 
 
 def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
-    return _all_gather_single(output, tensor, group=group, async_op=async_op)
+    # message size: the whole gathered buffer (nccl-tests' convention)
+    return ops.run("all_gather_into_tensor",
+                   lambda: _all_gather_single(output, tensor, group=group, async_op=async_op),
+                   group=group, tensors=(tensor,), nbytes=_nbytes(output), async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
-    return _reduce_scatter_single(output, tensor, op=op, group=group, async_op=async_op)
+    # message size: the whole buffer being reduced and scattered
+    return ops.run("reduce_scatter_tensor",
+                   lambda: _reduce_scatter_single(output, tensor, op=op, group=group, async_op=async_op),
+                   group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
 
 
 def barrier(group=None) -> None:
     if is_initialized():
-        dist.barrier(group=group)
+        ops.run("barrier", lambda: dist.barrier(group=group), group=group, tensors=(), nbytes=0)
+
+
+# ------------------------------------------------------------------ settings and logging
+
+def configure(*, comms_logger: Any = None, timeout: float | datetime.timedelta | None = None) -> None:
+    """Apply the config: the ``comms_logger`` block (a model or dict) and the collective timeout.
+
+    ``timeout`` (seconds or a timedelta) is applied to the default group and every group
+    created through :func:`new_group` from then on. ``SHARDWISE_COMM_TIMEOUT`` (set by
+    ``shardwise run --comm_timeout``) wins over it.
+    """
+    if comms_logger is not None:
+        block = comms_logger if isinstance(comms_logger, dict) else comms_logger.model_dump()
+        if block.get("enabled"):
+            ops.logger = CommsLogger(verbose=block.get("verbose", False),
+                                     prof_all=block.get("prof_all", True),
+                                     prof_ops=block.get("prof_ops") or [],
+                                     debug=block.get("debug", False), rank=get_rank())
+        else:
+            ops.logger = None
+    if _TIMEOUT_ENV in os.environ:
+        timeout = _env_timeout()
+    if timeout is not None:
+        if not isinstance(timeout, datetime.timedelta):
+            if timeout <= 0:
+                raise ValueError(f"comm_timeout must be a positive number of seconds, got {timeout!r}")
+            timeout = datetime.timedelta(seconds=timeout)
+        ops.timeout = timeout
+        if is_initialized():
+            dist.distributed_c10d._set_pg_timeout(timeout)
+
+
+def comms_summary() -> dict:
+    """This rank's comms logger data (see CommsLogger.summary); {} when the logger is off."""
+    return ops.logger.summary() if ops.logger is not None else {}
+
+
+def reset_comms_log() -> None:
+    if ops.logger is not None:
+        ops.logger.reset()
+
+
+def log_summary(show_straggler: bool = False) -> str:
+    """Print (on rank 0) and return the comms logger's table, like ``deepspeed.comm.log_summary``.
+
+    Call it on every rank: it synchronises them first. With ``show_straggler`` the table
+    gains a column: for each op and size, this rank's total latency minus the smallest
+    total latency of any rank (time spent waiting for slower ranks).
+    """
+    summary = comms_summary()
+    straggler = None
+    if is_initialized():
+        dist.barrier()  # direct call: the logger does not log itself
+        if show_straggler:
+            totals = {(op, size): s["total_latency_ms"] for op, sizes in summary.items()
+                      for size, s in sizes.items()}
+            gathered: list = [None] * get_world_size()
+            dist.all_gather_object(gathered, totals)
+            straggler = {k: v - min(g.get(k, v) for g in gathered) for k, v in totals.items()}
+    text = format_table(summary, straggler=straggler) if summary else \
+        "comms logger: nothing recorded (is comms_logger.enabled set in the config?)"
+    if get_rank() == 0:
+        print(text, flush=True)
+    return text
+
+
+# ----------------------------------------------------------------------------- watchdog
+_watchdog: list = [None]
+_generation = [0]
+
+
+def _start_watchdog() -> None:
+    """Start the hang reporter once a multi-rank default group exists (see watchdog.py)."""
+    ops.on_first_op = None
+    if (not is_initialized() or dist.get_world_size() < 2
+            or os.environ.get("SHARDWISE_COMM_WATCHDOG", "1") == "0"):
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return
+    _generation[0] += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"shardwise_comm/{attempt}/{_generation[0]}"
+    from shardwise.comm.watchdog import Watchdog
+
+    _watchdog[0] = Watchdog(store, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                            prefix=prefix)
+    ops.on_failure = _watchdog[0].alarm
+
+
+def _stop_watchdog() -> None:
+    if _watchdog[0] is not None:
+        _watchdog[0].stop()
+        _watchdog[0] = None
+    ops.on_failure = None
+
+
+ops.on_first_op = _start_watchdog

@@ -67,6 +67,8 @@ class ShardwiseConfig(ConfigModel):
     gradient_allreduce_op: AllreduceOp = "mean"
     sparse_gradients: bool = False
     disable_allgather: bool = False
+    # ours: seconds a collective may take before every rank reports it (docs/comms.md)
+    comm_timeout: Float | None = Field(None, gt=0)
 
     zero_optimization: ZeroConfig = _block(ZeroConfig)
     aio: AioConfig = _block(AioConfig)

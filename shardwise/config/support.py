@@ -21,10 +21,6 @@ __all__ = ["NOT_IMPLEMENTED", "unsupported_features", "check_supported"]
 UNIMPLEMENTED_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb"}
 
 
-def _offloads(block: Any) -> bool:
-    return block is not None and block.device != "none"
-
-
 def _changed(block: BaseModel) -> bool:
     return block != type(block)()
 
@@ -35,8 +31,6 @@ def _switched_on(block: dict[str, Any]) -> bool:
 
 
 NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
-    "zero_optimization.offload_param": lambda c: _offloads(c.zero_optimization.offload_param),
-    "zero_optimization.offload_optimizer": lambda c: _offloads(c.zero_optimization.offload_optimizer),
     "optimizer.type": lambda c: c.optimizer is not None and c.optimizer.type.lower() in UNIMPLEMENTED_OPTIMIZERS,
     "amp.enabled": lambda c: c.amp.enabled,
     "torch_autocast.enabled": lambda c: c.torch_autocast.enabled,
@@ -47,6 +41,12 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     "data_types.grad_accum_dtype": lambda c: c.data_types.grad_accum_dtype not in (None, "fp32"),
     "checkpoint.load_universal": lambda c: c.checkpoint.load_universal,
     "checkpoint.use_node_local_storage": lambda c: c.checkpoint.use_node_local_storage,
+    "checkpoint.writer.type": lambda c: c.checkpoint.writer is not None and c.checkpoint.writer.type == "mock",
+    "checkpoint.writer.data_parallel": lambda c: c.checkpoint.writer is not None
+    and c.checkpoint.writer.data_parallel is not None,
+    "checkpoint.writer.io_buffer_size": lambda c: c.checkpoint.writer is not None
+    and c.checkpoint.writer.io_buffer_size != 64 * 1024**2,
+    "checkpoint.writer.io_multiplier": lambda c: c.checkpoint.writer is not None and c.checkpoint.writer.io_multiplier != 1,
     "comet": lambda c: c.comet.enabled,
     "elasticity": lambda c: c.elasticity.enabled,
     "tensor_parallel": lambda c: _switched_on(c.tensor_parallel),

@@ -10,7 +10,7 @@ from .base import ConfigModel, Int, case_insensitive
 
 __all__ = [
     "OptimizerConfig", "SchedulerConfig", "ActivationCheckpointingConfig", "PipelineConfig",
-    "CheckpointConfig", "ParallelWriteConfig", "AioConfig",
+    "CheckpointConfig", "CheckpointWriterConfig", "ParallelWriteConfig", "AioConfig",
 ]
 
 
@@ -54,11 +54,29 @@ class ParallelWriteConfig(ConfigModel):
 TagValidation = Annotated[Literal["Ignore", "Warn", "Fail"], case_insensitive("Ignore", "Warn", "Fail")]
 
 
+WriterType = Annotated[Literal["mock", "python", "fast"], case_insensitive("mock", "python", "fast")]
+WriterParallel = Annotated[Literal["replica", "socket", "machine"], case_insensitive("replica", "socket", "machine")]
+
+
+class CheckpointWriterConfig(ConfigModel):
+    """DeepSpeed's ``checkpoint.writer``; ``decoupled: true`` saves in the background (docs/checkpoints.md)."""
+
+    type: WriterType = "fast"
+    decoupled: bool = False
+    io_buffer_size: Int = Field(64 * 1024**2, gt=0)
+    io_buffer_double: bool = True
+    show_statistics: bool = False
+    data_parallel: WriterParallel | None = None
+    io_multiplier: Int = Field(1, gt=0)
+
+
 class CheckpointConfig(ConfigModel):
     tag_validation: TagValidation = "Warn"
     load_universal: bool = False
     use_node_local_storage: bool = False
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    checkpoint_serialization: bool = True
+    writer: CheckpointWriterConfig | None = None
 
 
 class AioConfig(ConfigModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.machinery
+import importlib.util
 import os
 import shutil
 import socket
@@ -22,13 +23,32 @@ class LaunchOptions:
     script: str
     script_args: list[str] = field(default_factory=list)
     num_procs: int | None = None  # None: one per accelerator, or 1 without any
-    master_addr: str = DEFAULT_MASTER_ADDR
+    master_addr: str | None = None  # None: 127.0.0.1, or the first host of a hostfile
     master_port: int | None = None  # None: DEFAULT_MASTER_PORT, or a free port if that is busy
     module: bool = False
     no_python: bool = False
     no_local_rank: bool = False
     save_pid: bool = False
     max_restarts: int = 0
+    # several nodes (docs/launcher.md "Several nodes")
+    hostfile: str | None = None  # None: /job/hostfile if it exists, else a local launch
+    include: str = ""
+    exclude: str = ""
+    num_nodes: int | None = None
+    node_rank: int | None = None  # --no_ssh: this node's rank (else from Slurm/MPI variables)
+    no_ssh: bool = False
+    ssh_port: int | None = None
+    launcher: str = "ssh"
+    launcher_args: str = ""
+    force_multi: bool = False
+    bind_cores_to_rank: bool = False
+    elastic: str | None = None  # "MIN:MAX" nodes
+    comm_timeout: float | None = None  # seconds, exported as SHARDWISE_COMM_TIMEOUT
+    skip_doctor: bool = False
+    local_addr: str | None = None  # this node's address for the rendezvous (and output prefix)
+    slots: str | None = None  # comma-separated device ids of this node (set by the fan-out)
+    stop_with_parent: bool = False  # set by the fan-out: stop when the ssh session ends
+    world_info: str | None = None  # set by the fan-out: every host and its slots (runners.py)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +59,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                        "visible accelerators, or 1 on a CPU-only machine)")
     procs.add_argument("--num_procs", "--num-procs", dest="num_procs", type=int,
                        metavar="N", help="alias of --num_gpus, natural for CPU runs")
-    parser.add_argument("--master_addr", "--master-addr", default=DEFAULT_MASTER_ADDR,
-                        metavar="ADDR", help="address rank 0 listens on (default %(default)s)")
+    parser.add_argument("--master_addr", "--master-addr", default=None, metavar="ADDR",
+                        help=f"address node 0 listens on (default {DEFAULT_MASTER_ADDR}, or the "
+                        "first host of the hostfile)")
     parser.add_argument("--master_port", "--master-port", type=int, default=None, metavar="PORT",
                         help=f"rendezvous port (default {DEFAULT_MASTER_PORT}; a free port is "
                         "chosen if the default is busy)")
@@ -54,10 +75,58 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the launcher's pid to <tmpdir>/<pid>.shardwise while it runs")
     parser.add_argument("--max_restarts", "--max-restarts", type=int, default=0, metavar="K",
                         help="restart the whole group up to K times after a failure (default 0)")
+    parser.add_argument("--comm_timeout", "--comm-timeout", type=float, default=None,
+                        metavar="SECONDS", help="collective timeout: a collective that takes "
+                        "longer makes every rank report which collective it was in")
+    add_multinode_arguments(parser)
     parser.add_argument("script", metavar="SCRIPT",
                         help="training script (or module with --module, program with --no_python)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
                         help="arguments passed on to the script")
+
+
+def add_multinode_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags for several nodes (hostfile, filters, fan-out), as DeepSpeed names them."""
+    g = parser.add_argument_group("several nodes")
+    g.add_argument("--hostfile", "-H", default=None, metavar="PATH",
+                   help="lines 'hostname slots=N' (default /job/hostfile if it exists)")
+    filters = g.add_mutually_exclusive_group()
+    filters.add_argument("--include", "-i", default="", metavar="SPEC",
+                         help="hosts/slots to use, e.g. 'host1:0,1@host2'")
+    filters.add_argument("--exclude", "-e", default="", metavar="SPEC",
+                         help="hosts/slots to leave out, e.g. 'host1:1@host3'")
+    g.add_argument("--num_nodes", "--num-nodes", type=int, default=None, metavar="N",
+                   help="use the first N hosts of the hostfile")
+    g.add_argument("--node_rank", "--node-rank", type=int, default=None, metavar="N",
+                   help="with --no_ssh: this node's rank (default: from SLURM_NODEID, "
+                   "OMPI_COMM_WORLD_RANK or PMI_RANK)")
+    g.add_argument("--no_ssh", "--no-ssh", action="store_true",
+                   help="start only this node's processes; run the same command on every node")
+    g.add_argument("--ssh_port", "--ssh-port", type=int, default=None, metavar="PORT",
+                   help="ssh port of the hosts (ssh and pdsh launchers)")
+    g.add_argument("--launcher", default="ssh", choices=["ssh", "pdsh", "slurm", "mpi"],
+                   help="how to start the node agents (default %(default)s)")
+    g.add_argument("--launcher_args", "--launcher-args", default="", metavar="ARGS",
+                   help="extra arguments for pdsh, srun or mpirun (one quoted string)")
+    g.add_argument("--force_multi", "--force-multi", action="store_true",
+                   help="use the multi-node launcher even for a single host")
+    g.add_argument("--bind_cores_to_rank", "--bind-cores-to-rank", action="store_true",
+                   help="give each local rank its own share of this node's CPU cores")
+    g.add_argument("--elastic", default=None, metavar="MIN:MAX",
+                   help="elastic number of nodes (c10d rendezvous); implies restarts")
+    g.add_argument("--skip_doctor", "--skip-doctor", action="store_true",
+                   help="do not run the 'shardwise doctor' checks before a multi-node launch")
+    g.add_argument("--local_addr", "--local-addr", default=None, metavar="ADDR",
+                   help="this node's address, as the other nodes reach it")
+    g.add_argument("--slots", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--stop_with_parent", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--world_info", default=None, help=argparse.SUPPRESS)
+
+
+_MULTINODE_FIELDS = ("hostfile", "include", "exclude", "num_nodes", "node_rank", "no_ssh",
+                     "ssh_port", "launcher", "launcher_args", "force_multi", "bind_cores_to_rank",
+                     "elastic", "comm_timeout", "skip_doctor", "local_addr", "slots",
+                     "stop_with_parent", "world_info")
 
 
 def options_from_args(ns: argparse.Namespace) -> LaunchOptions:
@@ -65,7 +134,20 @@ def options_from_args(ns: argparse.Namespace) -> LaunchOptions:
                          num_procs=ns.num_procs, master_addr=ns.master_addr,
                          master_port=ns.master_port, module=ns.module, no_python=ns.no_python,
                          no_local_rank=ns.no_local_rank, save_pid=ns.save_pid,
-                         max_restarts=ns.max_restarts)
+                         max_restarts=ns.max_restarts,
+                         **{k: getattr(ns, k) for k in _MULTINODE_FIELDS})
+
+
+def parse_elastic(spec: str) -> tuple[int, int]:
+    """'MIN:MAX' (or 'N') nodes -> (min, max); ValueError naming --elastic."""
+    lo, _, hi = spec.partition(":")
+    try:
+        nmin, nmax = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--elastic {spec!r}: expected MIN:MAX node counts, e.g. 1:4") from None
+    if not 1 <= nmin <= nmax:
+        raise ValueError(f"--elastic {spec!r}: need 1 <= MIN <= MAX")
+    return nmin, nmax
 
 
 # ----------------------------------------------------------------------------- checks
@@ -78,17 +160,32 @@ def validate(opts: LaunchOptions) -> None:
         raise ValueError(f"--max_restarts must be 0 or more, got {opts.max_restarts}")
     if opts.master_port is not None and not 1 <= opts.master_port <= 65535:
         raise ValueError(f"--master_port must be in 1..65535, got {opts.master_port}")
-    if not opts.master_addr:
+    if opts.master_addr is not None and not opts.master_addr:
         raise ValueError("--master_addr must not be empty")
+    if opts.ssh_port is not None and not 1 <= opts.ssh_port <= 65535:
+        raise ValueError(f"--ssh_port must be in 1..65535, got {opts.ssh_port}")
+    if opts.num_nodes is not None and opts.num_nodes < 1:
+        raise ValueError(f"--num_nodes must be at least 1, got {opts.num_nodes}")
+    if opts.node_rank is not None and opts.node_rank < 0:
+        raise ValueError(f"--node_rank must be 0 or more, got {opts.node_rank}")
+    if opts.comm_timeout is not None and not opts.comm_timeout > 0:
+        raise ValueError(f"--comm_timeout must be a positive number of seconds, got {opts.comm_timeout}")
+    if opts.include and opts.exclude:
+        raise ValueError("--include and --exclude cannot be combined")
+    if opts.launcher not in ("ssh", "pdsh", "slurm", "mpi"):
+        raise ValueError(f"--launcher must be ssh, pdsh, slurm or mpi, got {opts.launcher!r}")
+    if opts.elastic is not None:
+        parse_elastic(opts.elastic)
     if opts.module and opts.no_python:
         raise ValueError("--module and --no_python cannot be combined: a module needs Python")
     if opts.module:
         top = opts.script.split(".")[0]
         if not top.isidentifier():
             raise ValueError(f"--module: {opts.script!r} is not a module name")
-        # Workers run 'python -m' from this directory, so it is on their path too.
+        # Workers run 'python -m' from this directory, so it is on their path too. The meta-path
+        # finders (importlib.util.find_spec) see packages installed in editable mode.
         if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *_sys_path()]) is None \
-                and top not in _builtin_module_names():
+                and importlib.util.find_spec(top) is None and top not in _builtin_module_names():
             raise ValueError(f"--module: no module named {top!r} on the Python path "
                              f"(searched the current directory and sys.path)")
     elif opts.no_python:
@@ -178,14 +275,18 @@ def free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def resolve_master_port(opts: LaunchOptions) -> tuple[int, str | None]:
-    """(port to use, a note to print if it is not the one the user would expect)."""
+def resolve_master_port(opts: LaunchOptions, addr: str | None = None) -> tuple[int, str | None]:
+    """(port to use, a note to print if it is not the one the user would expect).
+
+    Only for the node that hosts the rendezvous: other nodes cannot see the port's state.
+    """
+    addr = addr or opts.master_addr or DEFAULT_MASTER_ADDR
     if opts.master_port is not None:
-        if not port_is_free(opts.master_addr, opts.master_port):
+        if not port_is_free(addr, opts.master_port):
             raise ValueError(f"--master_port {opts.master_port} is already in use on "
-                             f"{opts.master_addr}; pick another port or leave it unset")
+                             f"{addr}; pick another port or leave it unset")
         return opts.master_port, None
-    if port_is_free(opts.master_addr, DEFAULT_MASTER_PORT):
+    if port_is_free(addr, DEFAULT_MASTER_PORT):
         return DEFAULT_MASTER_PORT, None
-    port = free_port(opts.master_addr)
+    port = free_port(addr)
     return port, f"default port {DEFAULT_MASTER_PORT} is busy, using free port {port}"
