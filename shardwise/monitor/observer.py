@@ -1,0 +1,122 @@
+"""What the engine calls at the edges of a training step to make it visible.
+
+``StepObserver.before_forward()`` runs at the start of every ``engine(...)`` call and
+``after_step(loss)`` after every optimizer step. Between them they drive the monitors
+(TensorBoard / CSV / W&B events from rank 0), the flops profiler (``flops_profiler`` block)
+and autotuning trials (``autotuning`` block written by ``shardwise autotune``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from shardwise import comm
+
+from . import MonitorMaster
+
+logger = logging.getLogger("shardwise")
+
+# engine timer name -> monitor tag suffix (DeepSpeed's names)
+_TIMER_TAGS = {
+    "forward": "elapsed_time_ms_forward",
+    "backward": "elapsed_time_ms_backward",
+    "backward_inner": "elapsed_time_ms_backward_inner",
+    "backward_allreduce": "elapsed_time_ms_backward_allreduce",
+    "step": "elapsed_time_ms_step",
+}
+
+
+class StepObserver:
+    def __init__(self, engine) -> None:
+        cfg = engine.config
+        self.engine = engine
+        self.monitor = MonitorMaster(cfg, rank=engine.global_rank)
+        self.flops = None
+        self.last_flops_profile = None  # the finished FlopsProfiler, for programmatic access (rank 0)
+        fp = cfg.flops_profiler
+        if fp.enabled and engine.global_rank == 0:
+            from shardwise.profiling.flops import FlopsProfiler
+
+            self.flops = FlopsProfiler(engine.module, recompute_fwd_factor=fp.recompute_fwd_factor)
+        self.trial = None
+        at = cfg.autotuning
+        if at.enabled:
+            from shardwise.autotuning import recorder
+
+            if at.model_info is not None and at.model_info.profile and at.model_info_path:
+                recorder.write_model_info_and_exit(engine)
+            if at.metric_path:
+                self.trial = recorder.TrialRecorder(engine)
+            elif engine.global_rank == 0:
+                logger.warning("autotuning.enabled without autotuning.metric_path does nothing inside training; "
+                               "run 'shardwise autotune ...' to tune")
+        self._step_begin: float | None = None
+        self._last_end: float | None = None
+
+    # -- hooks -----------------------------------------------------------------------------
+    def before_forward(self) -> None:
+        if self._step_begin is None:
+            self._step_begin = time.perf_counter()
+        fp = self.engine.config.flops_profiler
+        if self.flops is not None and not self.flops.started and self.engine.global_steps == fp.profile_step:
+            self.flops.start_profile()
+
+    def after_step(self, loss: float | None) -> None:
+        now = time.perf_counter()
+        begin = self._last_end if self._last_end is not None else (self._step_begin or now)
+        step_time = now - begin
+        self._last_end = now
+        if self.flops is not None and self.flops.started:
+            self._report_flops()
+        if self.monitor.enabled:
+            self._write_step_events(loss, step_time)
+        if self.trial is not None:
+            self.trial.after_step()
+
+    # -- pieces ----------------------------------------------------------------------------
+    def _report_flops(self) -> None:
+        fp = self.engine.config.flops_profiler
+        prof = self.flops
+        prof.stop_profile()
+        step = self.engine.global_steps - 1  # the step that was profiled (0-based, as profile_step)
+        prof.print_model_profile(profile_step=step, module_depth=fp.module_depth, top_modules=fp.top_modules,
+                                 detailed=fp.detailed, output_file=fp.output_file)
+        if self.trial is not None:
+            self.trial.step_flops = prof.forward_flops + prof.backward_flops + prof.other_flops
+        self.last_flops_profile, self.flops = prof, None  # one profile per run, as in DeepSpeed
+
+    def _mean_loss(self, loss: float | None) -> float | None:
+        """The loss averaged over data-parallel ranks (a collective: every rank calls this)."""
+        e = self.engine
+        if loss is None or e.dp_world_size == 1:
+            return loss
+        t = torch.tensor([loss], dtype=torch.float64, device=e.device)
+        comm.all_reduce(t, group=e.dp_group)
+        return float(t.item()) / e.dp_world_size
+
+    def _write_step_events(self, loss: float | None, step_time: float) -> None:
+        e = self.engine
+        loss = self._mean_loss(loss)
+        if e.global_rank != 0:
+            return
+        x = e.global_samples
+        events = [("Train/Samples/lr", e.get_lr()[0], x)]
+        if loss is not None:
+            events.insert(0, ("Train/Samples/train_loss", loss, x))
+        if e.loss_scaler is not None:
+            events.append(("Train/Samples/loss_scale", e.cur_scale, x))
+        if e.get_global_grad_norm() is not None:
+            events.append(("Train/Samples/grad_norm", e.get_global_grad_norm(), x))
+        if step_time > 0:
+            events.append(("Train/Samples/samples_per_sec", e.train_batch_size() / step_time, x))
+            events.append(("Train/Samples/step_time_ms", 1000.0 * step_time, x))
+        if e.timers.enabled:
+            last = dict(e.timers.last_step)
+            if "backward" in last:
+                last["backward_inner"] = last["backward"] - last.get("backward_allreduce", 0.0)
+            events.extend((f"Train/Samples/{tag}", 1000.0 * last[name], x)
+                          for name, tag in _TIMER_TAGS.items() if name in last)
+        self.monitor.write_events(events)
