@@ -11,49 +11,45 @@ between save and load.
 
 from __future__ import annotations
 
-from pathlib import Path
+import contextlib
 
 import torch
 from safetensors import safe_open
 
-from shardwise.checkpoint.files import sha256, write_tensors
 
-
-def write_rank_fragments(engine, tmp: Path, rank: int) -> tuple[dict[str, str], list[dict]]:
-    """Write this rank's fragments; return ``(file -> sha256, fragment descriptors)``.
-
-    One pair of files per resident batch of fragments (a single batch unless the optimizer is
-    offloaded to NVMe, whose sub-groups are written one at a time)."""
+def rank_fragment_files(engine, rank: int):
+    """Yield ``(file, tensors, descriptors)`` for this rank's fragments, one master and one optimizer
+    file per resident batch (a single batch unless the optimizer is offloaded to NVMe, whose
+    sub-groups are resident one at a time: write or copy the tensors before asking for the next).
+    Stage 0 keeps everything on every rank, so only rank 0 writes."""
     strategy = engine.strategy
     if strategy.replicated and rank != 0:
-        return {}, []
+        return
     shapes = {n: list(p._sw.shape if hasattr(p, "_sw") else p.shape) for n, p in engine.module.named_parameters()}
     opt = engine.optimizer
-    files, descs = {}, []
     for k, batch in enumerate(strategy.fragment_batches()):
         suffix = f"rank{rank}" if k == 0 else f"rank{rank}_{k}"
         mfile, ofile = f"master_{suffix}.safetensors", f"optim_{suffix}.safetensors"
-        master, optim = {}, {}
+        master, optim, mdescs, odescs = {}, {}, [], []
         for name, start, end, t in batch:
             key = f"{name}@{start}:{end}"
             base = {"name": name, "shape": shapes[name], "start": start, "end": end}
             if engine.precision.master_weights:
                 master[key] = t.detach().reshape(-1)
-                descs.append({**base, "kind": "master", "file": mfile, "key": key, "dtype": "float32"})
+                mdescs.append({**base, "kind": "master", "file": mfile, "key": key, "dtype": "float32"})
             for state_key, value in (opt.state.get(t, {}) if opt is not None else {}).items():
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(f"optimizer state '{state_key}' of {name} is a {type(value).__name__}, "
                                     "not a tensor")
                 skey = f"{key}/{state_key}"
-                scalar = value.numel() != t.numel()
+                scalar = value.shape != t.shape  # e.g. Adam's 0-d "step" (even for a 1-element fragment)
                 optim[skey] = value.detach() if scalar else value.detach().reshape(-1)
-                descs.append({**base, "kind": "optim", "state": state_key, "scalar": scalar, "file": ofile,
-                              "key": skey, "dtype": str(value.dtype).removeprefix("torch.")})
+                odescs.append({**base, "kind": "optim", "state": state_key, "scalar": scalar, "file": ofile,
+                               "key": skey, "dtype": str(value.dtype).removeprefix("torch.")})
         if master:
-            files[mfile] = write_tensors(tmp / mfile, master)
+            yield mfile, master, mdescs
         if optim:
-            files[ofile] = write_tensors(tmp / ofile, optim)
-    return files, descs
+            yield ofile, optim, odescs
 
 
 def index_fragments(descs: list[dict]) -> dict:
@@ -69,24 +65,25 @@ def index_fragments(descs: list[dict]) -> dict:
 
 
 class FragmentReader:
-    """Reads flat ranges of named tensors out of a checkpoint folder, verifying each file once."""
+    """Reads flat ranges of named tensors out of a checkpoint, verifying each file once."""
 
-    def __init__(self, folder: Path, files: dict[str, str]) -> None:
-        self.folder = folder
-        self.files = files
-        self._verified: set[str] = set()
+    def __init__(self, ckpt, *, keep_open: bool = True) -> None:
+        self.ckpt = ckpt  # a shardwise.checkpoint.manifest.Checkpoint
+        self.keep_open = keep_open  # False: map a file only while reading from it (bounded memory)
+        self._handles: dict[str, object] = {}
 
+    @contextlib.contextmanager
     def open(self, file: str):
-        path = self.folder / file
-        if not path.exists():
-            raise FileNotFoundError(f"checkpoint file missing: {path}")
-        if file not in self._verified and file in self.files:
-            actual = sha256(path)
-            if actual != self.files[file]:
-                raise ValueError(f"checkpoint file {path} is corrupted: sha256 {actual} does not match "
-                                 f"the manifest's {self.files[file]}")
-            self._verified.add(file)
-        return safe_open(str(path), framework="pt")
+        if not self.keep_open:
+            with safe_open(str(self.ckpt.check(file)), framework="pt") as fh:
+                yield fh
+            return
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.ckpt.check(file)), framework="pt")
+        yield self._handles[file]
+
+    def close(self) -> None:
+        self._handles.clear()
 
     def read_range(self, entry: dict, start: int, end: int, *, what: str) -> torch.Tensor:
         """Elements ``[start, end)`` of the flattened tensor described by a manifest ``entry``."""
@@ -102,6 +99,8 @@ class FragmentReader:
                 continue
             with self.open(f["file"]) as fh:
                 piece = fh.get_slice(f["key"])[lo - f["start"] : hi - f["start"]]
+            if lo == start and hi == end:
+                return piece  # one fragment covers it all: no second buffer
             if out is None:
                 out = torch.empty(end - start, dtype=piece.dtype)
             out[lo - start : hi - start] = piece
@@ -125,8 +124,10 @@ def load_fragments(engine, reader: FragmentReader, manifest: dict, model_state: 
         for name, start, end, t in fragments:
             if name in masters:
                 value = reader.read_range(masters[name], start, end, what=f"master weights of {name}")
-            else:
+            elif name in model_state:
                 value = model_state[name].reshape(-1)[start:end]
+            else:
+                continue  # not in the checkpoint (load_module_strict=False): keeps its current value
             t.view(-1).copy_(value)
             if not load_optimizer or opt is None:
                 continue

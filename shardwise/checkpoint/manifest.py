@@ -1,0 +1,115 @@
+"""Finding a checkpoint folder and reading its manifest (no engine, no process group needed).
+
+    ckpt = open_checkpoint("checkpoints")          # the tag in 'latest'
+    ckpt = open_checkpoint("checkpoints", tag="global_step100")
+    ckpt.verify()                                  # every file against its size and sha256
+    ckpt.manifest["engine"]["global_steps"]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardwise.checkpoint.files import OLD_PREFIX, TMP_PREFIX, read_tensors, verify_file
+
+logger = logging.getLogger("shardwise")
+
+FORMAT = "shardwise-checkpoint"
+VERSION = 1
+
+
+def list_tags(save_dir: Path) -> list[str]:
+    """Tags of the complete checkpoints in ``save_dir`` (folders holding a manifest)."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    tags = set()
+    for p in save_dir.iterdir():
+        if p.name.startswith(TMP_PREFIX) or not (p / "manifest.json").exists():
+            continue
+        tags.add(p.name.removeprefix(OLD_PREFIX))
+    return sorted(tags)
+
+
+def resolve_tag(load_dir: Path, tag=None) -> str | None:
+    """``tag``, or the one named in ``load_dir/latest``; None when neither exists."""
+    if tag is not None:
+        return str(tag)
+    latest = Path(load_dir) / "latest"
+    if not latest.exists():
+        return None
+    return latest.read_text().strip()
+
+
+def checkpoint_folder(load_dir: Path, tag: str) -> Path:
+    """The folder holding ``tag``; ``.old.<tag>`` when a re-save of that tag was interrupted."""
+    load_dir = Path(load_dir)
+    folder = load_dir / tag
+    if (folder / "manifest.json").exists():
+        return folder
+    old = load_dir / (OLD_PREFIX + tag)
+    if (old / "manifest.json").exists():
+        logger.warning("checkpoint %s: a re-save of this tag was interrupted; loading the previous copy %s",
+                       folder, old)
+        return old
+    raise FileNotFoundError(f"no checkpoint '{tag}' in {load_dir}; tags there: "
+                            f"{', '.join(list_tags(load_dir)) or 'none'}")
+
+
+@dataclass
+class Checkpoint:
+    folder: Path
+    tag: str
+    manifest: dict
+    _verified: set = field(default_factory=set)
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+    def check(self, name: str) -> Path:
+        """Verify one file (once) against the manifest and return its path."""
+        path = self.folder / name
+        if name not in self._verified:
+            if name not in self.manifest["files"]:
+                raise ValueError(f"{path} is not listed in {self.folder / 'manifest.json'}")
+            verify_file(path, self.manifest["files"][name], self.manifest.get("sizes", {}).get(name))
+            self._verified.add(name)
+        return path
+
+    def read(self, name: str) -> dict[str, torch.Tensor]:
+        path = self.check(name)
+        return read_tensors(path, None)
+
+    def verify(self) -> None:
+        """Check every file listed in the manifest; raise on the first that is missing or corrupted."""
+        for name in sorted(self.manifest["files"]):
+            self.check(name)
+
+
+def open_checkpoint(load_dir, tag=None) -> Checkpoint | None:
+    """The checkpoint ``tag`` (default: the one in ``latest``) of ``load_dir``; None without ``latest``.
+
+    ``load_dir`` may also be one tag's folder itself (it holds ``manifest.json``)."""
+    load_dir = Path(load_dir)
+    if tag is None and (load_dir / "manifest.json").exists():
+        folder, tag = load_dir, load_dir.name.removeprefix(OLD_PREFIX)
+    else:
+        tag = resolve_tag(load_dir, tag)
+        if tag is None:
+            return None
+        folder = checkpoint_folder(load_dir, tag)
+    where = folder / "manifest.json"
+    try:
+        manifest = json.loads(where.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"checkpoint manifest {where} is corrupted or truncated: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{where} is not a shardwise checkpoint manifest")
+    if manifest.get("version", 0) > VERSION:
+        raise ValueError(f"{where} has format version {manifest['version']}; this shardwise reads up to {VERSION}")
+    return Checkpoint(folder=folder, tag=tag, manifest=manifest)
