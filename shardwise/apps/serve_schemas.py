@@ -1,0 +1,77 @@
+"""Request bodies of the chat server, validated strictly, and readable messages for bad ones.
+
+Strings must be JSON strings and numbers JSON numbers (``"0.7"`` is not a temperature);
+unknown fields are ignored, as OpenAI-style clients send extras.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+__all__ = ["ChatRequest", "OpenAIMessage", "OpenAIRequest", "describe_errors"]
+
+
+def _number(value: Any, *, low: float, high: float, low_open: bool = False) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be a number")
+    if value < low or (low_open and value == low) or value > high:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"must be in {bracket}{low}, {high}], got {value}")
+    return float(value)
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    temperature: Optional[Any] = None
+    top_p: Optional[Any] = None
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _temperature(cls, v):
+        return _number(v, low=0.0, high=100.0)
+
+    @field_validator("top_p", mode="before")
+    @classmethod
+    def _top_p(cls, v):
+        return _number(v, low=0.0, high=1.0, low_open=True)
+
+
+class ChatRequest(_Sampling):
+    """``{"prompt": str, "history": [[query, answer], ...], "max_length"?, "top_p"?, "temperature"?}``"""
+
+    prompt: StrictStr
+    history: Optional[list[tuple[StrictStr, StrictStr]]] = None
+    max_length: Optional[StrictInt] = Field(None, ge=2)
+
+
+class OpenAIMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr
+
+
+class OpenAIRequest(_Sampling):
+    model: Optional[StrictStr] = None
+    messages: list[OpenAIMessage] = Field(min_length=1)
+    stream: StrictBool = False
+    max_tokens: Optional[StrictInt] = Field(None, ge=1)
+
+
+def _where(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or "body"
+
+
+def describe_errors(errors: list[dict]) -> str:
+    """One line naming each offending field (at most five) of a pydantic validation error."""
+    lines = []
+    for e in errors[:5]:
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        lines.append(f"{_where(tuple(e.get('loc', ())))}: {msg}")
+    return "; ".join(lines)

@@ -1,0 +1,205 @@
+"""Read prompt/response/history records from JSON-lines or JSON-array files.
+
+A file is JSON lines unless its first non-blank character is ``[`` (then it is one JSON array
+of objects). JSON lines can be split into byte ranges that are read independently, so many
+processes can each read a part of a large file without reading the rest; a JSON array has to
+be parsed whole by every reader (use JSON lines for large data sets).
+
+Each record must be an object with a string prompt column, a string response column, and
+optionally a history column: a list of ``[query, answer]`` string pairs (missing, null or
+empty means no history). A record that breaks these rules raises :class:`BadRecord`, which
+names the file and line.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from shardwise.data.chat import Message, history_to_messages
+
+__all__ = ["BadRecord", "Columns", "file_format", "line_number", "read_records"]
+
+_CHUNK = 1 << 20
+
+
+class BadRecord(ValueError):
+    """A record that cannot be used; ``where`` is ``file:line`` (worked out only when asked for,
+    since finding a line number means counting the newlines before it)."""
+
+    def __init__(self, where: Any, problem: str, *, skippable: bool = True) -> None:
+        super().__init__(where, problem)
+        self._where = where
+        self.problem = problem
+        self.skippable = skippable  # False: the file itself is broken, no record can be skipped around it
+
+    @property
+    def where(self) -> str:
+        return str(self._where)
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.problem}"
+
+
+@dataclass(frozen=True)
+class Columns:
+    prompt: str = "prompt"
+    response: str = "response"
+    history: str | None = "history"  # None: the data has no history column
+
+
+def file_format(path: str) -> str:
+    """``"json"`` for a JSON array, ``"jsonl"`` otherwise (looks at the first non-blank byte)."""
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(4096)
+            if not block:
+                return "jsonl"
+            stripped = block.lstrip()
+            if stripped:
+                return "json" if stripped[:1] == b"[" else "jsonl"
+
+
+def line_number(path: str, offset: int) -> int:
+    """1-based line number of the byte at ``offset`` (counts newlines before it, reading in chunks)."""
+    count, pos = 0, 0
+    with open(path, "rb") as f:
+        while pos < offset:
+            block = f.read(min(_CHUNK, offset - pos))
+            if not block:
+                break
+            count += block.count(b"\n")
+            pos += len(block)
+    return count + 1
+
+
+def read_records(path: str, columns: Columns, *, part: int = 0, parts: int = 1
+                 ) -> Iterator[tuple[str, list[Message], str] | BadRecord]:
+    """Yield ``(where, messages, response)`` for part ``part`` of ``parts`` of the file, in file order
+    (``str(where)`` is ``file:line``, computed on demand).
+
+    Parts split JSON lines by bytes (a line belongs to the part its first byte falls in) and a
+    JSON array by element index; together the parts cover every record exactly once. A bad
+    record is yielded as a :class:`BadRecord` instead, so the caller decides to stop or skip.
+    """
+    name = os.path.basename(path)
+    if file_format(path) == "json":
+        for where, obj in _json_array_items(path, name, part, parts):
+            yield _parse(obj, where, columns)
+        return
+    for offset, raw in _jsonl_lines(path, part, parts):
+        if not raw.strip():
+            continue
+        where = _LazyWhere(path, name, offset)
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            yield BadRecord(where, f"not valid JSON ({_short(exc)})")
+            continue
+        yield _parse(obj, where, columns)
+
+
+class _LazyWhere:
+    """``file:line`` computed only when a message needs it (counting lines costs a file scan)."""
+
+    def __init__(self, path: str, name: str, offset: int) -> None:
+        self.path, self.name, self.offset = path, name, offset
+
+    def __str__(self) -> str:
+        return f"{self.name}:{line_number(self.path, self.offset)}"
+
+
+def _jsonl_lines(path: str, part: int, parts: int) -> Iterator[tuple[int, bytes]]:
+    size = os.path.getsize(path)
+    start, end = size * part // parts, size * (part + 1) // parts
+    with open(path, "rb") as f:
+        if start > 0:
+            f.seek(start - 1)
+            f.readline()  # finish the line that began before our range; it belongs to the previous part
+        pos = f.tell()
+        while pos < end:
+            raw = f.readline()
+            if not raw:
+                break
+            yield pos, raw
+            pos += len(raw)
+
+
+def _json_array_items(path: str, name: str, part: int, parts: int) -> Iterator[tuple[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    decoder = json.JSONDecoder()
+    items: list[tuple[int, Any]] = []
+    pos = text.index("[") + 1
+    while True:
+        pos = _skip_ws(text, pos)
+        if pos < len(text) and text[pos] == "]" and not items:
+            break
+        try:
+            obj, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            raise BadRecord(f"{name}:{exc.lineno}", f"not a valid JSON array ({exc.msg}, column {exc.colno})",
+                            skippable=False) from None
+        items.append((pos, obj))
+        pos = _skip_ws(text, end)
+        if pos < len(text) and text[pos] == ",":
+            pos += 1
+            continue
+        if pos < len(text) and text[pos] == "]":
+            break
+        line = text.count("\n", 0, pos) + 1
+        raise BadRecord(f"{name}:{line}", "not a valid JSON array (expected ',' or ']' after an element)",
+                        skippable=False)
+    lo, hi = len(items) * part // parts, len(items) * (part + 1) // parts
+    line, counted_to = 1, 0
+    for pos, obj in items[lo:hi]:
+        line += text.count("\n", counted_to, pos)
+        counted_to = pos
+        yield f"{name}:{line}", obj
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _short(exc: Exception) -> str:
+    return exc.msg if isinstance(exc, json.JSONDecodeError) else type(exc).__name__
+
+
+def _parse(obj: Any, where: Any, columns: Columns) -> tuple[str, list[Message], str] | BadRecord:
+    if not isinstance(obj, dict):
+        return BadRecord(where, f"expected a JSON object, got {type(obj).__name__}")
+    values = {}
+    for role, key in (("prompt", columns.prompt), ("response", columns.response)):
+        if key not in obj:
+            return BadRecord(where, f"no {key!r} key (the {role} column){_did_you_mean(key, obj)}")
+        if not isinstance(obj[key], str):
+            return BadRecord(where, f"{key!r} must be a string, got {type(obj[key]).__name__}")
+        values[role] = obj[key]
+    history = obj.get(columns.history) if columns.history else None
+    problem = _history_problem(history, columns.history)
+    if problem:
+        return BadRecord(where, problem)
+    return where, history_to_messages(values["prompt"], history or []), values["response"]
+
+
+def _history_problem(history: Any, key: str | None) -> str | None:
+    if history is None:
+        return None
+    if not isinstance(history, list):
+        return f"{key!r} must be a list of [query, answer] pairs, got {type(history).__name__}"
+    for i, pair in enumerate(history):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            return f"{key}[{i}] must be a [query, answer] pair of strings, got {json.dumps(pair, ensure_ascii=False)[:80]}"
+    return None
+
+
+def _did_you_mean(key: str, obj: dict) -> str:
+    close = difflib.get_close_matches(key, [str(k) for k in obj], n=1)
+    found = ", ".join(repr(k) for k in list(obj)[:6])
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"; the record has {found}{hint}"
