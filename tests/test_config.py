@@ -470,20 +470,13 @@ def test_load_config_inputs(tmp_path):
 # ---------------------------------------------------------------- check_supported
 
 NOT_YET = [  # (config snippet, key path that must be named), from the task's list
-    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "zero_optimization.offload_optimizer"),
-    ({"tensorboard": {"enabled": True}}, "tensorboard"),
-    ({"csv_monitor": {"enabled": True}}, "csv_monitor"),
-    ({"wandb": {"enabled": True}}, "wandb"),
     ({"comet": {"enabled": True}}, "comet"),
-    ({"flops_profiler": {"enabled": True}}, "flops_profiler"),
-    ({"autotuning": {"enabled": True}}, "autotuning"),
     ({"elasticity": {"enabled": True}}, "elasticity"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
     ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
     ({"sparse_gradients": True}, "sparse_gradients"),
-    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
-    ({"activation_checkpointing": {"number_checkpoints": 4}}, "activation_checkpointing"),
+    ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
+     "activation_checkpointing.contiguous_memory_optimization"),
     ({"pipeline": {"activation_checkpoint_interval": 1}}, "pipeline"),
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
     ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),
@@ -506,12 +499,12 @@ def test_check_supported_names_each_feature(config, path):
 
 
 def test_check_supported_lists_every_feature():
-    cfg = load_config({"zero_optimization": {"offload_param": {"device": "nvme"}}, "tensorboard": {"enabled": True},
+    cfg = load_config({"sparse_gradients": True, "comet": {"enabled": True},
                        "optimizer": {"type": "OneBitAdam"}, "compile": {"enabled": True}})
     with pytest.raises(ConfigError) as info:
         cfg.check_supported()
     text = str(info.value)
-    for path in ("zero_optimization.offload_param", "tensorboard", "optimizer.type", "compile"):
+    for path in ("sparse_gradients", "comet", "optimizer.type", "compile"):
         assert f"not implemented yet: {path}" in text
     assert len(info.value.problems) == 4
 

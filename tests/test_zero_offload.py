@@ -118,6 +118,11 @@ def _param_offload_body(rank, world, nvme_dir):
         cfg = _cfg(3, device, nvme_dir)
         cfg["zero_optimization"]["offload_param"] = {"device": device, "nvme_path": nvme_dir}
         out[device] = _train(rank, world, make_tied_model, cfg)
+        # Parameters offloaded, optimizer not.
+        cfg = base_config(train_micro_batch_size_per_gpu=BATCH // 2, zero_optimization={
+            "stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 40,
+            "offload_param": {"device": device, "nvme_path": nvme_dir}})
+        out[device + "_params_only"] = _train(rank, world, make_tied_model, cfg)
     import shardwise
 
     # With parameters on NVMe, no shard stays in memory between steps.
@@ -137,7 +142,7 @@ def test_stage3_parameter_offload_cpu_and_nvme_match_single_process(tmp_path):
     results = run_distributed(_param_offload_body, 2, args=(str(tmp_path / "nvme"),), timeout=300)
     ref_losses, ref_params = reference_training_for(make_tied_model(), STEPS, BATCH)
     for r in results:
-        for device in ("cpu", "nvme"):
+        for device in ("cpu", "nvme", "cpu_params_only", "nvme_params_only"):
             losses, params = r[device]
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-7)
             for n in ref_params:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
+import weakref
 
 import torch
 
-from shardwise import comm
+from shardwise import checkpointing, comm
+from shardwise.monitor.observer import StepObserver
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.progress import ProgressBar
@@ -61,6 +64,8 @@ class Engine(torch.nn.Module):
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
         self.strategy = build_strategy(
             config.zero_optimization,
+            aio=config.aio,
+            module=self.module,
             named_params=list(self.module.named_parameters()),
             optimizer=self.optimizer,
             precision=self.precision,
@@ -69,6 +74,9 @@ class Engine(torch.nn.Module):
         )
         self.lr_scheduler = self._configure_scheduler(lr_scheduler)
         self.loss_scaler = create_loss_scaler(config.fp16) if self.precision.loss_scaling else None
+        owner = weakref.ref(self)
+        for name, p in self.module.named_parameters():  # for shardwise.utils.safe_get_full_*
+            p._shardwise_owner = (owner, name)
 
         self.training_dataloader = None
         if training_data is not None:
@@ -88,6 +96,9 @@ class Engine(torch.nn.Module):
         self.timers = Timers(self.device, enabled=bool(config.wall_clock_breakdown))
         self._interval_start = time.perf_counter()
         self._progress: ProgressBar | None = None
+        checkpointing.configure_from(config, mpu=grid)  # activation_checkpointing block, if set
+        self.observer = StepObserver(self)  # monitors, flops profiler, autotuning trials
+        self.monitor = self.observer.monitor
 
     # -- set-up ---------------------------------------------------------------------------
     def _broadcast_model(self) -> None:
@@ -95,8 +106,10 @@ class Engine(torch.nn.Module):
         if self.dp_world_size == 1:
             return
         src = 0 if self.dp_group is None else torch.distributed.get_global_rank(self.dp_group, 0)
+        # Stage 3 shards parameters itself, broadcasting each one from rank 0 as it does.
+        params = [] if self.config.zero_optimization.stage == 3 else list(self.module.parameters())
         with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
+            for t in params + list(self.module.buffers()):
                 comm.broadcast(t.data, src=src, group=self.dp_group)
 
     def _cast_buffers(self) -> None:
@@ -193,6 +206,7 @@ class Engine(torch.nn.Module):
 
     # -- training step ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self.observer.before_forward()
         self.timers.start("forward")
         if self.precision.auto_cast:
             args = cast_inputs(args, self.precision.param_dtype)
@@ -276,6 +290,8 @@ class Engine(torch.nn.Module):
         self._last_step_loss = loss
         self._loss_sum.zero_()
         self._loss_count = 0
+        self.timers.end_step()
+        self.observer.after_step(loss)
         if self._progress is not None:
             self._progress.update(step=self.global_steps, loss=loss, lr=self.get_lr()[0], samples=self.train_batch_size())
         spp = self.config.steps_per_print
@@ -295,6 +311,8 @@ class Engine(torch.nn.Module):
             )
             if self.timers.enabled:
                 logger.info("time: %s", self.timers.summary(_TIMERS, steps=steps))
+        if self.config.memory_breakdown:
+            logger.info("rank %d %s", self.global_rank, self.memory_breakdown().table())
         self.timers.reset()
 
     def zero_grad(self) -> None:
@@ -325,6 +343,15 @@ class Engine(torch.nn.Module):
         """Mean loss of the last optimizer step's micro-batches on this rank."""
         return self._last_step_loss
 
+    def memory_breakdown(self):
+        """Bytes this rank holds for parameters, gradients, master weights and optimizer states,
+        next to ZeRO's formula for the configured stage, precision and data-parallel size."""
+        from shardwise.zero.memory import measure
+
+        dtype = self.precision.param_dtype
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+        return measure(self.strategy, self.optimizer, precision=name, weight_bytes=torch.finfo(dtype).bits // 8)
+
     @property
     def cur_scale(self) -> float:
         return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
@@ -342,6 +369,29 @@ class Engine(torch.nn.Module):
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters)
 
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the model's weights, whole, in the training dtype (fp16/bf16/fp32), as safetensors.
+
+        Under ZeRO-3 the weights are gathered one module at a time, which needs
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save: true`` (as in DeepSpeed);
+        without it nothing is written and False is returned. Collective: call it on every rank."""
+        from shardwise.checkpoint.files import save_state_dict_atomically
+
+        if self.strategy.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            logger.warning("save_16bit_model: not saved, because ZeRO-3 weights are partitioned and "
+                           "zero_optimization.stage3_gather_16bit_weights_on_model_save is false")
+            return False
+        state = self.strategy.module_state_dict(self.module) \
+            if (self.global_rank == 0 or self.strategy.gathers_module_state) else None
+        if self.global_rank == 0:
+            if exclude_frozen_parameters:
+                frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+                state = {k: v for k, v in state.items() if k not in frozen}
+            save_state_dict_atomically(state, os.path.join(str(save_dir), save_filename))
+        comm.barrier()
+        return True
+
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         from shardwise.checkpoint import load_checkpoint
@@ -350,6 +400,13 @@ class Engine(torch.nn.Module):
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save (``checkpoint.writer.decoupled``) is committed; raise its error.
+        Call it on every rank. The next save, a load and interpreter exit wait by themselves."""
+        from shardwise.checkpoint.engine_io import wait_for_save
+
+        wait_for_save(self)
 
     def __getattr__(self, name: str):
         try:

@@ -80,6 +80,7 @@ class Stage3Strategy(PartitionedStrategy):
         self.groups = self.units  # the fragment/gradient code of stages 1-2 indexes "groups"
         offload = zero_config.offload_optimizer if zero_config is not None else None
         self.offload_device = _offload_device(offload)
+        self.param_offload_device = _offload_device(zero_config.offload_param if zero_config is not None else None)
         self._build_partitions()
         self._setup_offload(offload, int(zero_config.sub_group_size) if zero_config is not None else 10**9, aio)
         for u in self.units:  # 16-bit training: shards hold 16-bit weights, masters fp32
@@ -108,6 +109,10 @@ class Stage3Strategy(PartitionedStrategy):
         )
 
     # -- layout ---------------------------------------------------------------------------
+    def _wants_master(self) -> bool:
+        # Offloaded shards move (to the CPU or a file): the optimizer must not step views of them.
+        return super()._wants_master() or (self.offload_device != "nvme" and self.param_offload_device != "none")
+
     def _build_partitions(self) -> None:
         self.master_buffers = [] if self._wants_master() else None
         self.fragments = []
