@@ -76,3 +76,8 @@ def test_accumulation_three_matches_single_process_two_and_four_ranks():
             _assert_close(results[0][stage], ref)
             for r in results[1:]:
                 _assert_close(results[0][stage], r[stage], exact=True)
+
+
+def test_stage1_and_stage2_reduce_scatter_path_two_ranks():
+    """On gloo the reducer prefers all-reduce; this runs the reduce-scatter path NCCL uses."""
+    _check(run_distributed(_body, 2, timeout=300, env={"SHARDWISE_FORCE_REDUCE_SCATTER": "1"}), 2)

@@ -77,6 +77,11 @@ def test_stage3_matches_single_process_two_ranks():
     _check(run_distributed(_parity_body, 2, timeout=300), 2)
 
 
+def test_stage3_reduce_scatter_path_two_ranks():
+    """On gloo gradients are reduced with all-reduce; this runs the reduce-scatter path NCCL uses."""
+    _check(run_distributed(_parity_body, 2, timeout=300, env={"SHARDWISE_FORCE_REDUCE_SCATTER": "1"}), 2)
+
+
 def test_stage3_matches_single_process_four_ranks():
     _check(run_distributed(_parity_body, 4, timeout=300), 4)
 

@@ -24,6 +24,7 @@ from shardwise.comm.comm import (
     is_initialized,
     log_summary,
     new_group,
+    reduce_scatter_is_slow,
     reduce_scatter_tensor,
     reset_comms_log,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "is_initialized",
     "log_summary",
     "new_group",
+    "reduce_scatter_is_slow",
     "reduce_scatter_tensor",
     "reset_comms_log",
 ]

@@ -121,10 +121,9 @@ class BucketReducer:
         if r.comm_dtype is not None and r.comm_dtype != data.dtype:
             b.comm_buffer = data.to(r.comm_dtype)
             data = b.comm_buffer
-        if r.average:
-            data.mul_(1.0 / (self.world if r.prescale else r.predivide_factor))
-        elif r.predivide_factor != 1.0:
-            data.mul_(1.0 / r.predivide_factor)
+        pre = (self.world if r.prescale else r.predivide_factor) if r.average else r.predivide_factor
+        if pre != 1.0:
+            data.mul_(1.0 / pre)
         if self.scatter:
             b.work = comm.reduce_scatter_tensor(data[self.own_slice(b)], data, group=self.dp_group, async_op=True)
         else:

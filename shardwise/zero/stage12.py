@@ -82,8 +82,10 @@ class PartitionedStrategy(ZeroStrategy):
             if g.dtype != precision.param_dtype and g.dtype.is_floating_point:
                 g.cast_(precision.param_dtype)
         self._build_grads()
+        self._spare_buckets: dict[tuple, list[torch.Tensor]] = {}
         self.reducer = BucketReducer(
-            self.groups, reduce=reduce, dp_group=dp_group, scatter=use_reduce_scatter,
+            self.groups, reduce=reduce, dp_group=dp_group,
+            scatter=use_reduce_scatter and not comm.reduce_scatter_is_slow(dp_group),
             storage=self._bucket_storage, accept=self._accept_grad, done=self._bucket_done,
             max_in_flight=2 if stage == 2 else None,
         )
@@ -166,6 +168,9 @@ class PartitionedStrategy(ZeroStrategy):
         if self.stage == 1:
             return self.grad_buffers[b.group_index][b.start : b.end]
         g = self.groups[b.group_index]
+        free = self._spare_buckets.get((b.numel, g.dtype))
+        if free:  # reuse a buffer a finished bucket gave back (stage 2 allocates every backward)
+            return free.pop().zero_()
         return torch.zeros(b.numel, dtype=g.dtype, device=g.device)
 
     def _accept_grad(self, b: Bucket, i: int, p: torch.Tensor) -> None:
@@ -185,6 +190,9 @@ class PartitionedStrategy(ZeroStrategy):
             local = self.chunk_local[b.group_index][self._chunk_pos[b.index]]
             size = b.numel // self.world
             self.partition_grads[b.group_index][local : local + size].add_(b.data[self.reducer.own_slice(b)])
+            spare = self._spare_buckets.setdefault((b.numel, b.data.dtype), [])
+            if len(spare) < 2:
+                spare.append(b.data)
             b.data = None
 
     @property
