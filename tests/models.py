@@ -60,21 +60,8 @@ def zero_fill_grads(model: nn.Module) -> None:
 
 
 def reference_training(steps: int, global_batch: int, *, clip: float = 0.0, lr: float = 1e-2, wd: float = 0.01):
-    """Single-process plain-PyTorch training on the whole global batch."""
-    model = make_model()
-    x, y = make_data(steps, global_batch)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=wd)
-    losses = []
-    for s in range(steps):
-        loss = mse(model(x[s]), y[s])
-        opt.zero_grad()
-        loss.backward()
-        zero_fill_grads(model)
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    """Single-process plain-PyTorch training of ``make_model()`` on the whole global batch."""
+    return reference_training_for(make_model(), steps, global_batch, clip=clip, lr=lr, wd=wd)
 
 
 class TiedModel(nn.Module):
