@@ -13,6 +13,7 @@ import contextlib
 import torch
 
 from shardwise import comm
+from shardwise.zero.memory import return_large_frees_to_the_os
 from shardwise.zero.partitioned_param import gather_full, is_sharded, scatter_full_, shard_param_
 
 
@@ -95,6 +96,7 @@ class Init:
         if not self.enabled:
             return self
         comm.init_distributed()
+        return_large_frees_to_the_os()  # modules are built and sharded one by one: keep RSS honest
         for cls in _all_module_classes():
             if "__init__" in cls.__dict__:
                 original = cls.__dict__["__init__"]

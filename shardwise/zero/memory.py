@@ -88,3 +88,19 @@ def measure(strategy, optimizer, *, precision: str, weight_bytes: int) -> Memory
     total = parts["params"] + parts["grads"] + parts["master_params"] + states
     return MemoryBreakdown(parts["params"], parts["grads"], parts["master_params"], states, parts["bucket_buffers"],
                            total, theory, psi, stage, n, precision, parts["live_params"], parts["on_disk"])
+
+
+def return_large_frees_to_the_os() -> None:
+    """Serve allocations of 1 MiB and more with mmap, so freeing them returns the memory at once.
+
+    glibc raises its mmap threshold (up to 32 MiB) after large frees, after which buffers of a few
+    MiB come from the heap and stay resident once freed: with ZeRO-3 and offload, where the
+    same sizes are allocated and freed every step, that kept a 151M-parameter ZeRO-3 run at 1.4 GiB RSS per rank
+    instead of 0.8 GiB. A fixed threshold (``mallopt(M_MMAP_THRESHOLD)``) stops that."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from shardwise.zero.memory import return_large_frees_to_the_os
+
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
@@ -33,6 +35,7 @@ class NvmeStore:
     def __init__(self, root: str, *, rank: int, threads: int = 1, block_size: int = 1 << 20) -> None:
         if not root:
             raise ValueError("offload to nvme needs 'nvme_path' (a folder on a fast local disk)")
+        return_large_frees_to_the_os()
         base = Path(root)
         base.mkdir(parents=True, exist_ok=True)
         self.dir = base / f"shardwise-{os.getpid()}-rank{rank}"
