@@ -114,7 +114,10 @@ def main() -> None:
     shutil.rmtree(args.nvme, ignore_errors=True)
     root = os.path.dirname(cgroup)
     open(os.path.join(root, "cgroup.procs"), "w").write(str(os.getpid()))  # leave, then remove the cgroup
-    os.rmdir(cgroup)
+    try:
+        os.rmdir(cgroup)
+    except OSError:  # a helper process (e.g. multiprocessing's resource tracker) may still be in it
+        print(f"(cgroup {cgroup} left behind: remove it with rmdir once its processes are gone)")
 
 
 if __name__ == "__main__":

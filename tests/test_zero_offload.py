@@ -150,3 +150,26 @@ def test_stage3_parameter_offload_cpu_and_nvme_match_single_process(tmp_path):
         m = r["breakdown"]
         assert m["params"] == 0 and m["master_params"] == 0 and m["optimizer_states"] == 0
         assert m["on_disk"] > 0 and m["live_params"] == 0
+
+
+def _four_rank_body(rank, world, nvme_dir):
+    out = {}
+    for device in ("cpu", "nvme"):
+        z = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 40, "sub_group_size": 60,
+             "offload_optimizer": {"device": device, "nvme_path": nvme_dir, "buffer_count": 2},
+             "offload_param": {"device": device, "nvme_path": nvme_dir}}
+        cfg = base_config(train_micro_batch_size_per_gpu=BATCH // world // 2, gradient_accumulation_steps=2,
+                          gradient_clipping=0.05, zero_optimization=z)
+        out[device] = _train(rank, world, make_tied_model, cfg)
+    return out
+
+
+def test_stage3_full_offload_four_ranks_with_accumulation_and_clipping(tmp_path):
+    results = run_distributed(_four_rank_body, 4, args=(str(tmp_path / "nvme"),), timeout=300)
+    ref_losses, ref_params = reference_training_for(make_tied_model(), STEPS, BATCH, clip=0.05)
+    for r in results:
+        for device in ("cpu", "nvme"):
+            losses, params = r[device]
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-7)
+            for n in ref_params:
+                torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6, msg=f"{device}: {n}")
