@@ -19,10 +19,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_vs_ddp import CLIP, LR, MICRO, _batches, _free_port  # noqa: E402
-
-import resource  # noqa: E402
-import time  # noqa: E402
+from zero_vs_ddp import CLIP, LR, MICRO, _free_port, time_steps  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -81,16 +78,7 @@ def _worker(rank, world, port, name, steps, out_dir, nvme):
             engine.step()
             return loss
 
-    times = []
-    for x, y in _batches(steps, rank, world):
-        t0 = time.perf_counter()
-        loss = step(x, y)
-        times.append(time.perf_counter() - t0)
-    dist.barrier()
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    with open(os.path.join(out_dir, f"{name}.{rank}"), "w") as f:
-        f.write(f"{statistics.median(times[max(3, steps // 5):])} {peak_mb} {loss.item()}\n")
-    dist.destroy_process_group()
+    time_steps(step, rank, world, steps, os.path.join(out_dir, f"{name}.{rank}"), warmup=3)
 
 
 def _run(name, steps, world, nvme):

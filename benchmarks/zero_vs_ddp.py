@@ -105,6 +105,12 @@ def _worker(rank: int, world: int, port: int, framework: str, steps: int, out_di
             opt.zero_grad(set_to_none=False)
             return loss
 
+    time_steps(step, rank, world, steps, os.path.join(out_dir, f"{framework}.{rank}"), extra=state_bytes)
+
+
+def time_steps(step, rank: int, world: int, steps: int, out_path: str, *, extra=None, warmup: int = 5) -> None:
+    """Run ``step`` on the benchmark batches; write rank's median step time (after warm-up), peak
+    RSS (MB), last loss and ``extra()`` to ``out_path``; then leave the process group."""
     times = []
     for x, y in _batches(steps, rank, world):
         t0 = time.perf_counter()
@@ -112,9 +118,9 @@ def _worker(rank: int, world: int, port: int, framework: str, steps: int, out_di
         times.append(time.perf_counter() - t0)
     dist.barrier()
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    warm = max(5, steps // 5)
-    with open(os.path.join(out_dir, f"{framework}.{rank}"), "w") as f:
-        f.write(f"{statistics.median(times[warm:])} {peak_mb} {loss.item()} {state_bytes()}\n")
+    tail = f" {extra()}" if extra is not None else ""
+    with open(out_path, "w") as f:
+        f.write(f"{statistics.median(times[max(warmup, steps // 5):])} {peak_mb} {loss.item()}{tail}\n")
     dist.destroy_process_group()
 
 

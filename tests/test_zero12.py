@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from distributed import run_distributed
 from models import base_config, make_model, reference_training
