@@ -30,7 +30,18 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-class StaticLossScaler:
+class _LossScaler:
+    cur_scale: float
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.cur_scale
+
+
+class StaticLossScaler(_LossScaler):
     """A fixed loss scale (``fp16.loss_scale`` > 0, or 1.0 when not using fp16)."""
 
     dynamic = False
@@ -39,13 +50,6 @@ class StaticLossScaler:
         if not scale > 0:
             raise ValueError(f"scale: a static loss scale must be > 0, got {scale!r}")
         self.cur_scale = float(scale)
-
-    @property
-    def loss_scale(self) -> float:
-        return self.cur_scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.cur_scale
 
     def update_scale(self, overflow: bool) -> None:
         """A static scale never changes."""
@@ -58,7 +62,7 @@ class StaticLossScaler:
         _check_kind(sd, "static")
 
 
-class DynamicLossScaler:
+class DynamicLossScaler(_LossScaler):
     """Loss scale that shrinks on overflow and grows after ``scale_window`` clean steps."""
 
     dynamic = True
@@ -94,13 +98,6 @@ class DynamicLossScaler:
         self.cur_iter = 0
         self.last_overflow_iter = -1
         self.cur_hysteresis = delayed_shift
-
-    @property
-    def loss_scale(self) -> float:
-        return self.cur_scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.cur_scale
 
     def update_scale(self, overflow: bool) -> None:
         """Record one optimizer step's outcome (True: gradients had inf/NaN and the step was skipped)."""

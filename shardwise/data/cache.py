@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from shardwise import comm
+from shardwise.checkpoint.files import sha256
 from shardwise.data.chat import ChatEncoder
 from shardwise.data.records import BadRecord, Columns, read_records
 
@@ -50,19 +51,11 @@ class CacheInfo:
     bad_examples: list[str] = field(default_factory=list)
 
 
-def _file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def cache_key(files: Sequence[str], encoder: ChatEncoder, columns: Columns, skip_bad_lines: bool) -> tuple[str, dict]:
     """``(key, what it was computed from)``; the key names the cache entry."""
     fields = {
         "version": FORMAT_VERSION,
-        "files": [{"name": os.path.basename(f), "sha256": _file_digest(f)} for f in files],
+        "files": [{"name": os.path.basename(f), "sha256": sha256(f)} for f in files],
         "columns": [columns.prompt, columns.response, columns.history],
         "skip_bad_lines": skip_bad_lines,
         **encoder.describe(),
