@@ -20,6 +20,9 @@ def _cases(world: int):
                                             zero_optimization=z)
         yield f"s{stage}_one_bucket", base_config(train_micro_batch_size_per_gpu=micro,
                                                   zero_optimization={"stage": stage})
+        # "reduce_scatter": false reduces with all-reduce and keeps this rank's chunk.
+        yield f"s{stage}_allreduce", base_config(train_micro_batch_size_per_gpu=micro,
+                                                 zero_optimization={**z, "reduce_scatter": False})
 
 
 def _body(rank: int, world: int):
@@ -77,6 +80,7 @@ def test_accumulation_three_matches_single_process_two_and_four_ranks():
                 _assert_close(results[0][stage], r[stage], exact=True)
 
 
-def test_stage1_and_stage2_reduce_scatter_path_two_ranks():
-    """On gloo the reducer prefers all-reduce; this runs the reduce-scatter path NCCL uses."""
-    _check(run_distributed(_body, 2, timeout=300, env={"SHARDWISE_FORCE_REDUCE_SCATTER": "1"}), 2)
+def test_stage1_and_stage2_with_the_backends_own_collectives_two_ranks():
+    """On gloo shardwise exchanges chunks point to point (shardwise.comm.direct); this runs
+    gloo's own reduce-scatter and all-gather instead."""
+    _check(run_distributed(_body, 2, timeout=300, env={"SHARDWISE_DIRECT_COLLECTIVES": "0"}), 2)

@@ -77,9 +77,10 @@ def test_stage3_matches_single_process_two_ranks():
     _check(run_distributed(_parity_body, 2, timeout=300), 2)
 
 
-def test_stage3_reduce_scatter_path_two_ranks():
-    """On gloo gradients are reduced with all-reduce; this runs the reduce-scatter path NCCL uses."""
-    _check(run_distributed(_parity_body, 2, timeout=300, env={"SHARDWISE_FORCE_REDUCE_SCATTER": "1"}), 2)
+def test_stage3_with_the_backends_own_collectives_two_ranks():
+    """On gloo shardwise exchanges chunks point to point (shardwise.comm.direct); this runs
+    gloo's own reduce-scatter and all-gather instead."""
+    _check(run_distributed(_parity_body, 2, timeout=300, env={"SHARDWISE_DIRECT_COLLECTIVES": "0"}), 2)
 
 
 def test_stage3_matches_single_process_four_ranks():

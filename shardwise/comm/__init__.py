@@ -24,7 +24,6 @@ from shardwise.comm.comm import (
     is_initialized,
     log_summary,
     new_group,
-    reduce_scatter_is_slow,
     reduce_scatter_tensor,
     reset_comms_log,
 )
@@ -53,7 +52,6 @@ __all__ = [
     "is_initialized",
     "log_summary",
     "new_group",
-    "reduce_scatter_is_slow",
     "reduce_scatter_tensor",
     "reset_comms_log",
 ]

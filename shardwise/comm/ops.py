@@ -223,6 +223,10 @@ def run(name: str, call: Callable[[], Any], *, group, tensors: Sequence[torch.Te
         work = call()
     except RuntimeError as exc:
         raise _failure(rec, exc) from exc
+    except Exception:  # refused before anything was sent (bad sizes): not in flight
+        with _lock:
+            _in_flight.pop(id(rec), None)
+        raise
     timing = logger is not None and logger.wants(name)
     if async_op:
         if timing:

@@ -8,8 +8,10 @@ for its predecessors), which keeps the collective sequence identical on every
 rank even if autograd's order differs between them.
 
 Where a bucket's data lives is the stage's business (``storage``): stage 0/1
-reduce views of a persistent flat gradient buffer; stage 2 copies gradients
-into short-lived bucket buffers and frees ``param.grad``.
+reduce views of a persistent flat gradient buffer; stage 2 points
+``param.grad`` into short-lived bucket buffers and releases them after the
+reduction.  A bucket gets its storage when the previous one is launched (the
+first one when backward begins), before its own gradients arrive.
 """
 
 from __future__ import annotations
@@ -89,12 +91,19 @@ class BucketReducer:
             b.pending = len(b.members)
             b.work = None
             b.data = None
+        if active and self.buckets:
+            self._prepare(self.buckets[0])
+
+    def _prepare(self, bucket: Bucket) -> None:
+        """Give ``bucket`` its storage before its first gradient arrives (the stage may then let
+        autograd write gradients straight into it)."""
+        if bucket.data is None:
+            bucket.data = self.storage(bucket)
 
     def _make_hook(self, gi: int, i: int):
         def hook(p: torch.Tensor) -> None:
             bucket = self._bucket_of[id(p)]
-            if bucket.data is None:
-                bucket.data = self.storage(bucket)
+            self._prepare(bucket)
             self.accept(bucket, i, p)
             if self.active:
                 bucket.pending -= 1
@@ -114,8 +123,9 @@ class BucketReducer:
         return slice(self.rank * size, (self.rank + 1) * size)
 
     def _launch(self, b: Bucket) -> None:
-        if b.data is None:  # no member produced a gradient in this backward (all unused)
-            b.data = self.storage(b)
+        self._prepare(b)  # (no storage yet: no member produced a gradient in this backward)
+        if b.index + 1 < len(self.buckets):  # the next bucket fills next: give it storage now
+            self._prepare(self.buckets[b.index + 1])
         r = self.reduce
         data = b.data
         if r.comm_dtype is not None and r.comm_dtype != data.dtype:

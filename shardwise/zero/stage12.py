@@ -10,9 +10,10 @@ keep their own hyper-parameters and checkpoints can name every piece.
 Stage 1 keeps a full local gradient buffer (accumulation is local and free);
 at the boundary every bucket is reduce-scattered in place as soon as its
 gradients are ready.  Stage 2 never holds full gradients: every micro-step
-each bucket's gradients are copied into a short-lived bucket buffer,
-reduce-scattered as soon as the bucket is complete, and this rank's chunk is
-added into a partition-sized gradient buffer; ``param.grad`` is freed.
+each bucket gets a short-lived buffer (from a small pool) whose views become
+the members' ``param.grad``, so autograd accumulates straight into it; it is
+reduce-scattered as soon as the bucket is complete, this rank's chunk is added
+into a partition-sized gradient buffer and ``param.grad`` is released.
 After the optimizer step, updated chunks are all-gathered in place.
 """
 
@@ -85,7 +86,7 @@ class PartitionedStrategy(ZeroStrategy):
         self._spare_buckets: dict[tuple, list[torch.Tensor]] = {}
         self.reducer = BucketReducer(
             self.groups, reduce=reduce, dp_group=dp_group,
-            scatter=use_reduce_scatter and not comm.reduce_scatter_is_slow(dp_group),
+            scatter=use_reduce_scatter,
             storage=self._bucket_storage, accept=self._accept_grad, done=self._bucket_done,
             max_in_flight=2 if stage == 2 else None,
         )
@@ -169,9 +170,16 @@ class PartitionedStrategy(ZeroStrategy):
             return self.grad_buffers[b.group_index][b.start : b.end]
         g = self.groups[b.group_index]
         free = self._spare_buckets.get((b.numel, g.dtype))
-        if free:  # reuse a buffer a finished bucket gave back (stage 2 allocates every backward)
-            return free.pop().zero_()
-        return torch.zeros(b.numel, dtype=g.dtype, device=g.device)
+        # Reuse a buffer a finished bucket gave back (stage 2 needs fresh bucket storage every backward).
+        data = free.pop().zero_() if free else torch.zeros(b.numel, dtype=g.dtype, device=g.device)
+        # Members whose gradient is still to come get ``param.grad`` as a view of the bucket: autograd
+        # then accumulates into it in place, and the gradient needs no copy.
+        for i in b.members:
+            p = g.params[i]
+            if p.grad is None:
+                off = g.offsets[i] - b.start
+                p.grad = data[off : off + g.numels[i]].view_as(p)
+        return data
 
     def _accept_grad(self, b: Bucket, i: int, p: torch.Tensor) -> None:
         g = self.groups[b.group_index]
@@ -182,14 +190,19 @@ class PartitionedStrategy(ZeroStrategy):
                 p.grad = view
             return
         off = g.offsets[i] - b.start
-        b.data[off : off + g.numels[i]].copy_(p.grad.reshape(-1))
-        p.grad = None  # stage 2: the full gradient does not outlive its bucket
+        view = b.data[off : off + g.numels[i]]
+        if p.grad.data_ptr() != view.data_ptr():  # arrived before its bucket had storage: copy it in
+            view.copy_(p.grad.reshape(-1))
+            p.grad = view.view_as(p)
 
     def _bucket_done(self, b: Bucket) -> None:
         if self.stage == 2:
             local = self.chunk_local[b.group_index][self._chunk_pos[b.index]]
             size = b.numel // self.world
             self.partition_grads[b.group_index][local : local + size].add_(b.data[self.reducer.own_slice(b)])
+            g = self.groups[b.group_index]
+            for i in b.members:  # the full gradient does not outlive its bucket
+                g.params[i].grad = None
             spare = self._spare_buckets.setdefault((b.numel, b.data.dtype), [])
             if len(spare) < 2:
                 spare.append(b.data)

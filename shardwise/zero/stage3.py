@@ -92,7 +92,7 @@ class Stage3Strategy(PartitionedStrategy):
         self._layout = _UnitBuckets(self.units, self.world)
         self._bucket_unit = {}
         self.reducer = BucketReducer(
-            [self._layout], reduce=reduce, dp_group=dp_group, scatter=not comm.reduce_scatter_is_slow(dp_group),
+            [self._layout], reduce=reduce, dp_group=dp_group, scatter=True,
             storage=self._bucket_storage, accept=self._accept_grad, done=self._bucket_done,
             max_in_flight=2,
         )
