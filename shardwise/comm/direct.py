@@ -1,11 +1,11 @@
 """Reduce-scatter and all-gather as direct point-to-point exchanges (gloo, CPU tensors).
 
-gloo's own ``reduce_scatter`` and ``all_gather`` are slow on a CPU: measured on 2 ranks with
-3.3 MB, reduce-scatter took longer than an all-reduce of the whole buffer (4.1 vs 2.8 ms)
-and all-gather nearly as long (2.3 ms), whereas sending each peer its chunk directly took
-1.5 ms (reduce-scatter) and 1.2 ms (all-gather); at 4 ranks 2.7 and 2.3 ms against gloo's
-9.0 and 5.7 ms.  With these, ZeRO's reduce-scatter + all-gather moves the same bytes as one
-all-reduce, as it does on NCCL.
+gloo's own ``reduce_scatter`` and ``all_gather`` are slow on a CPU: with 3.2 MiB on 2 ranks
+its reduce-scatter takes longer than an all-reduce of the whole buffer (5.6 vs 3.8 ms) and its
+all-gather 3.1 ms, whereas sending each peer its chunk directly takes 2.6 ms (reduce-scatter)
+and 1.8 ms (all-gather); at 4 ranks 5.0 and 3.8 ms against gloo's 11.4 and 7.1 ms
+(``benchmarks/gloo_collectives.py``, docs/benchmarks.md).  With these, ZeRO's reduce-scatter +
+all-gather costs about what one all-reduce costs, as on NCCL.
 
 Every rank posts a receive from and a send to every other rank of the group (all at once,
 asynchronously), so the exchange takes one round; for the group sizes data parallelism has
