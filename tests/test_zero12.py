@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 
 from distributed import run_distributed
-from models import base_config, make_model, reference_training
+from models import base_config, make_data, make_model, mse, reference_training, reference_training_for
 from test_engine_dp import GLOBAL_BATCH, STEPS, _assert_close, _train_shardwise
 
 # Tiny buckets: TinyMLP's parameters spread over several buckets, each padded to the world size.
@@ -84,3 +86,72 @@ def test_stage1_and_stage2_with_the_backends_own_collectives_two_ranks():
     """On gloo shardwise exchanges chunks point to point (shardwise.comm.direct); this runs
     gloo's own reduce-scatter and all-gather instead."""
     _check(run_distributed(_body, 2, timeout=300, env={"SHARDWISE_DIRECT_COLLECTIVES": "0"}), 2)
+
+
+class BackwardsMLP(torch.nn.Module):
+    """Layers registered in the opposite order to their use: gradients reach the buckets in the
+    opposite order to the layout, so they arrive before their bucket has storage (and are copied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.out = torch.nn.Linear(13, 3)
+        self.fc2 = torch.nn.Linear(13, 13)
+        self.fc1 = torch.nn.Linear(7, 13)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def _train_watching_grads(rank: int, world: int, model: torch.nn.Module, zero: dict):
+    """Stage-2 training that records, before each gradient is accumulated, whether ``param.grad``
+    was already a view of bucket storage (autograd then writes in place), and whether any
+    ``param.grad`` outlives backward."""
+    import shardwise
+
+    engine, *_ = shardwise.initialize(model=model, config=base_config(
+        train_micro_batch_size_per_gpu=GLOBAL_BATCH // world, zero_optimization={"stage": 2, **zero}))
+    trainable = [p for p in engine.module.parameters() if p.requires_grad]
+    in_place = []
+    for p in trainable:
+        p.register_hook(lambda g, p=p: in_place.append(p.grad is not None))
+    x, y = make_data(STEPS, GLOBAL_BATCH)
+    per_rank = GLOBAL_BATCH // world
+    losses, leftover = [], 0
+    for s in range(STEPS):
+        loss = mse(engine(x[s, rank * per_rank : (rank + 1) * per_rank]), y[s, rank * per_rank : (rank + 1) * per_rank])
+        engine.backward(loss)
+        leftover += sum(p.grad is not None for p in trainable)
+        engine.step()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {"run": (losses, params), "in_place": sum(in_place), "arrived": len(in_place), "leftover": leftover}
+
+
+def _in_place_body(rank: int, world: int):
+    out = {}
+    for bucket_name, zero in (("one_bucket", {}), ("tiny_buckets", ZERO)):
+        out["tiny", bucket_name] = _train_watching_grads(rank, world, make_model(), zero)
+        out["backwards", bucket_name] = _train_watching_grads(rank, world, BackwardsMLP(), zero)
+    return out
+
+
+def test_stage2_gradients_land_in_bucket_storage_and_do_not_outlive_backward():
+    results = run_distributed(_in_place_body, 2, timeout=300)
+    ref_tiny = reference_training(STEPS, GLOBAL_BATCH)
+    ref_backwards = reference_training_for(BackwardsMLP(), STEPS, GLOBAL_BATCH)
+    for key, res in results[0].items():
+        _assert_close(res["run"], ref_tiny if key[0] == "tiny" else ref_backwards)
+        _assert_close(res["run"], results[1][key]["run"], exact=True)
+        assert res["leftover"] == 0, f"{key}: param.grad kept after backward"
+        assert res["arrived"] > 0
+    # Layout order = autograd order: every gradient is accumulated straight into its bucket.
+    for bucket_name in ("one_bucket", "tiny_buckets"):
+        res = results[0]["tiny", bucket_name]
+        assert res["in_place"] == res["arrived"], (bucket_name, res["in_place"], res["arrived"])
+    assert results[0]["backwards", "one_bucket"]["in_place"] == results[0]["backwards", "one_bucket"]["arrived"]
+    # The opposite order with small buckets: some gradients arrive first and take the copy path.
+    res = results[0]["backwards", "tiny_buckets"]
+    assert 0 < res["in_place"] < res["arrived"], (res["in_place"], res["arrived"])

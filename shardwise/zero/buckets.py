@@ -124,8 +124,6 @@ class BucketReducer:
 
     def _launch(self, b: Bucket) -> None:
         self._prepare(b)  # (no storage yet: no member produced a gradient in this backward)
-        if b.index + 1 < len(self.buckets):  # the next bucket fills next: give it storage now
-            self._prepare(self.buckets[b.index + 1])
         r = self.reduce
         data = b.data
         if r.comm_dtype is not None and r.comm_dtype != data.dtype:
@@ -142,6 +140,8 @@ class BucketReducer:
         if self.max_in_flight is not None:
             while len(self._in_flight) > self.max_in_flight:
                 self._complete(self._in_flight.popleft())
+        if b.index + 1 < len(self.buckets):  # the next bucket fills next: give it storage now (after
+            self._prepare(self.buckets[b.index + 1])  # the completions above returned theirs)
 
     def _post_scale(self) -> float:
         r = self.reduce
