@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from shardwise import comm
+from shardwise.comm import direct
 from shardwise.zero.flat import FlatGroup
 from shardwise.zero.strategy import ReduceSettings
 
@@ -81,6 +82,17 @@ class BucketReducer:
             for gi, g in enumerate(groups)
             for i, p in enumerate(g.params)
         ]
+
+    def transient_bytes(self, element_size: int) -> int:
+        """Bound on the bucket memory alive during backward when buckets are short-lived (stages
+        2-3): the buckets in flight, the one filling, and the receive buffer a direct
+        reduce-scatter (gloo) keeps per bucket in flight, (N-1)/N of a bucket."""
+        biggest = max((b.numel for b in self.buckets), default=0) * element_size
+        in_flight = self.max_in_flight if self.max_in_flight is not None else len(self.buckets)
+        recv = 0
+        if self.scatter and self.world > 1 and direct.enabled(self.dp_group, self.groups[0].params[0]):
+            recv = biggest * (self.world - 1) // self.world
+        return (in_flight + 1) * biggest + in_flight * recv
 
     # -- per backward ---------------------------------------------------------------------
     def begin(self, *, active: bool) -> None:

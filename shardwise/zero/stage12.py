@@ -339,8 +339,7 @@ class PartitionedStrategy(ZeroStrategy):
 
     def memory_parts(self) -> dict[str, int]:
         grads = self.partition_grads if self.stage == 2 else self.grad_buffers
-        bucket = 2 * max(b.numel for b in self.buckets) * self.groups[0].param_buffer.element_size() \
-            if self.stage == 2 else 0
+        bucket = self.reducer.transient_bytes(self.groups[0].param_buffer.element_size()) if self.stage == 2 else 0
         return {
             "params": sum(g.param_buffer.nbytes for g in self.groups),
             "grads": sum(t.nbytes for t in grads),

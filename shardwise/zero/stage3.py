@@ -254,8 +254,7 @@ class Stage3Strategy(PartitionedStrategy):
             "params": sum(u.shard.nbytes for u in self.units),  # 0 when the shards are on NVMe
             "grads": sum(t.nbytes for t in self.partition_grads),
             "master_params": sum(t.nbytes for t in self.master_buffers) if self.master_buffers is not None else 0,
-            "bucket_buffers": 2 * max((b.numel for b in self.reducer.buckets), default=0)
-            * torch.finfo(self.precision.param_dtype).bits // 8,
+            "bucket_buffers": self.reducer.transient_bytes(torch.finfo(self.precision.param_dtype).bits // 8),
             "live_params": sum(u.full_numel * u.shard.element_size() for u in self.units if u.gathered),
             "on_disk": (self.swapper.store.disk_bytes() if self.swapper is not None else 0)
             + (self.param_store.disk_bytes() if self.param_store is not None else 0),
