@@ -155,3 +155,74 @@ def test_stage2_gradients_land_in_bucket_storage_and_do_not_outlive_backward():
     # The opposite order with small buckets: some gradients arrive first and take the copy path.
     res = results[0]["backwards", "tiny_buckets"]
     assert 0 < res["in_place"] < res["arrived"], (res["in_place"], res["arrived"])
+
+
+def _groups(model: torch.nn.Module) -> list[dict]:
+    """Two param groups with their own learning rate and weight decay (biases without decay)."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not n.endswith("weight")]
+    return [{"params": decay, "lr": 2e-2, "weight_decay": 0.1}, {"params": no_decay, "lr": 5e-3, "weight_decay": 0.0}]
+
+
+def _optimizer_cases():
+    yield "client_adamw", lambda m: torch.optim.AdamW(_groups(m), lr=1e-2), None
+    yield "client_sgd", lambda m: torch.optim.SGD(_groups(m), lr=1e-2, momentum=0.9), None
+    yield "config_sgd", lambda m: torch.optim.SGD(_groups(m), lr=1e-2, momentum=0.9, nesterov=True), \
+        {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9, "nesterov": True}}
+
+
+def _reference_with(make_opt) -> tuple[list[float], dict]:
+    model = make_model()
+    opt = make_opt(model)
+    x, y = make_data(STEPS, GLOBAL_BATCH)
+    losses = []
+    for s in range(STEPS):
+        loss = mse(model(x[s]), y[s])
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():  # the unused parameter steps with a zero gradient, as under ZeRO
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _optimizers_body(rank: int, world: int):
+    import shardwise
+
+    out = {}
+    for stage in (1, 2):
+        for name, make_opt, config_opt in _optimizer_cases():
+            model = make_model()
+            cfg = base_config(train_micro_batch_size_per_gpu=GLOBAL_BATCH // world,
+                              zero_optimization={"stage": stage, **ZERO})
+            if config_opt is None:  # a client optimizer over param groups
+                del cfg["optimizer"]
+                engine, opt, *_ = shardwise.initialize(model=model, optimizer=make_opt(model), config=cfg)
+            else:  # the config's optimizer over param groups passed as model_parameters
+                cfg["optimizer"] = config_opt
+                engine, opt, *_ = shardwise.initialize(model=model, model_parameters=_groups(model), config=cfg)
+            lrs = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
+            x, y = make_data(STEPS, GLOBAL_BATCH)
+            per = GLOBAL_BATCH // world
+            losses = []
+            for s in range(STEPS):
+                loss = mse(engine(x[s, rank * per : (rank + 1) * per]), y[s, rank * per : (rank + 1) * per])
+                engine.backward(loss)
+                engine.step()
+                loss = loss.detach()
+                dist.all_reduce(loss)
+                losses.append(loss.item() / world)
+            out[stage, name] = {"run": (losses, {n: p.detach().clone() for n, p in engine.module.named_parameters()}),
+                                "groups": lrs}
+    return out
+
+
+def test_client_and_config_optimizers_keep_their_param_groups_under_stages_1_and_2():
+    results = run_distributed(_optimizers_body, 2, timeout=300)
+    refs = {name: _reference_with(make_opt) for name, make_opt, _ in _optimizer_cases()}
+    for (stage, name), res in results[0].items():
+        assert res["groups"] == [(2e-2, 0.1), (5e-3, 0.0)], (stage, name, res["groups"])
+        _assert_close(res["run"], refs[name])
+        _assert_close(res["run"], results[1][stage, name]["run"], exact=True)
