@@ -76,6 +76,7 @@ class BucketReducer:
                     self._bucket_of[id(g.params[i])] = b
         self.active = False
         self._launched = 0
+        self._arrived: set[tuple[int, int]] = set()
         self._in_flight: deque[Bucket] = deque()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(gi, i))
@@ -99,6 +100,7 @@ class BucketReducer:
         """Arm (or disarm) reduction for the coming backward pass."""
         self.active = active
         self._launched = 0
+        self._arrived: set[tuple[int, int]] = set()  # (group, parameter) whose gradient came this pass
         for b in self.buckets:
             b.pending = len(b.members)
             b.work = None
@@ -115,6 +117,10 @@ class BucketReducer:
     def _make_hook(self, gi: int, i: int):
         def hook(p: torch.Tensor) -> None:
             bucket = self._bucket_of[id(p)]
+            if self.active:
+                if (gi, i) in self._arrived:
+                    raise RuntimeError(self._second_gradient_message(gi, i))
+                self._arrived.add((gi, i))
             self._prepare(bucket)
             self.accept(bucket, i, p)
             if self.active:
@@ -123,6 +129,16 @@ class BucketReducer:
                     self._launch_ready()
 
         return hook
+
+    def _second_gradient_message(self, gi: int, i: int) -> str:
+        names = getattr(self.groups[gi], "names", None)
+        name = names[i] if names is not None else f"#{i}"
+        return (f"parameter {name!r} received a second gradient in one backward pass: ZeRO had already "
+                "counted it as ready, and its bucket may have been reduced without the rest. This "
+                "happens when a parameter is used in more than one reentrant activation-checkpointed "
+                "region (torch.utils.checkpoint.checkpoint(..., use_reentrant=True), or a model's "
+                "gradient_checkpointing with reentrant checkpoints). Use non-reentrant checkpointing "
+                "(use_reentrant=False; shardwise.checkpointing.checkpoint is non-reentrant).")
 
     def _launch_ready(self) -> None:
         while self._launched < len(self.buckets) and self.buckets[self._launched].pending == 0:

@@ -32,13 +32,15 @@ class _UnitBuckets:
 
     def __init__(self, units: list[Unit], world: int) -> None:
         self.params, self.buckets, self.bucket_members, self.unit_of_bucket = [], [], [], []
+        self.names: list[str] = []
         pos = 0
         for u in units:
             members = []
-            for p in u.params:
+            for p, name in zip(u.params, u.names):
                 if p.requires_grad:
                     members.append(len(self.params))
                     self.params.append(p)
+                    self.names.append(name)
             if members:
                 size = u.shard_numel * world
                 self.buckets.append((pos, pos + size))
