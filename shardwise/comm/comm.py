@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -80,6 +81,8 @@ def init_distributed(
     collective may take before every rank raises a report naming it (see resolve_timeout).
     """
     if dist_init_required is False or dist.is_initialized():
+        if dist.is_initialized():
+            _destroy_at_exit_once()
         return
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         raise ValueError(f"init_distributed(timeout=...) must be a datetime.timedelta, got {timeout!r}")
@@ -114,6 +117,33 @@ def init_distributed(
     ops.reset()
     ops.timeout = timeout
     ops.on_first_op = _start_watchdog
+    _destroy_at_exit_once()
+
+
+_exit_hook: list[bool] = [False]
+
+
+def _destroy_at_exit_once() -> None:
+    """Destroy the process group when the interpreter exits, if the script did not.
+
+    A script that ends without ``destroy_process_group()`` leaves gloo's worker threads and
+    their work objects to be torn down during interpreter finalization, where releasing the
+    tensors they hold can abort the process ("terminate called without an active exception",
+    pytorch/pytorch#190489): seen here as a rank killed by SIGABRT after training finished.
+    Skipped while one of our collectives is still in flight (a rank leaving on an exception),
+    because destroying the group would then wait for it to time out."""
+    if not _exit_hook[0]:
+        _exit_hook[0] = True
+        atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    if not is_initialized() or ops.in_flight():
+        return
+    try:
+        destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting anyway; never turn a clean exit into a traceback
+        pass
 
 
 def is_initialized() -> bool:
