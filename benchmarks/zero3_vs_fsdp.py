@@ -19,9 +19,8 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_vs_ddp import CLIP, LR, MICRO, _free_port, time_steps  # noqa: E402
+from zero_vs_ddp import CLIP, LR, MICRO, _free_port, join_gloo, time_steps  # noqa: E402
 
-import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 CONFIGS = {
@@ -35,10 +34,7 @@ CONFIGS = {
 
 
 def _worker(rank, world, port, name, steps, out_dir, nvme):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo")
+    join_gloo(rank, world, port)
     from model import GPT, GPTConfig, lm_loss
 
     torch.manual_seed(0)

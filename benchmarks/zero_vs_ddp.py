@@ -59,11 +59,16 @@ def _state_bytes(model, opt) -> int:
     return params + grads + states
 
 
-def _worker(rank: int, world: int, port: int, framework: str, steps: int, out_dir: str) -> None:
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """Join a local gloo group as ``rank`` of ``world``, with the cores shared out between ranks."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo")
+
+
+def _worker(rank: int, world: int, port: int, framework: str, steps: int, out_dir: str) -> None:
+    join_gloo(rank, world, port)
     from model import GPT, GPTConfig, lm_loss
 
     torch.manual_seed(0)

@@ -90,15 +90,30 @@ def _peers(group) -> tuple[int, list[tuple[int, int]]]:
     return me, [(r, glob(r)) for r in range(n) if r != me]
 
 
+def _peers_for(op: str, group, *, whole: int, chunk: int, names: tuple[str, str]):
+    """``_peers(group)`` once the sizes are checked: the whole buffer is one chunk per rank."""
+    me, peers = _peers(group)
+    n = len(peers) + 1
+    if whole != n * chunk:
+        raise ValueError(f"{op}: {names[0]} has {whole} elements, expected {n} ranks x {chunk} "
+                         f"{names[1]} elements")
+    return me, peers
+
+
+def _issued(work: DirectWork, async_op: bool):
+    """The handle for ``async_op``; otherwise the exchange completed, like a blocking collective."""
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
     """``output`` = this rank's chunk of the sum of ``tensor`` over the group (``output`` may be
     that chunk of ``tensor`` itself)."""
-    me, peers = _peers(group)
-    n = len(peers) + 1
     size = output.numel()
-    if tensor.numel() != n * size:
-        raise ValueError(f"reduce_scatter: input has {tensor.numel()} elements, expected "
-                         f"{n} ranks x {size} output elements")
+    me, peers = _peers_for("reduce_scatter", group, whole=tensor.numel(), chunk=size, names=("input", "output"))
+    n = len(peers) + 1
     flat = tensor.view(-1)
     out = output.view(-1)
     recv = torch.empty((n - 1) * size, dtype=tensor.dtype, device=tensor.device)
@@ -118,22 +133,14 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group=None, async
         for r in range(me + 1, n):
             out.add_(rows[r])
 
-    work = DirectWork(works, finish)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return _issued(DirectWork(works, finish), async_op)
 
 
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
     """``output`` = the ranks' ``tensor`` end to end, in rank order (``tensor`` may already be this
     rank's chunk of ``output``)."""
-    me, peers = _peers(group)
-    n = len(peers) + 1
     size = tensor.numel()
-    if output.numel() != n * size:
-        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
-                         f"{n} ranks x {size} input elements")
+    me, peers = _peers_for("all_gather", group, whole=output.numel(), chunk=size, names=("output", "input"))
     flat = output.view(-1)
     src = tensor.view(-1)
     mine = flat[me * size : (me + 1) * size]
@@ -141,8 +148,4 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op:
         mine.copy_(src)
     works = [dist.irecv(flat[r * size : (r + 1) * size], src=g, group=group, tag=TAG) for r, g in peers]
     works += [dist.isend(src, dst=g, group=group, tag=TAG) for r, g in peers]
-    work = DirectWork(works)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return _issued(DirectWork(works), async_op)
