@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from shardwise.zero.nvme_io import ALIGN, NvmeStore, empty_aligned
+from shardwise.zero.nvme_io import ALIGN, STATS, NvmeStore, empty_aligned
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -26,9 +26,11 @@ def test_regions_round_trip_at_any_offset_length_and_alignment(tmp_path, direct)
         buf.copy_(torch.randn(n, generator=g))
         regions.append((offset, buf))
         offset += n * 4 + (ALIGN - (offset + n * 4) % ALIGN if i == 2 else 0)  # one region aligned to a page
+    written = STATS.write_bytes
     futures = [store.write_async("f.bin", buf, off) for off, buf in regions]  # all in flight together
     for f in futures:
         f.result()
+    assert STATS.write_bytes - written == 4 * sum(sizes)
     back = [(off, empty_aligned(buf.numel(), torch.float32) if i % 3 else torch.empty(buf.numel()))
             for i, (off, buf) in enumerate(regions)]
     futures = [store.read_async("f.bin", out, off) for off, out in back]

@@ -28,6 +28,7 @@ import atexit
 import os
 import shutil
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -57,11 +58,39 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+class IoStats:
+    """Per-process totals of swap traffic and of the time callers spent blocked on it."""
+
+    def __init__(self) -> None:
+        self.read_bytes = 0
+        self.write_bytes = 0
+        self.wait_seconds = 0.0
+
+    def snapshot(self) -> tuple[int, int, float]:
+        return self.read_bytes, self.write_bytes, self.wait_seconds
+
+
+STATS = IoStats()
+
+
+class _TimedFuture(Future):
+    """A Future whose ``result()`` adds the time the caller was blocked to ``STATS.wait_seconds``."""
+
+    def result(self, timeout=None):
+        if self.done():
+            return super().result(timeout)
+        t0 = time.perf_counter()
+        try:
+            return super().result(timeout)
+        finally:
+            STATS.wait_seconds += time.perf_counter() - t0
+
+
 class _Gather:
     """One Future for a request cut into ``count`` pieces."""
 
     def __init__(self, count: int) -> None:
-        self.future: Future = Future()
+        self.future: Future = _TimedFuture()
         self._left = count
         self._lock = threading.Lock()
         if count == 0:
@@ -194,6 +223,10 @@ class NvmeStore:
         if cuts[-1] != end:
             cuts.append(end)
         spans = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+        if write:
+            STATS.write_bytes += end - offset
+        else:
+            STATS.read_bytes += end - offset
         gather = _Gather(len(spans))
         # ``tensor`` stays referenced by the submitted closures until every piece is done.
         for a, b in spans:
