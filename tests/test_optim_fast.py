@@ -317,3 +317,24 @@ def test_ops_signatures_are_deepspeeds(path):
     submodule = {"DeepSpeedCPUAdam": "cpu_adam", "FusedAdam": "fused_adam", "FusedLamb": "fused_lamb",
                  "DeepSpeedCPUAdagrad": "cpu_adagrad", "DeepSpeedCPULion": "cpu_lion", "FusedLion": "fused_lion"}
     assert getattr(importlib.import_module(f"shardwise.ops.{module}.{submodule[name]}"), name) is cls
+
+
+def test_fp32_states_survive_state_dict_round_trip_with_bf16_params():
+    CPUAdam, _, _, CPUAdagrad, CPULion, _ = _ops()
+    for cls in (CPUAdam, CPUAdagrad, CPULion):
+        straight = _params(torch.bfloat16)
+        o = cls(straight, lr=0.01)
+        for s in range(3):
+            _step(o, straight, s, torch.bfloat16)
+        first = _params(torch.bfloat16)
+        o1 = cls(first, lr=0.01)
+        _step(o1, first, 0, torch.bfloat16)
+        second = _clone(first)
+        o2 = cls(second, lr=0.01)
+        o2.load_state_dict(o1.state_dict())
+        state = o2.state[second[0]]
+        assert all(v.dtype == torch.float32 for k, v in state.items() if k != "step"), cls.__name__
+        for s in range(1, 3):
+            _step(o2, second, s, torch.bfloat16)
+        for x, y in zip(straight, second):
+            assert torch.equal(x, y), cls.__name__

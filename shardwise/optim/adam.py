@@ -45,10 +45,24 @@ def _contiguous_step(fn: Callable[..., None], *tensors: torch.Tensor, **kwargs: 
 
 
 class _DeviceCheck:
-    """DeepSpeed's CPU optimizers refuse parameters that are not on the CPU."""
+    """DeepSpeed's CPU optimizers refuse parameters that are not on the CPU, and keep their states in
+    fp32 across ``load_state_dict`` when ``fp32_optimizer_states`` is on (torch would cast them to the
+    parameter dtype)."""
 
     _cpu_only = False
     _label = "optimizer"
+    fp32_optimizer_states = False
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if not self.fp32_optimizer_states:
+            return
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
 
     def _check_device(self, p: torch.Tensor) -> None:
         if self._cpu_only and p.device.type != "cpu":
