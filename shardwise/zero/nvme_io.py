@@ -4,9 +4,10 @@
 ``read_async`` of a tensor at a byte offset of a named file, ``disk_bytes``, ``close``;
 a private folder under ``nvme_path`` removed at exit) and changes how the bytes move:
 
-- each request is cut into ``aio.block_size`` pieces, and up to ``thread_count x
-  queue_depth`` pieces are in flight at once on a thread pool (``os.preadv`` /
-  ``os.pwritev`` release the GIL), which is how DeepSpeed's ``aio`` block reads them;
+- requests move in ``aio.block_size`` calls, up to ``thread_count x queue_depth`` of them
+  in flight at once on a thread pool (``os.preadv`` / ``os.pwritev`` release the GIL), which
+  is how DeepSpeed's ``aio`` block reads them; a request's body is cut into one run of
+  whole blocks per worker, so a large request costs a few Python tasks, not one per block;
 - files are opened with ``O_DIRECT`` where the filesystem allows it, so swap traffic
   neither fills the page cache (the memory ZeRO-Infinity is trying to save) nor is
   measured at page-cache speed.  ``O_DIRECT`` needs the file offset, the length and the
@@ -122,8 +123,8 @@ class NvmeStore:
         self.dir = base / f"shardwise-{os.getpid()}-rank{rank}"
         self.dir.mkdir(exist_ok=True)
         self.block = max(ALIGN, _round_down(int(block_size)))
-        workers = max(1, int(threads)) * max(1, int(queue_depth))
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardwise-nvme")
+        self.workers = max(1, int(threads)) * max(1, int(queue_depth))
+        self.pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="shardwise-nvme")
         self.direct = direct and hasattr(os, "O_DIRECT") and self._direct_works()
         self._fds: dict[tuple[str, bool], int] = {}
         self._fd_lock = threading.RLock()
@@ -197,6 +198,11 @@ class NvmeStore:
             return
         self._all(fd, data, offset, write=write, name=name)
 
+    def _run(self, name: str, data: torch.Tensor, offset: int, write: bool) -> None:
+        """One block per call: a head or tail (smaller than a page-aligned block) is one call."""
+        for a in range(0, data.numel(), self.block):
+            self._piece(name, data[a:a + self.block], offset + a, write)
+
     def _all(self, fd: int, data: torch.Tensor, offset: int, *, write: bool, name: str) -> None:
         view, done = memoryview(data.numpy()), 0
         while done < len(view):
@@ -212,17 +218,19 @@ class NvmeStore:
     def _submit(self, name: str, tensor: torch.Tensor, offset: int, write: bool) -> Future:
         data = _bytes(tensor) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
         end = offset + data.numel()
-        # Pieces: an unaligned head, aligned blocks, an unaligned tail.
-        cuts = [offset]
+        # Spans: an unaligned head, the aligned body cut into at most one run of whole blocks per
+        # worker (each worker moves its run one block per call), an unaligned tail.  Few Python
+        # tasks per request, and up to ``workers`` blocks in flight.
         body_start, body_end = _round_up(offset), _round_down(end)
-        if body_start < body_end:
-            if body_start > offset:
-                cuts.append(body_start)
-            cuts.extend(range(body_start + self.block, body_end, self.block))
-            cuts.append(body_end)
-        if cuts[-1] != end:
-            cuts.append(end)
-        spans = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+        if body_start >= body_end:
+            spans = [(offset, end)]
+        else:
+            blocks = -(-(body_end - body_start) // self.block)
+            per = -(-blocks // min(self.workers, blocks)) * self.block
+            spans = [(offset, body_start)]
+            spans += [(a, min(a + per, body_end)) for a in range(body_start, body_end, per)]
+            spans.append((body_end, end))
+        spans = [(a, b) for a, b in spans if b > a]
         if write:
             STATS.write_bytes += end - offset
         else:
@@ -230,7 +238,7 @@ class NvmeStore:
         gather = _Gather(len(spans))
         # ``tensor`` stays referenced by the submitted closures until every piece is done.
         for a, b in spans:
-            piece = self.pool.submit(self._piece, name, data[a - offset:b - offset], a, write)
+            piece = self.pool.submit(self._run, name, data[a - offset:b - offset], a, write)
             piece.add_done_callback(gather.piece_done)
         return gather.future
 
