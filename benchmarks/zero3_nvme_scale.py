@@ -5,7 +5,7 @@ parameters + optimizer offloaded to NVMe, on 2 CPU processes inside a memory-cap
         [--nvme /work/nvme-scratch] [--preset 2b]
 
 ``--preset 2b`` is the ~2B-parameter run (40 layers, width 2048: 32 GiB of model states, about
-1.5x this 24 GiB machine's RAM) under a 6 GiB cap.
+1.5x this 24 GiB machine's RAM) under an 8 GiB cap.
 
 The model is built under ``shardwise.zero.Init`` (never whole on a rank).  The script creates a
 memory cgroup (v1 ``memory.limit_in_bytes`` or v2 ``memory.max``), moves itself into it, then
@@ -110,13 +110,13 @@ def main() -> None:
     ap.add_argument("--cap-gb", type=float, default=3.0)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--nvme", default=None)
-    ap.add_argument("--preset", choices=["2b"], default=None, help="2b: 40 layers x 2048, 6 GiB cap")
+    ap.add_argument("--preset", choices=["2b"], default=None, help="2b: 40 layers x 2048, 8 GiB cap")
     ap.add_argument("--aio-threads", type=int, default=2)
     ap.add_argument("--queue-depth", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=1 << 20)
     args = ap.parse_args()
     if args.preset == "2b":
-        args.layers, args.width, args.cap_gb = 40, 2048, 6.0
+        args.layers, args.width, args.cap_gb = 40, 2048, 8.0
     args.nvme = args.nvme or tempfile.mkdtemp(prefix="shardwise-scale-nvme-", dir=ROOT)
     cap = int(args.cap_gb * 2**30)
     cgroup = _cap_memory(cap)
