@@ -77,7 +77,7 @@ def _worker(rank, world, port, args, out_dir):
         "aio": {"thread_count": args.aio_threads, "queue_depth": args.queue_depth, "block_size": args.block_size},
     }
     torch.manual_seed(0)
-    with shardwise.zero.Init():
+    with shardwise.zero.Init(dtype=torch.bfloat16):  # shards held in bf16 until offloaded
         model = GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=args.layers, n_head=16, n_embd=args.width))
     params = sum(p._sw.numel for p in model.parameters())
     engine, *_ = shardwise.initialize(model=model, config=cfg)
