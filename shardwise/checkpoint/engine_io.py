@@ -33,6 +33,7 @@ from shardwise.checkpoint.fragments import FragmentReader, index_fragments, load
 from shardwise.checkpoint.manifest import FORMAT, VERSION, list_tags, open_checkpoint
 from shardwise.checkpoint.serialize import join_state, split_state
 from shardwise.checkpoint.writer import CheckpointWriter, SavePlan, snapshot
+from shardwise.zero.partitioned_param import full_shape
 
 logger = logging.getLogger("shardwise")
 
@@ -236,8 +237,7 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict=True, load
 
 
 def _load_module(engine, state: dict[str, torch.Tensor], *, strict: bool, where: Path) -> None:
-    own = {k: tuple(v._sw.shape if hasattr(v, "_sw") else v.shape)
-           for k, v in engine.module.state_dict(keep_vars=True).items()}
+    own = {k: tuple(full_shape(v)) for k, v in engine.module.state_dict(keep_vars=True).items()}
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     mismatched = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {own[k]}"

@@ -21,7 +21,7 @@ from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
-from shardwise.zero.strategy import ReduceSettings, build_strategy
+from shardwise.zero import ReduceSettings, build_strategy, is_partitioned
 
 logger = logging.getLogger("shardwise")
 
@@ -89,6 +89,7 @@ class Engine(torch.nn.Module):
         self._grad_norm: float | None = None
         self._step_skipped = False
         self._no_sync_depth = 0
+        self._boundary_override: bool | None = None
         self._backwards_since_step = 0
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self._loss_count = 0
@@ -102,12 +103,12 @@ class Engine(torch.nn.Module):
 
     # -- set-up ---------------------------------------------------------------------------
     def _broadcast_model(self) -> None:
-        """Every data-parallel replica starts from data-parallel rank 0's weights and buffers."""
+        """Every data-parallel replica starts from data-parallel rank 0's buffers and frozen weights
+        (the strategy broadcasts the trainable ones as it lays them out)."""
         if self.dp_world_size == 1:
             return
         src = 0 if self.dp_group is None else torch.distributed.get_global_rank(self.dp_group, 0)
-        # Stage 3 shards parameters itself, broadcasting each one from rank 0 as it does.
-        params = [] if self.config.zero_optimization.stage == 3 else list(self.module.parameters())
+        params = [p for p in self.module.parameters() if not p.requires_grad and not is_partitioned(p)]
         with torch.no_grad():
             for t in params + list(self.module.buffers()):
                 comm.broadcast(t.data, src=src, group=self.dp_group)
@@ -202,7 +203,26 @@ class Engine(torch.nn.Module):
         return self._batch.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Override whether the coming backward/step is the accumulation boundary (DeepSpeed's method;
+        a pipeline engine running its own schedule marks its last micro-batch this way).  ``None``
+        returns to counting micro-steps."""
+        self._boundary_override = is_boundary
+
+    @property
+    def enable_backward_allreduce(self) -> bool:
+        """Whether backward passes reduce gradients across the data-parallel group (DeepSpeed's
+        attribute).  1-bit Adam sets it to False after its warm-up and exchanges compressed momentum
+        itself; only ZeRO stage 0 allows that (``ZeroStrategy.reduce_gradients``)."""
+        return self.strategy.reduce_gradients
+
+    @enable_backward_allreduce.setter
+    def enable_backward_allreduce(self, on: bool) -> None:
+        self.strategy.reduce_gradients = on
 
     # -- training step ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -220,22 +240,32 @@ class Engine(torch.nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward(loss) needs a scalar loss tensor, got {_describe(loss)}")
         self.timers.start("backward")
-        self.strategy.prepare_backward(boundary=self.is_gradient_accumulation_boundary(),
-                                       no_sync=self._no_sync_depth > 0)
+        self._begin_backward()
         scaled = loss.float()
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
-            scaled = scaled * self.loss_scaler.loss_scale
+            scaled = self.loss_scaler.scale_loss(scaled)
         scaled.backward(retain_graph=retain_graph)
-        self.timers.start("backward_allreduce")
-        self.strategy.finish_backward()
-        self.timers.stop("backward_allreduce")
+        self._end_backward()
         self.timers.stop("backward")
         self._loss_sum += loss.detach().float().reshape(())
         self._loss_count += 1
-        self._backwards_since_step += 1
         return loss
+
+    def _begin_backward(self) -> None:
+        """Before autograd runs: arm the strategy's gradient hooks (reduce at the boundary or, for the
+        partitioned-gradient stages, every time).  A subclass running its own schedule (pipeline)
+        calls this and ``_end_backward`` around its own ``torch.autograd.backward``."""
+        self.strategy.prepare_backward(boundary=self.is_gradient_accumulation_boundary(),
+                                       no_sync=self._no_sync_depth > 0)
+
+    def _end_backward(self) -> None:
+        """After autograd: wait for the gradient reductions still in flight."""
+        self.timers.start("backward_allreduce")
+        self.strategy.finish_backward()
+        self.timers.stop("backward_allreduce")
+        self._backwards_since_step += 1
 
     def step(self, lr_kwargs=None) -> None:
         """Count a micro-step; at an accumulation boundary update the weights."""
@@ -251,6 +281,9 @@ class Engine(torch.nn.Module):
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
+        """The accumulation-boundary step: unscale, overflow check, clip and the optimizer step on this
+        rank's share (the strategy, with ``shardwise.precision``), the loss scale update, the scheduler,
+        zeroed gradients and the counters.  A subclass with its own schedule calls it once per batch."""
         if self.optimizer is None:
             raise ValueError("engine.step() needs an optimizer: add an 'optimizer' block to the config or pass optimizer=")
         self.timers.start("step")
@@ -378,7 +411,8 @@ class Engine(torch.nn.Module):
         without it nothing is written and False is returned. Collective: call it on every rank."""
         from shardwise.checkpoint.files import save_state_dict_atomically
 
-        if self.strategy.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        if self.strategy.gathers_module_state and \
+                not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             logger.warning("save_16bit_model: not saved, because ZeRO-3 weights are partitioned and "
                            "zero_optimization.stage3_gather_16bit_weights_on_model_save is false")
             return False
