@@ -37,7 +37,11 @@ def _ds_attributes(rank, world):
     assert not is_partitioned(torch.nn.Parameter(torch.zeros(3)))
 
     seen = {}  # status of fc1.weight while fc1 runs its forward
-    model.fc1.register_forward_pre_hook(lambda m, a: seen.setdefault("fwd", m.weight.ds_status))
+
+    def record(module, args):
+        seen.setdefault("fwd", module.weight.ds_status)
+
+    model.fc1.register_forward_pre_hook(record)
     x, y = make_data(1, 4)
     engine.backward(mse(engine(x[0, rank * 2:(rank + 1) * 2]), y[0, rank * 2:(rank + 1) * 2]))
     engine.step()
@@ -93,9 +97,9 @@ def _reduction_switch(case, rank, world):
     engine.enable_backward_allreduce = True
     engine.backward(mse(engine(xs), ys))
     g = model.fc1.weight.grad.clone()
-    other = g.clone()
-    torch.distributed.broadcast(other, src=1 - rank)
-    torch.testing.assert_close(g, other, rtol=0, atol=0)  # reduced: the same on both ranks
+    both = [torch.empty_like(g) for _ in range(world)]
+    torch.distributed.all_gather(both, g)
+    torch.testing.assert_close(both[0], both[1], rtol=0, atol=0)  # reduced: the same on both ranks
     assert not torch.allclose(g, local["fc1.weight"])
 
 

@@ -21,6 +21,7 @@ from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
+from shardwise.training_state import StepCounters, StepReport, TrainingState
 from shardwise.zero import ReduceSettings, build_strategy, is_partitioned
 
 logger = logging.getLogger("shardwise")
@@ -98,7 +99,8 @@ class Engine(torch.nn.Module):
         self._interval_start = time.perf_counter()
         self._progress: ProgressBar | None = None
         checkpointing.configure_from(config, mpu=grid)  # activation_checkpointing block, if set
-        self.observer = StepObserver(self)  # monitors, flops profiler, autotuning trials
+        self._checkpoint_writer = None  # created by the first save or load
+        self.observer = StepObserver(self.training_state(), autotuning_engine=self)  # monitors, flops, autotuning
         self.monitor = self.observer.monitor
 
     # -- set-up ---------------------------------------------------------------------------
@@ -226,7 +228,7 @@ class Engine(torch.nn.Module):
 
     # -- training step ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        self.observer.before_forward()
+        self.observer.before_forward(self.global_steps)
         self.timers.start("forward")
         if self.precision.auto_cast:
             args = cast_inputs(args, self.precision.param_dtype)
@@ -324,7 +326,11 @@ class Engine(torch.nn.Module):
         self._loss_sum.zero_()
         self._loss_count = 0
         self.timers.end_step()
-        self.observer.after_step(loss)
+        self.observer.after_step(StepReport(
+            loss=loss, global_steps=self.global_steps, global_samples=self.global_samples, lr=self.get_lr()[0],
+            loss_scale=self.loss_scaler.loss_scale if self.loss_scaler is not None else None,
+            grad_norm=self._grad_norm, batch_size=self.train_batch_size(),
+            timings=dict(self.timers.last_step) if self.timers.enabled else None))
         if self._progress is not None:
             self._progress.update(step=self.global_steps, loss=loss, lr=self.get_lr()[0], samples=self.train_batch_size())
         spp = self.config.steps_per_print
@@ -394,12 +400,34 @@ class Engine(torch.nn.Module):
         self._progress = ProgressBar(total=total, enabled=self.global_rank == 0, desc=desc)
         return self._progress
 
+    # -- what checkpoint/ and monitor/ see ----------------------------------------------------
+    def training_state(self) -> TrainingState:
+        """A narrow view of this engine for ``checkpoint/`` and ``monitor/``: its parts, and a copy of
+        its counters (only the engine writes them)."""
+        return TrainingState(
+            module=self.module, strategy=self.strategy, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            loss_scaler=self.loss_scaler, precision=self.precision, config=self.config, dp_group=self.dp_group,
+            dp_world_size=self.dp_world_size, global_rank=self.global_rank, device=self.device,
+            training_dataloader=self.training_dataloader,
+            counters=StepCounters(global_steps=self.global_steps, global_samples=self.global_samples,
+                                  micro_steps=self.micro_steps, skipped_steps=self.skipped_steps))
+
+    @property
+    def checkpoint_writer(self):
+        """The background writer of asynchronous saves (``checkpoint.writer.decoupled``)."""
+        if self._checkpoint_writer is None:
+            from shardwise.checkpoint.writer import CheckpointWriter
+
+            self._checkpoint_writer = CheckpointWriter()
+        return self._checkpoint_writer
+
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False):
         from shardwise.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+        return save_checkpoint(self.training_state(), save_dir, writer=self.checkpoint_writer, tag=tag,
+                               client_state=client_state or {}, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
@@ -430,17 +458,21 @@ class Engine(torch.nn.Module):
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         from shardwise.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only)
+        folder, client_state, counters = load_checkpoint(
+            self.training_state(), load_dir, writer=self.checkpoint_writer, tag=tag,
+            load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        if counters is not None:
+            self.global_steps, self.global_samples = counters.global_steps, counters.global_samples
+            self.micro_steps, self.skipped_steps = counters.micro_steps, counters.skipped_steps
+        return folder, client_state
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save (``checkpoint.writer.decoupled``) is committed; raise its error.
         Call it on every rank. The next save, a load and interpreter exit wait by themselves."""
         from shardwise.checkpoint.engine_io import wait_for_save
 
-        wait_for_save(self)
+        wait_for_save(self.checkpoint_writer)
 
     def __getattr__(self, name: str):
         try:

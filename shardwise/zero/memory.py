@@ -80,12 +80,11 @@ def measure(strategy, optimizer, *, precision: str, weight_bytes: int) -> Memory
             states += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
     psi = sum(full_numel(p) for g in strategy.groups for p in g.params if p.requires_grad)
     k = optimizer_state_bytes_per_element(optimizer) if optimizer is not None else 0
-    stage = strategy.stage
-    shard = 1 if stage == 0 else n
-    theory = weight_bytes * psi // (n if stage == 3 else 1)  # parameters
-    theory += weight_bytes * psi // (n if stage >= 2 else 1)  # gradients
+    shard = 1 if strategy.replicated else n
+    theory = weight_bytes * psi // (n if strategy.shards_parameters else 1)  # parameters
+    theory += weight_bytes * psi // (n if strategy.shards_gradients else 1)  # gradients
     theory += (4 * psi // shard) if parts["master_params"] else 0
     theory += k * psi // shard
     total = parts["params"] + parts["grads"] + parts["master_params"] + states
     return MemoryBreakdown(parts["params"], parts["grads"], parts["master_params"], states, parts["bucket_buffers"],
-                           total, theory, psi, stage, n, precision, parts["live_params"], parts["on_disk"])
+                           total, theory, psi, strategy.stage, n, precision, parts["live_params"], parts["on_disk"])

@@ -201,6 +201,7 @@ class Stage2Strategy(PartitionedStrategy):
     """Partitioned optimizer state and gradients; buckets reduce-scattered every backward."""
 
     stage = 2
+    shards_gradients = True
 
     def _gradient_store(self) -> PooledBucketGradients:
         return PooledBucketGradients(self.groups, self.chunk_local, self.world)

@@ -115,6 +115,8 @@ class UnitGradients:
 class Stage3Strategy(ZeroStrategy):
     stage = 3
     replicated = False
+    shards_gradients = True
+    shards_parameters = True
     gathers_module_state = True
 
     def __init__(

@@ -37,6 +37,8 @@ class ReduceSettings:
 class ZeroStrategy(abc.ABC):
     stage: int  # for reports and checkpoints only; nothing branches on it
     replicated: bool  # True when every rank holds the whole optimizer state (stage 0)
+    shards_gradients = False  # True when a rank keeps only its share of the reduced gradients (stages 2-3)
+    shards_parameters = False  # True when a rank keeps only its share of the weights (stage 3)
     gathers_module_state = False  # True when ``module_state_dict`` is collective (stage 3)
     _reduce_gradients = True
 
