@@ -31,7 +31,9 @@ def _status_kib(field: str) -> int:
 
 
 def _cpu_setup() -> None:
-    return_large_frees_to_the_os(128 * 1024)  # not glibc: peaks may read high after big frees, never low
+    # Freed blocks of 128 KiB and more go back to the system, so memory freed before the block does
+    # not hide its peak (without glibc peaks may read high after big frees, never low).
+    return_large_frees_to_the_os(128 * 1024)
 
 
 class PeakMemory:
