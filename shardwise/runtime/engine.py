@@ -105,12 +105,12 @@ class Engine(torch.nn.Module):
 
     # -- set-up ---------------------------------------------------------------------------
     def _broadcast_model(self) -> None:
-        """Every data-parallel replica starts from data-parallel rank 0's buffers and frozen weights
-        (the strategy broadcasts the trainable ones as it lays them out)."""
+        """Every data-parallel replica starts from data-parallel rank 0's weights and buffers
+        (parameters ``zero.Init`` partitioned were broadcast when they were sharded)."""
         if self.dp_world_size == 1:
             return
         src = 0 if self.dp_group is None else torch.distributed.get_global_rank(self.dp_group, 0)
-        params = [p for p in self.module.parameters() if not p.requires_grad and not is_partitioned(p)]
+        params = [p for p in self.module.parameters() if not is_partitioned(p)]
         with torch.no_grad():
             for t in params + list(self.module.buffers()):
                 comm.broadcast(t.data, src=src, group=self.dp_group)

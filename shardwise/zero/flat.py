@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise import comm
-
 
 @dataclass(frozen=True)
 class Fragment:
@@ -99,13 +97,6 @@ class FlatGroup:
             p.data = view
         self.param_buffer = buffer
         return buffer
-
-    def broadcast_(self, group) -> None:
-        """Make every rank's weights equal to those of rank 0 of ``group`` (None: the world): one
-        collective for the whole buffer."""
-        if comm.get_world_size(group) > 1:
-            src = 0 if group is None else torch.distributed.get_global_rank(group, 0)
-            comm.broadcast(self.param_buffer, src=src, group=group)
 
     def cast_(self, dtype: torch.dtype) -> None:
         """Re-home the (already flattened) parameters in a buffer of ``dtype``."""

@@ -52,7 +52,6 @@ class DataParallelStrategy(ZeroStrategy):
                                                       bucket_elements=reduce.bucket_elements)
         for g in self.groups:
             g.flatten_params_()
-            g.broadcast_(dp_group)  # every replica starts from data-parallel rank 0's weights
         self._build_masters()  # before any cast, so the masters keep full fp32 values
         for g in self.groups:
             if g.dtype != precision.param_dtype and g.dtype.is_floating_point:

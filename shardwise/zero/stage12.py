@@ -63,7 +63,6 @@ class PartitionedStrategy(ZeroStrategy):
         self.chunk_local = [_local_offsets(ch) for ch in self.chunks]
         for g in self.groups:
             g.flatten_params_()
-            g.broadcast_(dp_group)  # every replica starts from data-parallel rank 0's weights
         self.partition = PartitionedOptimizer(  # fp32 masters from the fp32 weights, before the cast
             optimizer, source=self, partition_of=self._partition_of, fragments=self._fragments(),
             params_of={n: p for g in self.groups for n, p in zip(g.names, g.params)},

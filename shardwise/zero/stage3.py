@@ -141,8 +141,8 @@ class Stage3Strategy(ZeroStrategy):
         zc = zero_config
         names = {id(p): n for n, p in named_params}
         for p in module.parameters():
-            if not is_partitioned(p):
-                shard_param_(p, group=dp_group)
+            if not is_partitioned(p):  # (the engine broadcast rank 0's values already)
+                shard_param_(p, group=dp_group, broadcast=False)
         unit_elements = int(zc.stage3_prefetch_bucket_size) if zc is not None else 0
         self.units, module_units = _build_units(module, names, self.world, unit_elements)
         threshold = int(zc.stage3_param_persistence_threshold) if zc is not None else 0
