@@ -190,6 +190,13 @@ def _validate_tag(engine, tag: str) -> None:
 def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict=True, load_optimizer_states=True,
                     load_lr_scheduler_states=True, load_module_only=False):
     wait_for_save(engine)
+    from shardwise.checkpoint.deepspeed_format import load_if_deepspeed  # DeepSpeed's own layout (issue 20)
+
+    loaded = load_if_deepspeed(engine, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+    if loaded is not None:
+        return loaded
     ckpt = open_checkpoint(load_dir, tag)
     if ckpt is None:
         tags = list_tags(Path(load_dir))
