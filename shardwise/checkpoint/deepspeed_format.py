@@ -211,9 +211,17 @@ class _Reader:
         else:
             raise DeepSpeedLayoutError(f"{self.ms_path}: field 'ds_config.zero_optimization.stage' is {self.stage}")
 
-    def _groups_hyper(self, opt_sd) -> None:
+    def _groups_hyper(self, opt_sd, count: int = 1) -> None:
         if isinstance(opt_sd, dict) and "param_groups" in opt_sd:
             self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt_sd["param_groups"]]
+            return
+        # zero_optimization.elastic_checkpoint saves no param groups: the config's optimizer settings
+        params = dict((self.cfg.get("optimizer") or {}).get("params") or {})
+        hyper = {k: tuple(v) if k == "betas" else v for k, v in params.items()
+                 if k in ("lr", "betas", "eps", "weight_decay", "momentum", "amsgrad")}
+        logger.warning("%s: no optimizer param groups saved (elastic_checkpoint); using the config's %s", self.folder,
+                       hyper)
+        self.param_groups = [dict(hyper) for _ in range(count)]
 
     def _scaler(self, obj) -> None:
         """DeepSpeed's LossScaler/DynamicLossScaler (a stand-in) or FP16_Optimizer's keys, as shardwise's."""
@@ -252,7 +260,7 @@ class _Reader:
                 for s in states:
                     s.setdefault("step", torch.tensor(float(osd["base_optimizer_state_step"])))
             if rank == 0:
-                self._groups_hyper(base)
+                self._groups_hyper(base, len(parts))
                 self._scaler(osd.get("loss_scaler"))
             align = osd.get("param_alignment_paddings")
             mappings = osd.get("param_slice_mappings")
@@ -378,21 +386,17 @@ class _Reader:
         self.trainable = names
 
     def _stage0_names(self) -> list[str]:
-        if self.param_names is not None:
-            return [n for n in self.param_names if n in self.module]
-        seen, out = set(), []
+        """The module's parameters in order, tied names (the same tensor twice in 'module') once."""
+        first: dict[tuple, str] = {}
         for k, v in self.module.items():
-            if k in self.buffers:
+            if k in self.buffers or v.numel() == 0:
                 continue
-            ident = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else (k,)
-            if ident in seen:
-                self.aliases[k] = next(o for o in out if (self.module[o].untyped_storage().data_ptr(),
-                                                          self.module[o].storage_offset(),
-                                                          tuple(self.module[o].shape)) == ident)
-                continue
-            seen.add(ident)
-            out.append(k)
-        return out
+            owner = first.setdefault((v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)), k)
+            if owner != k:
+                self.aliases[k] = owner
+        if self.param_names is not None:
+            return [n for n in self.param_names if n in self.module and n not in self.aliases]
+        return [k for k in first.values()]
 
     def _match_names(self, params: list[str], sizes, *, per_group: bool, where: str):
         if not per_group:
