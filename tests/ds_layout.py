@@ -123,6 +123,24 @@ def make_source(seed: int = 0, *, groups: int = 2, scheduler=True, scaler=None) 
                   client={"epoch": 3, "pos": (1, 2), "t": torch.arange(4.0)}, scaler=scaler)
 
 
+class SynthNet(torch.nn.Module):
+    """A model with the names of :func:`make_source` (tied ``head.weight``, a frozen parameter, a buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+        self.fc1 = torch.nn.Linear(3, 7)
+        self.fc2 = torch.nn.Linear(7, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+        self.frozen = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.register_buffer("norm", torch.zeros(3))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(torch.tanh(self.fc1(self.emb(idx)))) + self.norm
+        return self.head(h) + self.frozen.sum()
+
+
 def _module(src: Source, dtype, placeholders: bool) -> OrderedDict:
     sd = OrderedDict()
     for n, w in src.weights.items():

@@ -73,16 +73,52 @@ def _two_ranks(rank, world):
                         rank, world)
 
 
-def _one_rank(rank, world):
+def _one_rank(rank, world, tmp):
+    run_subtests(_load_written_layout, ["z2-fp16-w3", "z3-bf16-w3", "z0-fp16-unfused"], rank, world, tmp)
     return run_subtests(_continue_from_deepspeed, [("zero2", 0), ("zero3", 0)], rank, world)
+
+
+def _load_written_layout(layout, rank, world, tmp):
+    """A written DeepSpeed-layout folder through engine.load_checkpoint: weights, moments, step,
+    loss scaler, counters, learning rate and client_state come back."""
+    import shardwise
+    from shardwise.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    stage, ds_world, dtype, options, scaler = LAYOUTS[layout]
+    src = ds_layout.make_source(stage, groups=1, scheduler=False, scaler=scaler)
+    ds_layout.write(Path(tmp) / layout, src, stage=stage, world=ds_world, dtype=dtype, **options)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
+           "zero_optimization": {"stage": 0}}
+    if dtype == F16:
+        cfg["fp16"] = {"enabled": True, "hysteresis": 2}
+    elif dtype == BF16:
+        cfg["bf16"] = {"enabled": True}
+    engine, *_ = shardwise.initialize(model=ds_layout.SynthNet(), config=cfg)
+    _, client = engine.load_checkpoint(str(Path(tmp) / layout))
+    assert client["epoch"] == 3 and client["pos"] == (1, 2) and torch.equal(client["t"], torch.arange(4.0))
+    assert (engine.global_steps, engine.global_samples, engine.skipped_steps) == (5, 40, 1)
+    assert engine.get_lr() == [src.hyper[0]["lr"]]
+    if dtype == F16:
+        assert engine.cur_scale == scaler.cur_scale
+        assert engine.loss_scaler.state_dict()["cur_iter"] == scaler.cur_iter
+    for name in TRAINABLE:
+        p = engine.module.get_parameter(name)
+        assert torch.equal(safe_get_full_fp32_param(p), src.weights[name]), name
+        assert torch.equal(p.detach(), src.weights[name].to(dtype)), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(safe_get_full_optimizer_state(p, key), src.moments[name][key]), f"{name}/{key}"
+    assert engine.module.head.weight is engine.module.emb.weight
+    assert torch.equal(engine.module.frozen.detach(), src.weights["frozen"].to(dtype))
+    steps = {float(st["step"]) for st in engine.optimizer.state.values()}
+    assert steps == {5.0}
 
 
 def test_real_deepspeed_checkpoints_continue_at_two_ranks():
     run_distributed(_two_ranks, 2, timeout=240)
 
 
-def test_real_deepspeed_checkpoints_continue_at_one_rank_zero0():
-    run_distributed(_one_rank, 1, timeout=120)
+def test_deepspeed_checkpoints_load_at_one_rank_zero0(tmp_path):
+    run_distributed(_one_rank, 1, args=(str(tmp_path),), timeout=120)
 
 
 # --------------------------------------------------------------------------------------------
