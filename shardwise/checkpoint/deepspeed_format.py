@@ -92,10 +92,18 @@ def is_deepspeed_checkpoint(load_dir, tag=None) -> bool:
 
 @dataclass
 class _Out:
-    """What the native checkpoint will hold: tensors per file, fragment descriptors, manifest parts."""
+    """The native checkpoint being written into ``tmp``: fragment files (written one DeepSpeed rank at
+    a time by :meth:`flush`, so memory holds one rank's partition), their checksums, descriptors."""
 
+    tmp: Path
     files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    written: dict[str, tuple[str, int]] = field(default_factory=dict)
     descs: list[dict] = field(default_factory=list)
+
+    def flush(self) -> None:
+        for name, tensors in self.files.items():
+            self.written[name] = (write_tensors(self.tmp / name, tensors, copy=False), 0)
+        self.files = {}
 
     def fragment(self, rank: int, name: str, shape, start: int, end: int, master: torch.Tensor | None,
                  states: dict[str, torch.Tensor]) -> None:
@@ -144,10 +152,10 @@ def _flat_states(opt_sd, count: int, where) -> list[dict]:
 
 
 class _Reader:
-    def __init__(self, folder: Path, param_names: list[str] | None) -> None:
+    def __init__(self, folder: Path, param_names: list[str] | None, tmp: Path) -> None:
         self.folder = folder
         self.param_names = param_names
-        self.out = _Out()
+        self.out = _Out(tmp)
         names = sorted(p.name for p in folder.iterdir())
         if any(n.startswith("layer_") for n in names):
             raise ValueError(f"{folder} is a DeepSpeed pipeline-parallel checkpoint (layer_*-model_states.pt files): "
@@ -174,8 +182,16 @@ class _Reader:
                              "stage and tensor-slice mapping are missing here)")
         self.cfg = self.ms.get("ds_config") if isinstance(self.ms.get("ds_config"), dict) else {}
         self.world = int(self.ms["dp_world_size"])
-        self.stage = int((self.cfg.get("zero_optimization") or {}).get("stage", 0))
         self.module: dict[str, torch.Tensor] = dict(self.ms["module"])
+        # The stage from the files (ds_config may be a path, not a dict); ZeRO-1 vs 2 from 'zero_stage' later.
+        if first.name.startswith("zero_pp_rank_"):
+            self.stage = 3
+        elif any("optim_states" in n for n in names):
+            self.stage = int((self.cfg.get("zero_optimization") or {}).get("stage", 1)) or 1
+        else:
+            self.stage = 0
+        self.fp16 = bool((self.cfg.get("fp16") or {}).get("enabled", False)) or \
+            any(v.dtype == torch.float16 for v in self.module.values())
         self.buffers = set(self.ms.get("buffer_names") or [])
         self.aliases = dict(self.ms.get("shared_params") or {})
         self.param_shapes = [dict(g) for g in (self.ms.get("param_shapes") or [])]
@@ -199,17 +215,16 @@ class _Reader:
         return p
 
     # -- optimizer state -------------------------------------------------------------------
-    def read(self, load_optimizer: bool = True) -> None:
+    def read(self) -> None:
         self.param_groups = None
         self.loss_scaler = None
         if self.stage == 0:
             self._read_stage0(self.ms.get("optimizer"))
-        elif self.stage in (1, 2):
-            self._read_flat_partitions()
         elif self.stage == 3:
             self._read_stage3()
         else:
-            raise DeepSpeedLayoutError(f"{self.ms_path}: field 'ds_config.zero_optimization.stage' is {self.stage}")
+            self._read_flat_partitions()
+        self.out.flush()
 
     def _groups_hyper(self, opt_sd, count: int = 1) -> None:
         if isinstance(opt_sd, dict) and "param_groups" in opt_sd:
@@ -225,8 +240,7 @@ class _Reader:
 
     def _scaler(self, obj) -> None:
         """DeepSpeed's LossScaler/DynamicLossScaler (a stand-in) or FP16_Optimizer's keys, as shardwise's."""
-        fp16 = bool((self.cfg.get("fp16") or {}).get("enabled", False))
-        if not fp16 or obj is None:
+        if not self.fp16 or obj is None:
             return
         get = (lambda k, d=None: getattr(obj, k, d)) if not isinstance(obj, dict) else obj.get
         dynamic = bool(get("dynamic", get("dynamic_loss_scale", False)))
@@ -250,6 +264,8 @@ class _Reader:
             if len(parts) != len(self.param_shapes):
                 raise DeepSpeedLayoutError(f"{path}: field 'single_partition_of_fp32_groups' has {len(parts)} groups, "
                                            f"'param_shapes' of {self.ms_path.name} {len(self.param_shapes)}")
+            if "zero_stage" in osd:
+                self.stage = int(osd["zero_stage"])
             count = osd.get("partition_count")
             count = max(count) if isinstance(count, list) else count
             if count is not None and int(count) != self.world:
@@ -284,6 +300,7 @@ class _Reader:
                             f"{path}: field 'param_slice_mappings' of group {g} does not match the layout derived from "
                             f"'param_shapes' (saved {saved}, derived {seen})")
                 starts[g] = hi_r
+            self.out.flush()
         for g, shapes in enumerate(self.param_shapes):
             need = sum(_numel(s) for s in shapes.values())
             if starts[g] < need:
@@ -297,7 +314,8 @@ class _Reader:
             raise DeepSpeedLayoutError(f"{self.ms_path}: field 'param_shapes' missing or empty")
         frozen_shapes = dict(self.ms.get("frozen_param_shapes") or {})
         frozen_parts: dict[str, list[torch.Tensor]] = {n: [] for n in frozen_shapes}
-        full = {name: torch.empty(_numel(s), dtype=torch.float32) for name, s in shapes.items()}
+        full = {name: torch.empty(_numel(s), dtype=self.module[name].dtype if name in self.module else torch.float32)
+                for name, s in shapes.items()}  # the whole weights in the training dtype, for 'module'
         for rank in range(self.world):
             if frozen_shapes:
                 ms = self.ms if rank == 0 else load_deepspeed_file(self.model_states_path(rank))
@@ -336,9 +354,9 @@ class _Reader:
             if local != flat.numel():
                 raise DeepSpeedLayoutError(f"{path}: field 'fp32_flat_groups' holds {flat.numel()} elements, "
                                            f"'param_shapes' at {self.world} ranks account for {local}")
+            self.out.flush()
         for name, shape in shapes.items():  # ZeRO-3's module holds empty placeholders
-            dtype = self.module[name].dtype if name in self.module else torch.float32
-            self.module[name] = full[name].view(*[int(d) for d in shape]).to(dtype)
+            self.module[name] = full[name].view(*[int(d) for d in shape])
         for name, shape in frozen_shapes.items():
             dtype = self.module[name].dtype if name in self.module else torch.float32
             self.module[name] = torch.cat(frozen_parts[name])[:_numel(shape)].view(*[int(d) for d in shape]).to(dtype)
@@ -468,20 +486,23 @@ def convert_deepspeed_checkpoint(ds_dir, out_dir, *, tag=None, param_names: list
     if folder is None:
         raise FileNotFoundError(f"{ds_dir}: no DeepSpeed checkpoint there (no *model_states.pt"
                                 f"{' in tag ' + str(tag) if tag is not None else ''}, and no 'latest')")
-    reader = _Reader(folder, param_names)
-    reader.read()
     tag_name = folder.name
-    manifest = reader.manifest(tag_name)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = SavePlan(tmp=out_dir / f"{TMP_PREFIX}{tag_name}", final=out_dir / tag_name, rank=0, world=1)
     if plan.tmp.exists():
         shutil.rmtree(plan.tmp)
     plan.tmp.mkdir()
-    for name, tensors in {**reader.out.files, "model.safetensors": reader.canonical,
-                          "extra.safetensors": reader.extra}.items():
-        plan.written[name] = (write_tensors(plan.tmp / name, tensors), 0)
-    plan.manifest = manifest
+    try:
+        reader = _Reader(folder, param_names, plan.tmp)
+        reader.read()
+        plan.manifest = reader.manifest(tag_name)
+        plan.written.update(reader.out.written)
+        for name, tensors in {"model.safetensors": reader.canonical, "extra.safetensors": reader.extra}.items():
+            plan.written[name] = (write_tensors(plan.tmp / name, tensors), 0)
+    except BaseException:
+        shutil.rmtree(plan.tmp, ignore_errors=True)
+        raise
     plan.commit([plan.write_files()])
     return plan.final
 
