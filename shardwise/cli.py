@@ -187,7 +187,8 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         "with the restricted unpickler) and write it as a shardwise checkpoint OUT/<tag> (safetensors + JSON, "
         "OUT/latest), which engine.load_checkpoint then reads at any world size and ZeRO stage without "
         "unpickling anything. See docs/checkpoints.md.")
-    parser.add_argument("--from-deepspeed", required=True, metavar="DIR", help="DeepSpeed save_dir (or one tag's folder)")
+    parser.add_argument("--from-deepspeed", required=True, metavar="DIR",
+                        help="DeepSpeed save_dir (or one tag's folder)")
     parser.add_argument("out", metavar="OUT", help="output save_dir")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in DIR/latest)")
 

@@ -61,7 +61,8 @@ class fragment_address:  # noqa: N801 (DeepSpeed's name)
     start: int
 
 
-for _cls, _mod in [(LossScaler, "deepspeed.runtime.fp16.loss_scaler"), (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler"),
+for _cls, _mod in [(LossScaler, "deepspeed.runtime.fp16.loss_scaler"),
+                   (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler"),
                    (fragment_address, "deepspeed.utils.tensor_fragment")]:
     _cls.__module__ = _mod
 
@@ -217,7 +218,8 @@ def _write_stage0(folder, src, dtype, cfg, fused):
     elif fused:  # FP16_Optimizer: one flat fp32 tensor per group
         flat = lambda g, f: torch.cat([f(n).reshape(-1) for n in g])  # noqa: E731
         opt = {"optimizer_state_dict": {
-            "state": {i: {"step": _step(), **{k: flat(g, lambda n, k=k: src.moments[n][k]) for k in ("exp_avg", "exp_avg_sq")}}
+            "state": {i: {"step": _step(),
+                          **{k: flat(g, lambda n, k=k: src.moments[n][k]) for k in ("exp_avg", "exp_avg_sq")}}
                       for i, g in enumerate(src.groups)},
             "param_groups": _param_groups(src, [[i] for i in range(len(src.groups))])},
             "fp32_groups_flat": [flat(g, lambda n: src.weights[n]) for g in src.groups], "clip_grad": 0.0}
@@ -229,7 +231,8 @@ def _write_stage0(folder, src, dtype, cfg, fused):
     if dtype == torch.float16:
         scaler = src.scaler
         opt.update(dynamic_loss_scale=scaler.dynamic, cur_scale=scaler.cur_scale,
-                   cur_iter=getattr(scaler, "cur_iter", 0), last_overflow_iter=getattr(scaler, "last_overflow_iter", -1),
+                   cur_iter=getattr(scaler, "cur_iter", 0),
+                   last_overflow_iter=getattr(scaler, "last_overflow_iter", -1),
                    scale_factor=2.0, scale_window=1000)
     # ZeRO-0 has no 'shared_params': a tied weight is the same tensor under two names in 'module'
     torch.save(_model_states(src, stage=0, world=1, dtype=dtype, module=_module(src, dtype, False), optimizer=opt,
@@ -282,7 +285,8 @@ def _write_stage12(folder, src, stage, world, dtype, cfg, elastic, edit):
         if elastic:
             osd["base_optimizer_state_step"] = 5
         if not bf16_optimizer:
-            osd.update(loss_scaler=src.scaler or LossScaler(1.0), dynamic_loss_scale=bool(getattr(src.scaler, "dynamic", False)),
+            osd.update(loss_scaler=src.scaler or LossScaler(1.0),
+                       dynamic_loss_scale=bool(getattr(src.scaler, "dynamic", False)),
                        overflow=False, zero_stage=ZeroStageEnum(stage),
                        param_alignment_paddings=[[0] * len(g) for g, *_ in layouts])
         if edit is not None:

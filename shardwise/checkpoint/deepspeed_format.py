@@ -248,7 +248,8 @@ class _Reader:
             self.loss_scaler = {"type": "static", "cur_scale": float(get("cur_scale", 1.0))}
             return
         hyst = int((self.cfg.get("fp16") or {}).get("hysteresis", 2))
-        self.loss_scaler = {"type": "dynamic", "cur_scale": float(get("cur_scale")), "cur_iter": int(get("cur_iter", 0)),
+        self.loss_scaler = {"type": "dynamic", "cur_scale": float(get("cur_scale")),
+                            "cur_iter": int(get("cur_iter", 0)),
                             "last_overflow_iter": int(get("last_overflow_iter", -1)),
                             "cur_hysteresis": int(get("cur_hysteresis", hyst))}
 
