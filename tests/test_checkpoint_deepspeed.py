@@ -298,11 +298,15 @@ def test_a_pickle_naming_os_system_is_refused_without_running_it(tmp_path):
 
 def test_cli_convert_and_consolidate_read_deepspeed_folders(tmp_path, capsys):
     from shardwise.checkpoint.consolidate import get_fp32_state_dict_from_checkpoint
+    from shardwise.checkpoint.deepspeed_format import is_deepspeed_checkpoint
     from shardwise.cli import main
 
     assert main(["convert", "--from-deepspeed", str(FIXTURES / "zero3"), str(tmp_path / "native")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "native" / "global_step3")
     native = get_fp32_state_dict_from_checkpoint(tmp_path / "native")
+    assert is_deepspeed_checkpoint(FIXTURES / "zero2") and is_deepspeed_checkpoint(FIXTURES / "zero3" / "global_step3")
+    assert not is_deepspeed_checkpoint(tmp_path / "native")  # the converted copy loads as a native checkpoint
+    assert not is_deepspeed_checkpoint(tmp_path / "native" / "global_step3")
     assert main(["consolidate", str(FIXTURES / "zero2"), str(tmp_path / "hf")]) == 0
     from safetensors.torch import load_file
 

@@ -55,6 +55,7 @@ DEEPSPEED_KEYS = frozenset({
     "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
 })
 _MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+_PIPELINE_LAYER = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")  # PipelineModule's per-layer files
 
 
 class DeepSpeedLayoutError(ValueError):
@@ -77,7 +78,8 @@ def find_deepspeed_folder(load_dir, tag=None) -> Path | None:
     candidates.append(load_dir)
     for folder in candidates:
         if folder.is_dir() and not (folder / "manifest.json").exists() and \
-                any(_MODEL_STATES.match(p.name) or p.name.startswith("layer_") for p in folder.iterdir()):
+                any(p.is_file() and (_MODEL_STATES.match(p.name) or _PIPELINE_LAYER.match(p.name))
+                    for p in folder.iterdir()):
             return folder
     return None
 
@@ -157,7 +159,7 @@ class _Reader:
         self.param_names = param_names
         self.out = _Out(tmp)
         names = sorted(p.name for p in folder.iterdir())
-        if any(n.startswith("layer_") for n in names):
+        if any(_PIPELINE_LAYER.match(n) for n in names):
             raise ValueError(f"{folder} is a DeepSpeed pipeline-parallel checkpoint (layer_*-model_states.pt files): "
                              "shardwise reads data-parallel DeepSpeed checkpoints only (no pipeline stages)")
         mp = sorted({int(m.group(2)) for n in names if (m := _MODEL_STATES.match(n))})
