@@ -126,7 +126,7 @@ class _Out:
 def _need(d: dict, key: str, where) -> object:
     if not isinstance(d, dict) or key not in d:
         raise DeepSpeedLayoutError(f"{where}: field '{key}' missing (this reader follows the layout of DeepSpeed "
-                                   "0.1x's save_checkpoint; the file's ds_version may write another)")
+                                   "0.1x's save_checkpoint)")
     return d[key]
 
 
@@ -498,7 +498,10 @@ def convert_deepspeed_checkpoint(ds_dir, out_dir, *, tag=None, param_names: list
     plan.tmp.mkdir()
     try:
         reader = _Reader(folder, param_names, plan.tmp)
-        reader.read()
+        try:
+            reader.read()
+        except DeepSpeedLayoutError as e:
+            raise DeepSpeedLayoutError(f"{e} [written by DeepSpeed {reader.ms.get('ds_version', '?')}]") from None
         plan.manifest = reader.manifest(tag_name)
         plan.written.update(reader.out.written)
         for name, tensors in {"model.safetensors": reader.canonical, "extra.safetensors": reader.extra}.items():
