@@ -13,19 +13,26 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import ds_layout
 from distributed import run_distributed, run_subtests
+from shardwise.checkpoint.deepspeed_format import DeepSpeedLayoutError, convert_deepspeed_checkpoint
+from shardwise.checkpoint.fragments import FragmentReader
+from shardwise.checkpoint.manifest import open_checkpoint
+from shardwise.checkpoint.safe_unpickle import RefusedPickle
+from shardwise.checkpoint.serialize import join_state
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
-sys.path.insert(0, str(FIXTURES))
-import model as ds_model  # noqa: E402  (the fixtures' model and data)
+_spec = importlib.util.spec_from_file_location("deepspeed_fixture_model", FIXTURES / "model.py")
+ds_model = importlib.util.module_from_spec(_spec)  # the fixtures' model, data and DeepSpeed config
+_spec.loader.exec_module(ds_model)
 
 # fp32 on both sides. Observed: losses bitwise equal to DeepSpeed's at 2 ranks, within 1e-7 relative at one
 # rank (another order of the floating-point sums); learning rates exactly equal.
@@ -123,14 +130,6 @@ def test_deepspeed_checkpoints_load_at_one_rank_zero0(tmp_path):
 
 # --------------------------------------------------------------------------------------------
 # Layout coverage: DeepSpeed-layout folders written from known values (tests/ds_layout.py)
-
-import ds_layout  # noqa: E402
-
-from shardwise.checkpoint.deepspeed_format import DeepSpeedLayoutError, convert_deepspeed_checkpoint  # noqa: E402
-from shardwise.checkpoint.fragments import FragmentReader  # noqa: E402
-from shardwise.checkpoint.manifest import open_checkpoint  # noqa: E402
-from shardwise.checkpoint.safe_unpickle import RefusedPickle  # noqa: E402
-from shardwise.checkpoint.serialize import join_state  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 TRAINABLE = ["emb.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
