@@ -188,6 +188,13 @@ def load_checkpoint(engine, load_dir, *, writer: CheckpointWriter, tag=None, loa
     """Load into the parts of ``engine`` (a ``TrainingState``). Returns ``(folder, client_state, counters)``;
     ``counters`` (``StepCounters``, None with ``load_module_only``) are for the engine to apply."""
     wait_for_save(writer)
+    from shardwise.checkpoint.deepspeed_format import load_if_deepspeed  # DeepSpeed's own layout
+
+    loaded = load_if_deepspeed(engine, load_dir, writer=writer, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+    if loaded is not None:
+        return loaded
     ckpt = open_checkpoint(load_dir, tag)
     if ckpt is None:
         tags = list_tags(Path(load_dir))
