@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from shardwise.malloc import return_large_frees_to_the_os
+
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and addresses (a page; enough for 512 B and 4 KiB disks)
 
 
@@ -115,8 +117,6 @@ class NvmeStore:
                  direct: bool = True) -> None:
         if not root:
             raise ValueError("offload to nvme needs 'nvme_path' (a folder on a fast local disk)")
-        from shardwise.zero.memory import return_large_frees_to_the_os
-
         return_large_frees_to_the_os()
         base = Path(root)
         base.mkdir(parents=True, exist_ok=True)
