@@ -609,3 +609,19 @@ def test_config_package_never_imports_torch():
 
 def test_config_object_type():
     assert isinstance(load_config({}), ShardwiseConfig)
+
+
+def test_docs_not_implemented_table_matches_code():
+    """docs/config.md's "Not implemented yet" table names exactly the code's NOT_IMPLEMENTED keys (issue 18:
+    it listed tensorboard, which works)."""
+    import re
+    from shardwise.config.support import NOT_IMPLEMENTED
+    text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    section = text.split("## Not implemented yet", 1)[1].split("\n## ", 1)[0]
+    listed = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            first_column = line.split(" | ")[0]
+            listed.update(re.findall(r"`([a-z_0-9.]+)`", first_column))
+    assert listed == set(NOT_IMPLEMENTED), (listed ^ set(NOT_IMPLEMENTED))
+    load_config({"tensorboard": {"enabled": True, "output_path": "tb"}}).check_supported()
