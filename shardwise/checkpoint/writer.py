@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.checkpoint.manifest import manifest_digest
 from shardwise.checkpoint.files import publish_dir, replace_text_atomically, write_json, write_tensors
 
 logger = logging.getLogger("shardwise")
@@ -63,7 +64,9 @@ class SavePlan:
         for report in reports:
             for name, (sha, size) in report.items():
                 files[name], sizes[name] = sha, size
-        write_json(self.tmp / "manifest.json", {**self.manifest, "files": files, "sizes": sizes})
+        manifest = {**self.manifest, "files": files, "sizes": sizes}
+        manifest["digest"] = manifest_digest(manifest)
+        write_json(self.tmp / "manifest.json", manifest)
         publish_dir(self.tmp, self.final)
         if self.save_latest:
             replace_text_atomically(self.final.parent / "latest", self.final.name)
