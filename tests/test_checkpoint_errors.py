@@ -164,3 +164,8 @@ def test_tag_resolution_without_an_engine(tmp_path):
     assert open_checkpoint(tmp_path) is None and list_tags(tmp_path / "nothing") == []
     with pytest.raises(FileNotFoundError, match="tags there: none"):
         open_checkpoint(tmp_path, tag="x")
+    # issue 18: a non-UTF-8 'latest' gave "'utf-8' codec can't decode byte" without the path
+    (tmp_path / "latest").write_bytes(b"global_step\xe9")
+    with pytest.raises(ValueError) as info:
+        open_checkpoint(tmp_path)
+    assert str(tmp_path / "latest") in str(info.value) and "not UTF-8" in str(info.value)

@@ -99,7 +99,17 @@ def resolve_tag(load_dir: Path, tag=None) -> str | None:
     latest = Path(load_dir) / "latest"
     if not latest.exists():
         return None
-    return latest.read_text().strip()
+    raw = latest.read_bytes()
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{latest} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); it should "
+                         f"hold one checkpoint tag such as 'global_step100'; tags in {load_dir}: "
+                         f"{', '.join(list_tags(Path(load_dir))) or 'none'}") from None
+    if not tag or "/" in tag or "\0" in tag:
+        raise ValueError(f"{latest} does not hold a checkpoint tag (got {tag!r}); tags in {load_dir}: "
+                         f"{', '.join(list_tags(Path(load_dir))) or 'none'}")
+    return tag
 
 
 def checkpoint_folder(load_dir: Path, tag: str) -> Path:
