@@ -300,3 +300,33 @@ def test_kill9_of_a_node_agent_or_the_launcher_leaves_no_orphans(cluster) -> Non
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_network_partition_of_one_rank_is_reported_by_its_collective(cluster) -> None:
+    """Fault injection: host 1's link goes down under a running job; host 0's rank reports the
+    collective it was in, after the collective timeout, instead of hanging."""
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [cluster.popen(i, [*RUN, "--no_ssh", "--node_rank", str(i), "--num_nodes", "2", "--num_procs", "1",
+                               "--master_addr", cluster.hosts[0], "--master_port", "29621", "--comm_timeout", "4",
+                               "tests/scripts/allreduce_loop.py"], env=env, cwd=str(REPO)) for i in range(2)]
+    try:
+        out = procs[0].stdout
+        assert out is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if "step 3" in out.readline():
+                break
+        else:
+            raise AssertionError("the job did not start")
+        started = time.monotonic()
+        subprocess.run(["ip", "-n", cluster.names[1], "link", "set", cluster.veths[1], "down"], check=True)
+        _, err = procs[0].communicate(timeout=90)
+        elapsed = time.monotonic() - started
+        assert procs[0].returncode != 0, err
+        assert re.search(r"rank 0: all_reduce #\d+ on world \(2 ranks\).*did not complete", err), err[-3000:]
+        assert elapsed < 60, elapsed
+    finally:
+        subprocess.run(["ip", "-n", cluster.names[1], "link", "set", cluster.veths[1], "up"])
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
