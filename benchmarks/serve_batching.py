@@ -10,6 +10,10 @@ OpenAI-format requests back to back (``max_tokens`` fixed, greedy decoding, dist
 the two servers are measured alternately (batched, single, batched, single), so load from other
 work on the machine touches both. Reported: generated tokens per second over the whole run, and
 the p50 / p99 of the request latency (send to last byte). Output: a Markdown table.
+
+Each server gets ``OMP_NUM_THREADS=1`` unless the variable is set: on a small shared machine,
+torch's default of one thread per core made every decoding step wait for busy cores (ten times
+slower in our runs), which hides what batching does.
 """
 from __future__ import annotations
 
@@ -46,7 +50,8 @@ def start_server(model: str, batch: int, max_tokens: int) -> tuple[subprocess.Po
     proc = subprocess.Popen([sys.executable, "-m", "shardwise", "serve", "--model", model, "--port", str(port),
                              "--max_batch_size", str(batch), "--max_queue", "256", "--max_new_tokens",
                              str(max_tokens), "--log_level", "warning"],
-                            env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.DEVNULL)
+                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+                            stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -87,7 +92,7 @@ async def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--requests", type=int, default=4, help="requests per client per round")
+    parser.add_argument("--requests", type=int, default=3, help="requests per client per round")
     parser.add_argument("--max_tokens", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
