@@ -48,8 +48,9 @@ def initialize(
     if model is None:
         raise ValueError("initialize() needs model=...")
     source = _config_source(args, config, config_params)
-    cfg = _client_objects_win(load_config(source), optimizer, lr_scheduler)
+    cfg = load_config(source)
     init_distributed(dist_init_required=dist_init_required)
+    cfg = _client_objects_win(cfg, optimizer, lr_scheduler)
     comm.configure(comms_logger=cfg.comms_logger, timeout=cfg.comm_timeout)
     grid = MpuGrid(mpu) if mpu is not None else ParallelGrid.data_parallel_only()
     engine = Engine(
