@@ -203,8 +203,6 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         return self._batch.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        if getattr(self, "_boundary_override", None) is not None:  # set_gradient_accumulation_boundary()
-            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     # -- training step ------------------------------------------------------------------------
@@ -254,7 +252,6 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             if self._no_sync_depth:
                 raise RuntimeError("engine.step() at an accumulation boundary inside engine.no_sync()")
             self._take_model_step(lr_kwargs or {})
-            self._boundary_override = None
         self.micro_steps += 1
         self.tput_timer.stop(global_step=boundary)
 
@@ -436,4 +433,6 @@ def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)}"
     return repr(type(x))
+
+
 DeepSpeedEngine = Engine  # deepspeed.runtime.engine.DeepSpeedEngine

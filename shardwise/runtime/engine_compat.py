@@ -178,11 +178,6 @@ class EngineCompatMixin:
         gas = self.gradient_accumulation_steps()
         self._batch = BatchSizes(micro_batch_size * gas * self.dp_world_size, micro_batch_size, gas)
 
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Decide the accumulation boundary yourself (until ``engine.step()`` at a boundary resets it):
-        backward passes before the boundary accumulate without communicating."""
-        self._boundary_override = bool(is_boundary)
-
     def was_step_applied(self) -> bool:
         """True if the last ``step()`` updated the weights (a boundary without overflow)."""
         return bool(getattr(self, "_step_applied", False))
@@ -235,7 +230,7 @@ class EngineCompatMixin:
         dst=<model>)`` runs on every rank with the model's parameters whole (rank 0's result is
         kept under ZeRO-3), and the fp32 master weights are then set from the model's weights."""
         from shardwise.checkpoint import open_checkpoint
-        from shardwise.utils.tensor_fragment import safe_set_full_fp32_param
+        from shardwise.utils.set_full import safe_set_full_fp32_param
         from shardwise.zero import GatheredParameters
 
         ckpt = open_checkpoint(folder)

@@ -2,13 +2,8 @@
 ``RepeatingLoader`` and (as a submodule) ``zero_to_fp32``."""
 
 from shardwise.utils.logging import log_dist, log_dist_once, logger, print_json_dist, set_log_level_from_string
-from shardwise.utils.tensor_fragment import (
-    safe_get_full_fp32_param,
-    safe_get_full_grad,
-    safe_get_full_optimizer_state,
-    safe_set_full_fp32_param,
-    safe_set_full_optimizer_state,
-)
+from shardwise.utils.set_full import safe_set_full_fp32_param, safe_set_full_optimizer_state
+from shardwise.utils.tensor_fragment import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from shardwise.utils.z3_leaf_module import (
     get_z3_leaf_modules,
     set_z3_leaf_module,
