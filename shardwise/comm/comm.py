@@ -200,16 +200,19 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     return box[0]
 
 
-def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
     # message size: the whole gathered buffer (nccl-tests' convention)
+    output = output_tensor
     impl = direct.all_gather if direct.enabled(group, output, tensor) else _all_gather_single
     return ops.run("all_gather_into_tensor",
                    lambda: impl(output, tensor, group=group, async_op=async_op),
                    group=group, tensors=(tensor,), nbytes=_nbytes(output), async_op=async_op)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False):
     # message size: the whole buffer being reduced and scattered
+    output = output_tensor
     if op == ReduceOp.SUM and direct.enabled(group, output, tensor):
         def call():
             return direct.reduce_scatter(output, tensor, group=group, async_op=async_op)

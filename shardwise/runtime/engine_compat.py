@@ -248,16 +248,16 @@ class EngineCompatMixin:
 
     def _copy_recovery_script(self, save_dir) -> None:
         """Rank 0 puts ``zero_to_fp32.py`` (stand-alone: torch and safetensors only) beside the
-        checkpoints, as DeepSpeed does."""
-        if comm.get_rank() != 0:
-            return
-        import os
-        import shutil
+        checkpoints, as DeepSpeed does; every rank returns once it is there."""
+        if comm.get_rank() == 0:
+            import os
+            import shutil
 
-        import shardwise.utils.zero_to_fp32 as script
+            import shardwise.utils.zero_to_fp32 as script
 
-        target = os.path.join(str(save_dir), "zero_to_fp32.py")
-        tmp = target + ".tmp"
-        shutil.copyfile(script.__file__, tmp)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)
+            target = os.path.join(str(save_dir), "zero_to_fp32.py")
+            tmp = target + ".tmp"
+            shutil.copyfile(script.__file__, tmp)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, target)
+        comm.barrier()

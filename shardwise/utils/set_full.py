@@ -43,13 +43,11 @@ def _whole(param: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor:
 
 
 def _write_fragments(engine, name: str, full: torch.Tensor, *, state_key: str | None) -> None:
-    from shardwise.zero.strategy import ZeroStrategy
-
-    strategy = engine.strategy
-    if type(strategy).fragment_batches is not ZeroStrategy.fragment_batches:
-        raise NotImplementedError("safe_set_full_*: not supported with the optimizer offloaded to NVMe")
+    if engine.zero_offload_optimizer() is not None and engine.zero_offload_optimizer().device == "nvme":
+        raise NotImplementedError("safe_set_full_*: not supported with the optimizer offloaded to NVMe "
+                                  "(zero_optimization.offload_optimizer.device is 'nvme')")
     with torch.no_grad():
-        for fname, start, end, t in strategy.local_fragments():
+        for fname, start, end, t in (x for batch in engine.strategy.fragment_batches() for x in batch):
             if fname != name:
                 continue
             if state_key is None:

@@ -168,7 +168,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
             weight_map[name] = file
         path = os.path.join(output_dir, file)
         if safe_serialization:
-            save_file({k: v.contiguous() for k, v in _untie(part).items()}, path, metadata={"format": "pt"})
+            _save_safetensors({k: v.contiguous() for k, v in _untie(part).items()}, path)
         else:
             torch.save(part, path)
     if len(shards) > 1:
@@ -176,6 +176,42 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
         total = sum(lazy[n].numel() * torch.empty(0, dtype=lazy[n].dtype).element_size() for n in lazy)
         with open(os.path.join(output_dir, index), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def _save_safetensors(tensors: dict, path: str) -> None:
+    """``safetensors.torch.save_file``; without numpy (which it needs to save, from 0.6 on) the same
+    format is written here: 8-byte little-endian header size, JSON header, then the raw bytes."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        save_file(tensors, path, metadata={"format": "pt"})
+        return
+    import ctypes
+    import struct
+    import sys
+
+    if sys.byteorder != "little":
+        raise RuntimeError("writing safetensors without numpy needs a little-endian machine: install numpy")
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            t = t.detach().cpu().contiguous()
+            f.write(ctypes.string_at(t.data_ptr(), t.nbytes))
 
 
 def _untie(part: dict) -> dict:
