@@ -122,6 +122,7 @@ _LAZY = {
     "Engine": ("shardwise.runtime.engine", "Engine"),
     "DeepSpeedEngine": ("shardwise.runtime.engine", "Engine"),
     "DeepSpeedConfigError": ("shardwise.config", "ConfigError"),
+    "OnDevice": ("shardwise.utils.init_on_device", "OnDevice"),
     "accelerator": ("shardwise.accelerator", None),
     "utils": ("shardwise.utils", None),
     "elasticity": ("shardwise.elasticity", None),

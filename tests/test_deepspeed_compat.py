@@ -113,6 +113,13 @@ def test_module_paths_resolve():
     from shardwise.utils import RepeatingLoader, log_dist as ld, logger as lg  # noqa: F401
     from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: F401
 
+    from shardwise.runtime.activation_checkpointing import checkpointing
+
+    assert checkpointing is deepspeed.checkpointing  # one module under both paths (Megatron-DeepSpeed)
+    with deepspeed.OnDevice(dtype=torch.bfloat16, device="meta"):
+        layer = torch.nn.Linear(3, 4)
+    assert layer.weight.device.type == "meta" and layer.weight.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32
     assert ga is get_accelerator and ld is log_dist and lg is logger
     assert VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
     assert deepspeed.utils.RepeatingLoader is deepspeed.RepeatingLoader

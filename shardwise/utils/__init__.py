@@ -1,6 +1,7 @@
 """``deepspeed.utils``: logging helpers, whole-tensor access under ZeRO, ZeRO-3 leaf modules,
 ``RepeatingLoader`` and (as a submodule) ``zero_to_fp32``."""
 
+from shardwise.utils.init_on_device import OnDevice
 from shardwise.utils.logging import log_dist, log_dist_once, logger, print_json_dist, set_log_level_from_string
 from shardwise.utils.set_full import safe_set_full_fp32_param, safe_set_full_optimizer_state
 from shardwise.utils.tensor_fragment import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
@@ -23,6 +24,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "OnDevice",
     "RepeatingLoader",
     "get_z3_leaf_modules",
     "log_dist",
