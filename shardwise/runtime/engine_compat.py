@@ -16,6 +16,9 @@ from shardwise.config.batch import BatchSizes
 
 logger = logging.getLogger("shardwise")
 
+_DEEPSPEED_OPTIMIZERS = {"adagrad", "adam", "adamw", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion",
+                         "muon"}
+
 
 class ThroughputTimer:
     """``engine.tput_timer`` (DeepSpeed's ``ThroughputTimer``): samples per second over optimizer
@@ -139,7 +142,10 @@ class EngineCompatMixin:
         """The client optimizer's class name, else the config's ``optimizer.type``."""
         if getattr(self, "client_optimizer", None) is not None:
             return type(self.client_optimizer).__name__
-        return self.config.optimizer.type if self.config.optimizer is not None else None
+        if self.config.optimizer is None:
+            return None
+        name = self.config.optimizer.type
+        return name.lower() if name.lower() in _DEEPSPEED_OPTIMIZERS else name  # DeepSpeed lower-cases its own
 
     def scheduler_name(self):
         return self.config.scheduler.type if self.config.scheduler is not None else None
