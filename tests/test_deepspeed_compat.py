@@ -360,3 +360,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_node_agents_get_the_deepspeed_flags():
+    from shardwise.launcher.options import LaunchOptions
+    from shardwise.launcher.runners import agent_command
+
+    opts = LaunchOptions(script="train.py", enable_each_rank_log="/logs", bind_core_list="0-3",
+                         venv_script="/env/bin/activate")
+    cmd = agent_command(opts, {"a": [0], "b": [0]}, master_addr="a", master_port=29500, local_addr=None)
+    joined = " ".join(cmd)
+    assert "--enable_each_rank_log /logs" in joined and "--bind_core_list 0-3" in joined
+    assert "--venv_script /env/bin/activate" in joined and cmd[-1] == "train.py"
