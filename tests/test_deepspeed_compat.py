@@ -372,3 +372,24 @@ def test_node_agents_get_the_deepspeed_flags():
     joined = " ".join(cmd)
     assert "--enable_each_rank_log /logs" in joined and "--bind_core_list 0-3" in joined
     assert "--venv_script /env/bin/activate" in joined and cmd[-1] == "train.py"
+
+
+def test_autotuning_flag_hands_over_to_autotune(tmp_path, monkeypatch):
+    """--autotuning tune runs `shardwise autotune` only; run then launches with the best config."""
+    import shardwise.autotuning
+    import shardwise.launcher
+    from shardwise.cli import main
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 4, "autotuning": {"enabled": True,
+                                                                     "results_dir": str(tmp_path / "res")}}))
+    script = tmp_path / "train.py"
+    script.write_text("")
+    tuned, launched = [], []
+    monkeypatch.setattr(shardwise.autotuning, "run", lambda ns: tuned.append(list(ns.script_args)) or 0)
+    monkeypatch.setattr(shardwise.launcher, "run", lambda opts: launched.append(opts) or 0)
+    assert main(["run", "--autotuning", "tune", str(script), "--deepspeed_config", str(cfg)]) == 0
+    assert tuned == [["--deepspeed_config", str(cfg)]] and launched == []
+    assert main(["run", "--autotuning", "run", str(script), f"--deepspeed_config={cfg}"]) == 0
+    best = str(tmp_path / "res" / "ds_config_optimal.json")
+    assert [o.script_args for o in launched] == [[f"--deepspeed_config={best}"]]
