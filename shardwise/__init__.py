@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-__version__ = "0.1.0"
+from shardwise.version import __version__  # noqa: E402
 
 from shardwise import comm  # noqa: E402  (light: torch only)
 from shardwise._unsupported import install_finder  # noqa: E402

@@ -68,7 +68,7 @@ def _client_script(rank, world_size, save_dir):
     optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-2, weight_decay=0.01, adamw_mode=True)
     config = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 50,
                               "stage3_gather_16bit_weights_on_model_save": True,
                               "offload_optimizer": {"device": "cpu"}},
     }
@@ -97,6 +97,12 @@ def _client_script(rank, world_size, save_dir):
         assert tuple(p.ds_shape) == full and p.ds_numel == math.prod(full), name
         assert p.ds_status == ZeroParamStatus.NOT_AVAILABLE, (name, p.ds_status)
         assert p.ds_tensor.numel() == math.ceil(p.ds_numel / world_size), name
+
+    # the leaf Block (220 elements, more than a 50-element unit) is gathered as one unit all the same
+    from shardwise.zero.partitioned_param import unit_of
+
+    assert unit_of(params["block.a.weight"]) is unit_of(params["block.b.bias"])
+    assert unit_of(params["inp.weight"]) is not unit_of(params["block.a.weight"])
 
     # -- train: 4 optimizer steps of 2 micro-batches each -----------------------------------------
     g = torch.Generator().manual_seed(7)

@@ -240,6 +240,9 @@ class EngineCompatMixin:
         from shardwise.zero import GatheredParameters
 
         ckpt = open_checkpoint(folder)
+        if ckpt is None:
+            raise NotImplementedError(f"load_checkpoint(custom_load_fn=...): {folder} is in DeepSpeed's own layout; "
+                                      "convert it first (shardwise convert --from-deepspeed DIR OUT) and load OUT")
         src = ckpt.read("model.safetensors")
         for alias, name in ckpt.manifest.get("aliases", {}).items():
             if name in src:

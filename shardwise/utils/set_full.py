@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.utils.tensor_fragment import _owner, _shape
+from shardwise.utils.tensor_fragment import _owner
+from shardwise.zero.partitioned_param import full_shape, is_partitioned, scatter_full_
 
 __all__ = ["safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
 
@@ -18,13 +19,11 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     the model's (possibly 16-bit, possibly sharded) weights follow. Call it on every rank."""
     engine, name = _owner(param)
     full = _whole(param, value)
-    from shardwise.zero.partitioned_param import is_sharded, scatter_full_
-
     if param.requires_grad:
         _write_fragments(engine, name, full, state_key=None)
     with torch.no_grad():
-        if is_sharded(param):
-            scatter_full_(param, full.to(param._sw.shard.dtype))
+        if is_partitioned(param):
+            scatter_full_(param, full.to(param.ds_tensor.dtype))
         else:
             param.data.copy_(full.view(param.shape).to(param.dtype))
 
@@ -36,7 +35,7 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
 
 
 def _whole(param: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor:
-    shape = _shape(param)
+    shape = full_shape(param)
     if tuple(value.shape) != tuple(shape):
         raise ValueError(f"value has shape {tuple(value.shape)}, the parameter has shape {tuple(shape)}")
     return value.detach().reshape(-1).float()
