@@ -6,13 +6,20 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from shardwise.version import __version__  # noqa: E402
 
 from shardwise import comm  # noqa: E402  (light: torch only)
+from shardwise._unsupported import install_finder  # noqa: E402
+from shardwise.accelerator import get_accelerator  # noqa: E402
 from shardwise.comm import init_distributed  # noqa: E402
+from shardwise.utils.logging import log_dist, logger  # noqa: E402
 
-__all__ = ["__version__", "add_config_arguments", "comm", "init_distributed", "initialize"]
+install_finder()  # `import shardwise.moe` (and other DeepSpeed paths not built) names the path and says so
+
+__all__ = ["__version__", "add_config_arguments", "comm", "get_accelerator", "init_distributed", "initialize",
+           "log_dist", "logger"]
 
 
 def initialize(
@@ -43,6 +50,7 @@ def initialize(
     source = _config_source(args, config, config_params)
     cfg = load_config(source)
     init_distributed(dist_init_required=dist_init_required)
+    cfg = _client_objects_win(cfg, optimizer, lr_scheduler)
     comm.configure(comms_logger=cfg.comms_logger, timeout=cfg.comm_timeout)
     grid = MpuGrid(mpu) if mpu is not None else ParallelGrid.data_parallel_only()
     engine = Engine(
@@ -55,7 +63,28 @@ def initialize(
         training_data=training_data,
         collate_fn=collate_fn,
     )
+    engine.client_optimizer = optimizer
+    engine.client_lr_scheduler = lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _client_objects_win(cfg, optimizer, lr_scheduler):
+    """An optimizer (scheduler) passed to initialize() is used even when the config has an
+    ``optimizer`` (``scheduler``) block, as in DeepSpeed; rank 0 logs which one won, once."""
+    dropped = {}
+    if optimizer is not None and cfg.optimizer is not None:
+        dropped["optimizer"] = None
+        log_dist(f"Using the client optimizer ({_kind(optimizer)}) passed to initialize(); the config's "
+                 f"'optimizer' block (type {cfg.optimizer.type}) is not used", ranks=[0], level=logging.WARNING)
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        dropped["scheduler"] = None
+        log_dist(f"Using the client LR scheduler ({_kind(lr_scheduler)}) passed to initialize(); the config's "
+                 f"'scheduler' block (type {cfg.scheduler.type}) is not used", ranks=[0], level=logging.WARNING)
+    return cfg.model_copy(update=dropped) if dropped else cfg
+
+
+def _kind(obj) -> str:
+    return getattr(obj, "__name__", None) or type(obj).__name__
 
 
 def _config_source(args, config, config_params):
@@ -92,6 +121,11 @@ _LAZY = {
     "RepeatingLoader": ("shardwise.runtime.dataloader", "RepeatingLoader"),
     "Engine": ("shardwise.runtime.engine", "Engine"),
     "DeepSpeedEngine": ("shardwise.runtime.engine", "Engine"),
+    "DeepSpeedConfigError": ("shardwise.config", "ConfigError"),
+    "OnDevice": ("shardwise.utils.init_on_device", "OnDevice"),
+    "accelerator": ("shardwise.accelerator", None),
+    "utils": ("shardwise.utils", None),
+    "elasticity": ("shardwise.elasticity", None),
     "zero": ("shardwise.zero", None),
     "runtime": ("shardwise.runtime", None),
     "checkpoint": ("shardwise.checkpoint", None),
@@ -104,7 +138,9 @@ _LAZY = {
 def __getattr__(name: str):
     """Heavier pieces load on first use so ``import shardwise`` stays light."""
     if name not in _LAZY:
-        raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
+        from shardwise._unsupported import unsupported_attribute
+
+        raise unsupported_attribute(name)
     import importlib
 
     module_name, attr = _LAZY[name]

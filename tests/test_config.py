@@ -535,7 +535,6 @@ def test_load_config_inputs(tmp_path):
 
 NOT_YET = [  # (config snippet, key path that must be named), from the task's list
     ({"comet": {"enabled": True}}, "comet"),
-    ({"elasticity": {"enabled": True}}, "elasticity"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
     ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
     ({"sparse_gradients": True}, "sparse_gradients"),

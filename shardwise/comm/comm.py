@@ -159,6 +159,7 @@ def get_world_size(group=None) -> int:
 
 
 def get_local_rank() -> int:
+    """This process's rank on its node (LOCAL_RANK, as set by the launcher)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
@@ -199,16 +200,19 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     return box[0]
 
 
-def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
     # message size: the whole gathered buffer (nccl-tests' convention)
+    output = output_tensor
     impl = direct.all_gather if direct.enabled(group, output, tensor) else _all_gather_single
     return ops.run("all_gather_into_tensor",
                    lambda: impl(output, tensor, group=group, async_op=async_op),
                    group=group, tensors=(tensor,), nbytes=_nbytes(output), async_op=async_op)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False):
     # message size: the whole buffer being reduced and scattered
+    output = output_tensor
     if op == ReduceOp.SUM and direct.enabled(group, output, tensor):
         def call():
             return direct.reduce_scatter(output, tensor, group=group, async_op=async_op)
@@ -219,9 +223,98 @@ def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op=ReduceO
                    group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
 
 
-def barrier(group=None) -> None:
+def barrier(group=None, async_op=False, device_ids=None):
+    """Wait until every rank of ``group`` (default: all) gets here; a no-op without a process group."""
     if is_initialized():
-        ops.run("barrier", lambda: dist.barrier(group=group), group=group, tensors=(), nbytes=0)
+        return ops.run("barrier", lambda: dist.barrier(group=group, async_op=async_op, device_ids=device_ids),
+                       group=group, tensors=(), nbytes=0, async_op=async_op)
+    return None
+
+
+# ---------------------------------------------------- DeepSpeed's other collectives (deepspeed.comm)
+# ``prof``, ``log_name`` and ``debug`` are DeepSpeed's comms-logger arguments: accepted, and
+# unused because the comms logger here records every collective by itself.
+
+def all_gather(tensor_list, tensor, group=None, async_op=False, prof=False, log_name="all_gather", debug=None):
+    return ops.run("all_gather", lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op),
+                   group=group, tensors=(tensor,), nbytes=sum(_nbytes(t) for t in tensor_list), async_op=async_op)
+
+
+def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False,
+                      prof=False, log_name="all_to_all_single", debug=None):
+    return ops.run("all_to_all_single",
+                   lambda: dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
+                                                  input_split_sizes=input_split_sizes, group=group,
+                                                  async_op=async_op),
+                   group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
+
+
+def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="reduce", debug=None):
+    return ops.run("reduce", lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op),
+                   group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
+
+
+def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, prof=False, log_name="gather", debug=None):
+    return ops.run("gather", lambda: dist.gather(tensor, gather_list=gather_list, dst=dst, group=group,
+                                                 async_op=async_op),
+                   group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
+
+
+def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, prof=False, log_name="scatter", debug=None):
+    return ops.run("scatter", lambda: dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group,
+                                                   async_op=async_op),
+                   group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
+
+
+# Point-to-point: recorded (timeouts name them, the comms logger counts them) but, unlike the
+# collectives above, only the two ranks involved take part.
+
+def send(tensor, dst, group=None, tag=0, prof=False, log_name="send", debug=None):
+    return ops.run("send", lambda: dist.send(tensor, dst=dst, group=group, tag=tag),
+                   group=group, tensors=(tensor,), nbytes=_nbytes(tensor))
+
+
+def recv(tensor, src=None, group=None, tag=0, prof=False, log_name="recv", debug=None):
+    return ops.run("recv", lambda: dist.recv(tensor, src=src, group=group, tag=tag),
+                   group=group, tensors=(tensor,), nbytes=_nbytes(tensor))
+
+
+def isend(tensor, dst, group=None, tag=0, prof=False, log_name="isend", debug=None):
+    return ops.run("isend", lambda: dist.isend(tensor, dst=dst, group=group, tag=tag),
+                   group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=True)
+
+
+def irecv(tensor, src=None, group=None, tag=0, prof=False, log_name="irecv", debug=None):
+    return ops.run("irecv", lambda: dist.irecv(tensor, src=src, group=group, tag=tag),
+                   group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=True)
+
+
+def get_world_group():
+    """The default (world) process group."""
+    if not is_initialized():
+        raise RuntimeError("get_world_group(): no process group yet; call shardwise.init_distributed() first")
+    return dist.group.WORLD
+
+
+def get_global_rank(group=None, group_rank=0) -> int:
+    """The global rank of ``group_rank`` within ``group``."""
+    return dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+
+def get_backend(group=None) -> str:
+    return dist.get_backend(group)
+
+
+def is_available() -> bool:
+    return dist.is_available()
+
+
+def has_all_gather_into_tensor() -> bool:
+    return True
+
+
+def has_reduce_scatter_tensor() -> bool:
+    return True
 
 
 # ------------------------------------------------------------------ settings and logging

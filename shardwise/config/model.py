@@ -146,6 +146,9 @@ class ShardwiseConfig(ConfigModel):
     def resolve_batch_sizes(self, dp_world_size: int) -> "BatchSizes":
         """Complete the batch triad for ``dp_world_size`` data-parallel ranks (DeepSpeed's rules)."""
         from .batch import resolve_batch_sizes
+        if self.elasticity.enabled:  # the elasticity block computes the triad (shardwise.elasticity)
+            from shardwise.elasticity.elasticity import elastic_batch_sizes
+            return elastic_batch_sizes(self, dp_world_size)
         return resolve_batch_sizes(self.train_batch_size, self.train_micro_batch_size_per_gpu,
                                    self.gradient_accumulation_steps, dp_world_size=dp_world_size)
 

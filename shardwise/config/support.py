@@ -48,7 +48,6 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     and c.checkpoint.writer.io_buffer_size != 64 * 1024**2,
     "checkpoint.writer.io_multiplier": lambda c: c.checkpoint.writer is not None and c.checkpoint.writer.io_multiplier != 1,
     "comet": lambda c: c.comet.enabled,
-    "elasticity": lambda c: c.elasticity.enabled,
     "tensor_parallel": lambda c: _switched_on(c.tensor_parallel),
     "expert_parallel": lambda c: _switched_on(c.expert_parallel),
     "hybrid_engine": lambda c: _switched_on(c.hybrid_engine),

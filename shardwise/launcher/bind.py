@@ -2,7 +2,7 @@
 
     python -m shardwise.launcher.bind LOCAL_RANK NPROCS -- PROGRAM ARGS...
 
-The cores this process may use are split into NPROCS equal, contiguous blocks (the
+The cores this process may use (or those of ``--bind_core_list``) are split into NPROCS equal, contiguous blocks (the
 remainder goes to the first blocks); local rank r gets block r. With fewer cores than
 processes, ranks share cores round-robin. ``OMP_NUM_THREADS`` is set to the block size
 unless the user set it. Then the process replaces itself with PROGRAM (``os.execv``), so
@@ -29,6 +29,9 @@ def main(argv: list[str]) -> None:
     local_rank, nprocs = int(argv[0]), int(argv[1])
     program, args = argv[3], argv[4:]
     cores = sorted(os.sched_getaffinity(0))
+    listed = os.environ.get("SHARDWISE_BIND_CORE_LIST")  # --bind_core_list
+    if listed:
+        cores = [int(c) for c in listed.split(",")]
     mine = core_block(cores, local_rank, nprocs)
     os.sched_setaffinity(0, mine)
     os.environ.setdefault("OMP_NUM_THREADS", str(len(mine)))

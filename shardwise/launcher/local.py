@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator, TextIO
 
+from .ds_flags import wrap_worker
 from .options import (DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, LaunchOptions, count_accelerators,
                       parse_elastic, port_is_free, resolve_master_port, resolve_num_procs,
                       threads_per_rank, usable_cores, validate)
@@ -52,6 +53,7 @@ def worker_command(opts: LaunchOptions, *, bind_nprocs: int | None = None) -> tu
     else:
         target = ["-m", opts.script] if opts.module else [opts.script]
         program, args = python, ["-u", *target, *local_rank, *user_args]
+    program, args = wrap_worker(opts, program, args)  # --venv_script, --enable_each_rank_log (ds_flags.py)
     if bind_nprocs is not None:
         return python, ["-m", "shardwise.launcher.bind", _LOCAL_RANK_MACRO, str(bind_nprocs),
                         "--", program, *args]

@@ -49,6 +49,10 @@ class LaunchOptions:
     slots: str | None = None  # comma-separated device ids of this node (set by the fan-out)
     stop_with_parent: bool = False  # set by the fan-out: stop when the ssh session ends
     world_info: str | None = None  # set by the fan-out: every host and its slots (runners.py)
+    # DeepSpeed launcher flags (ds_flags.py)
+    enable_each_rank_log: str | None = None  # DIR
+    bind_core_list: str | None = None
+    venv_script: str | None = None
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +63,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                        "visible accelerators, or 1 on a CPU-only machine)")
     procs.add_argument("--num_procs", "--num-procs", dest="num_procs", type=int,
                        metavar="N", help="alias of --num_gpus, natural for CPU runs")
+    procs.add_argument("--num_accelerators", "--num-accelerators", dest="num_procs", type=int,
+                       metavar="N", help="alias of --num_gpus (DeepSpeed's name)")
     parser.add_argument("--master_addr", "--master-addr", default=None, metavar="ADDR",
                         help=f"address node 0 listens on (default {DEFAULT_MASTER_ADDR}, or the "
                         "first host of the hostfile)")
@@ -79,6 +85,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS", help="collective timeout: a collective that takes "
                         "longer makes every rank report which collective it was in")
     add_multinode_arguments(parser)
+    from shardwise.launcher.ds_flags import add_deepspeed_arguments
+
+    add_deepspeed_arguments(parser)
     parser.add_argument("script", metavar="SCRIPT",
                         help="training script (or module with --module, program with --no_python)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
@@ -104,8 +113,10 @@ def add_multinode_arguments(parser: argparse.ArgumentParser) -> None:
                    help="start only this node's processes; run the same command on every node")
     g.add_argument("--ssh_port", "--ssh-port", type=int, default=None, metavar="PORT",
                    help="ssh port of the hosts (ssh and pdsh launchers)")
-    g.add_argument("--launcher", default="ssh", choices=["ssh", "pdsh", "slurm", "mpi"],
-                   help="how to start the node agents (default %(default)s)")
+    g.add_argument("--launcher", default="ssh", type=str.lower,
+                   choices=["ssh", "pdsh", "slurm", "mpi", "openmpi", "mpich", "impi", "mvapich"],
+                   help="how to start the node agents (default %(default)s); DeepSpeed's MPI names "
+                   "(openmpi, mpich, impi, mvapich) use the mpi runner")
     g.add_argument("--launcher_args", "--launcher-args", default="", metavar="ARGS",
                    help="extra arguments for pdsh, srun or mpirun (one quoted string)")
     g.add_argument("--force_multi", "--force-multi", action="store_true",
@@ -130,12 +141,23 @@ _MULTINODE_FIELDS = ("hostfile", "include", "exclude", "num_nodes", "node_rank",
 
 
 def options_from_args(ns: argparse.Namespace) -> LaunchOptions:
+    from shardwise.launcher.ds_flags import apply_log_level, normalize_launcher
+
+    fields = {k: getattr(ns, k) for k in _MULTINODE_FIELDS}
+    fields["launcher"] = normalize_launcher(fields["launcher"])
+    each_rank_log = getattr(ns, "enable_each_rank_log", None)
+    if each_rank_log == "None":  # DeepSpeed's default value, typed out by some scripts
+        each_rank_log = None
+    fields["skip_doctor"] = fields["skip_doctor"] or getattr(ns, "no_ssh_check", False)
+    fields["bind_cores_to_rank"] = fields["bind_cores_to_rank"] or bool(getattr(ns, "bind_core_list", None))
+    apply_log_level(ns)
     return LaunchOptions(script=ns.script, script_args=list(ns.script_args),
                          num_procs=ns.num_procs, master_addr=ns.master_addr,
                          master_port=ns.master_port, module=ns.module, no_python=ns.no_python,
                          no_local_rank=ns.no_local_rank, save_pid=ns.save_pid,
-                         max_restarts=ns.max_restarts,
-                         **{k: getattr(ns, k) for k in _MULTINODE_FIELDS})
+                         max_restarts=ns.max_restarts, enable_each_rank_log=each_rank_log,
+                         bind_core_list=getattr(ns, "bind_core_list", None),
+                         venv_script=getattr(ns, "venv_script", None), **fields)
 
 
 def parse_elastic(spec: str) -> tuple[int, int]:
@@ -176,6 +198,12 @@ def validate(opts: LaunchOptions) -> None:
         raise ValueError(f"--launcher must be ssh, pdsh, slurm or mpi, got {opts.launcher!r}")
     if opts.elastic is not None:
         parse_elastic(opts.elastic)
+    if opts.bind_core_list:
+        from shardwise.launcher.ds_flags import parse_core_list
+
+        parse_core_list(opts.bind_core_list)
+    if opts.venv_script and not os.path.isfile(opts.venv_script):
+        raise ValueError(f"--venv_script {opts.venv_script!r}: no such file")
     if opts.module and opts.no_python:
         raise ValueError("--module and --no_python cannot be combined: a module needs Python")
     if opts.module:

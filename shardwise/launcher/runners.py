@@ -67,6 +67,9 @@ def agent_command(opts: LaunchOptions, hosts: Resources, *, master_addr: str, ma
         cmd += ["--elastic", opts.elastic]
     if opts.comm_timeout is not None:
         cmd += ["--comm_timeout", str(opts.comm_timeout)]
+    for flag in ("enable_each_rank_log", "bind_core_list", "venv_script"):  # DeepSpeed's (ds_flags.py)
+        if getattr(opts, flag):
+            cmd += [f"--{flag}", str(getattr(opts, flag))]
     return cmd + [opts.script, *opts.script_args]
 
 

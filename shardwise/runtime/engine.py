@@ -19,6 +19,7 @@ from shardwise import checkpointing, comm
 from shardwise.monitor.observer import StepObserver
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime.dataloader import build_dataloader
+from shardwise.runtime.engine_compat import EngineCompatMixin
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
 from shardwise.training_state import StepCounters, StepReport, TrainingState
@@ -30,7 +31,7 @@ _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 _TIMERS = ["forward", "backward", "backward_allreduce", "step"]
 
 
-class Engine(torch.nn.Module):
+class Engine(EngineCompatMixin, torch.nn.Module):
     """What ``shardwise.initialize`` returns; DeepSpeed's ``DeepSpeedEngine`` API."""
 
     def __init__(
@@ -229,6 +230,7 @@ class Engine(torch.nn.Module):
     # -- training step ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self.observer.before_forward(self.global_steps)
+        self.tput_timer.start()
         self.timers.start("forward")
         if self.precision.auto_cast:
             args = cast_inputs(args, self.precision.param_dtype)
@@ -271,7 +273,9 @@ class Engine(torch.nn.Module):
 
     def step(self, lr_kwargs=None) -> None:
         """Count a micro-step; at an accumulation boundary update the weights."""
-        if self.is_gradient_accumulation_boundary():
+        self._step_applied = False
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             if self._backwards_since_step == 0:
                 raise RuntimeError(
                     "engine.step() at an accumulation boundary without engine.backward(loss) since the last "
@@ -281,6 +285,7 @@ class Engine(torch.nn.Module):
                 raise RuntimeError("engine.step() at an accumulation boundary inside engine.no_sync()")
             self._take_model_step(lr_kwargs or {})
         self.micro_steps += 1
+        self.tput_timer.stop(global_step=boundary)
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
         """The accumulation-boundary step: unscale, overflow check, clip and the optimizer step on this
@@ -292,6 +297,7 @@ class Engine(torch.nn.Module):
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
         result = self.strategy.step(loss_scale=scale, clip=float(self.config.gradient_clipping or 0.0))
         self._step_skipped = result.overflow
+        self._step_applied = not result.overflow
         self._grad_norm = result.grad_norm
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(result.overflow)
@@ -426,9 +432,11 @@ class Engine(torch.nn.Module):
                         exclude_frozen_parameters: bool = False):
         from shardwise.checkpoint import save_checkpoint
 
-        return save_checkpoint(self.training_state(), save_dir, writer=self.checkpoint_writer, tag=tag,
-                               client_state=client_state or {}, save_latest=save_latest,
-                               exclude_frozen_parameters=exclude_frozen_parameters)
+        saved = save_checkpoint(self.training_state(), save_dir, writer=self.checkpoint_writer, tag=tag,
+                                client_state=client_state or {}, save_latest=save_latest,
+                                exclude_frozen_parameters=exclude_frozen_parameters)
+        self._copy_recovery_script(save_dir)  # zero_to_fp32.py, as DeepSpeed does
+        return saved
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -455,7 +463,7 @@ class Engine(torch.nn.Module):
         return True
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False, custom_load_fn=None):
         from shardwise.checkpoint import load_checkpoint
 
         folder, client_state, counters = load_checkpoint(
@@ -465,6 +473,8 @@ class Engine(torch.nn.Module):
         if counters is not None:
             self.global_steps, self.global_samples = counters.global_steps, counters.global_samples
             self.micro_steps, self.skipped_steps = counters.micro_steps, counters.skipped_steps
+        if custom_load_fn is not None and folder is not None:
+            self._apply_custom_load_fn(folder, custom_load_fn)
         return folder, client_state
 
     def wait_for_checkpoint(self) -> None:
@@ -488,3 +498,6 @@ def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)}"
     return repr(type(x))
+
+
+DeepSpeedEngine = Engine  # deepspeed.runtime.engine.DeepSpeedEngine

@@ -341,6 +341,7 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
         subtree = fresh(p for p in m.parameters())
         container = isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))  # never called itself
         fits = sum(p.ds_numel for p in subtree) <= unit_elements and not container
+        fits = fits or getattr(m, "_z3_leaf", False)  # set_z3_leaf_modules: the whole subtree is one unit
         if fits or not any(True for _ in m.children()):
             claim(m, subtree)
             return

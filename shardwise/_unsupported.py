@@ -1,0 +1,106 @@
+"""DeepSpeed module paths and top-level names shardwise does not provide, with the reason.
+
+``import shardwise.moe`` (what ``import deepspeed.moe`` becomes) raises a ``ModuleNotFoundError``
+that names the path and says why, instead of Python's bare "No module named". The finder sits
+last on ``sys.meta_path``, so a real module of that name, once one exists, is found first.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+
+NOT_SUPPORTED: dict[str, str] = {
+    "moe": "mixture-of-experts layers and expert parallelism are not implemented",
+    "inference": "DeepSpeed-Inference (kernel injection, init_inference) is not implemented; "
+                 "use `shardwise serve` or plain torch for inference",
+    "module_inject": "kernel injection / automatic tensor-parallel replacement is not implemented",
+    "model_implementations": "DeepSpeed's fused inference model implementations are not implemented",
+    "compression": "the compression library was removed from DeepSpeed too",
+    "sequence": "sequence parallelism (Ulysses) is not implemented",
+    "linear": "DeepSpeed's OptimizedLinear / LoRA-quantized linear is not implemented",
+    "compile": "DeepCompile is not implemented; torch.compile the model yourself",
+    "nvme": "the NVMe benchmark tools are not provided (ZeRO's NVMe offload is: zero_optimization.offload_*)",
+    "io": "DeepNVMe's public I/O handles are not provided",
+    "pipe": "pipeline parallelism (PipelineModule) is not implemented in this build",
+    "runtime.pipe": "pipeline parallelism is not implemented in this build",
+    "runtime.config": "DeepSpeedConfig is not provided: shardwise.config.load_config reads the same JSON",
+    "runtime.zero.config": "the ZeRO config classes are not provided: shardwise.config.load_config reads the block",
+    "runtime.checkpoint_engine": "checkpoints are written by shardwise.checkpoint (safetensors + manifest)",
+    "monitor.monitor": "MonitorMaster is internal: the engine builds the monitors from the config",
+    "runtime.hybrid_engine": "the RLHF hybrid engine is not implemented",
+    "runtime.domino": "Domino tensor-parallel overlap is not implemented",
+    "runtime.sequence_parallel": "sequence parallelism is not implemented",
+    "runtime.data_pipeline": "curriculum learning / data efficiency is not implemented",
+    "runtime.fp16": "DeepSpeed's fp16 optimizer wrappers are internal; use the config's fp16 block",
+    "runtime.bf16_optimizer": "DeepSpeed's bf16 optimizer wrapper is internal; use the config's bf16 block",
+    "runtime.zero.stage3": "ZeRO-3's internals differ; use shardwise.runtime.zero (GatheredParameters, Init)",
+    "runtime.zero.stage_1_and_2": "ZeRO-1/2's internals differ; the engine builds them from the config",
+    "runtime.zero.tiling": "TiledLinear is not implemented",
+    "ops.transformer": "DeepSpeed's fused transformer kernels are not implemented",
+    "ops.sparse_attention": "sparse attention was removed from DeepSpeed too",
+    "ops.quantizer": "quantization kernels are not implemented",
+    "ops.deepspeed4science": "DeepSpeed4Science kernels are not implemented",
+    "ops.op_builder": "there are no C++/CUDA extensions to build: optimizers use torch's fused kernels",
+    "ops.aio": "use zero_optimization.offload_* with device nvme; the raw aio handle is not public",
+    "autotuning.autotuner": "use `shardwise autotune` (or `shardwise run --autotuning tune`)",
+    "launcher.runner": "use `shardwise run`, which accepts the flags of `deepspeed`",
+    "launcher.launch": "use `shardwise run`",
+    "elasticity.elastic_agent": "use `shardwise run --elastic MIN:MAX` (torch's elastic agent)",
+    "env_report": "use `shardwise doctor`",
+}
+
+NOT_SUPPORTED_ATTRS: dict[str, str] = {
+    "init_inference": NOT_SUPPORTED["inference"],
+    "InferenceEngine": NOT_SUPPORTED["inference"],
+    "DeepSpeedInferenceConfig": NOT_SUPPORTED["inference"],
+    "default_inference_config": NOT_SUPPORTED["inference"],
+    "DeepSpeedTransformerLayer": NOT_SUPPORTED["ops.transformer"],
+    "DeepSpeedTransformerConfig": NOT_SUPPORTED["ops.transformer"],
+    "replace_transformer_layer": NOT_SUPPORTED["module_inject"],
+    "revert_transformer_layer": NOT_SUPPORTED["module_inject"],
+    "DeepSpeedHybridEngine": NOT_SUPPORTED["runtime.hybrid_engine"],
+    "PipelineEngine": NOT_SUPPORTED["runtime.pipe"],
+    "PipelineModule": NOT_SUPPORTED["pipe"],
+    "DeepSpeedConfig": NOT_SUPPORTED["runtime.config"],
+    "tp_model_init": "automatic tensor parallelism (tp_model_init) is not implemented",
+}
+
+
+class UnsupportedPathError(ModuleNotFoundError):
+    """A DeepSpeed module path shardwise does not provide."""
+
+
+def _reason(fullname: str) -> str | None:
+    rel = fullname.removeprefix("shardwise.")
+    parts = rel.split(".")
+    for i in range(len(parts), 0, -1):
+        reason = NOT_SUPPORTED.get(".".join(parts[:i]))
+        if reason is not None:
+            return reason
+    return None
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.startswith("shardwise."):
+            return None
+        reason = _reason(fullname)
+        if reason is None:
+            return None
+        ds = "deepspeed." + fullname.removeprefix("shardwise.")
+        raise UnsupportedPathError(f"{fullname} (DeepSpeed's {ds}) is not supported by shardwise: {reason}. "
+                                   "See docs/deepspeed-compat.md", name=fullname)
+
+
+def install_finder() -> None:
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.append(_Finder())
+
+
+def unsupported_attribute(name: str) -> AttributeError:
+    reason = NOT_SUPPORTED_ATTRS.get(name)
+    if reason is None:
+        return AttributeError(f"module 'shardwise' has no attribute {name!r}")
+    return AttributeError(f"shardwise.{name} (DeepSpeed's deepspeed.{name}) is not supported by shardwise: "
+                          f"{reason}. See docs/deepspeed-compat.md")

@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.activation_checkpointing`` (Megatron-DeepSpeed imports it from here)."""

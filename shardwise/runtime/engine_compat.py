@@ -1,0 +1,272 @@
+"""DeepSpeed's engine accessors that real scripts call (``DeepSpeedEngine`` API surface).
+
+A mixin so ``engine.py`` keeps to sequencing the step: everything here reads the config,
+the engine's counters or its strategy. Names, arguments and return values are DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from shardwise import comm
+from shardwise.config.batch import BatchSizes
+
+logger = logging.getLogger("shardwise")
+
+_DEEPSPEED_OPTIMIZERS = {"adagrad", "adam", "adamw", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion",
+                         "muon"}
+
+
+class ThroughputTimer:
+    """``engine.tput_timer`` (DeepSpeed's ``ThroughputTimer``): samples per second over optimizer
+    steps, leaving out the first ``start_step`` steps (warm-up). The engine starts it in forward
+    and stops it in ``step()``."""
+
+    def __init__(self, batch_size: int, start_step: int = 2, steps_per_output=None, monitor_memory=False,
+                 logging_fn=None, synchronize=None) -> None:
+        self.batch_size = batch_size or 1
+        self.start_step = start_step
+        self.steps_per_output = steps_per_output
+        self.monitor_memory = monitor_memory
+        self.logging = logging_fn or logger.info
+        self._synchronize = synchronize or (lambda: None)
+        self.epoch_count = 0
+        self.micro_step_count = 0
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.step_elapsed_time = 0.0
+        self.start_time = 0.0
+        self.started = False
+
+    def update_epoch_count(self) -> None:
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def start(self) -> None:
+        if self.started:
+            return  # several forwards before one step (e.g. generation in the loop): timed from the first
+        self.started = True
+        if self.global_step_count >= self.start_step:
+            self._synchronize()
+            self.start_time = time.time()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        if not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time > 0:
+            self._synchronize()
+            duration = time.time() - self.start_time
+            self.total_elapsed_time += duration
+            self.step_elapsed_time += duration
+            self.start_time = 0.0
+            if global_step:
+                if report_speed and self.steps_per_output and self.global_step_count % self.steps_per_output == 0:
+                    self.logging(f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/"
+                                 f"global_step={self.global_step_count}, "
+                                 f"RunningAvgSamplesPerSec={self.avg_samples_per_sec()}, "
+                                 f"CurrSamplesPerSec={self.batch_size / max(self.step_elapsed_time, 1e-9)}")
+                self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        """Mean samples per second over the timed steps; ``-inf`` before any step (as DeepSpeed)."""
+        timed = self.global_step_count - self.start_step
+        if self.global_step_count > 0 and timed > 0 and self.total_elapsed_time > 0:
+            return self.batch_size / (self.total_elapsed_time / timed)
+        return float("-inf")
+
+
+class EngineCompatMixin:
+    """DeepSpeed accessors on the engine; see the class docstring of the module."""
+
+    # -- config questions ---------------------------------------------------------------------
+    def zero_optimization_stage(self) -> int:
+        return int(self.config.zero_optimization.stage)
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() >= 3
+
+    def zero_offload_optimizer(self):
+        """The ``offload_optimizer`` block, or None when the optimizer is not offloaded."""
+        block = self.config.zero_optimization.offload_optimizer
+        return block if block is not None and block.device != "none" else None
+
+    def zero_offload_param(self):
+        block = self.config.zero_optimization.offload_param
+        return block if block is not None and block.device != "none" else None
+
+    def zero_cpu_offload(self) -> bool:
+        block = self.zero_offload_optimizer()
+        return block is not None and block.device == "cpu"
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def zero_reduce_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.reduce_bucket_size)
+
+    def zero_allgather_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.allgather_bucket_size)
+
+    def fp16_enabled(self) -> bool:
+        return bool(self.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16.enabled)
+
+    def fp16_auto_cast(self) -> bool:
+        return bool(self.config.fp16.auto_cast)
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self):
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return bool(self.config.wall_clock_breakdown)
+
+    def optimizer_name(self):
+        """The client optimizer's class name, else the config's ``optimizer.type``."""
+        if getattr(self, "client_optimizer", None) is not None:
+            return type(self.client_optimizer).__name__
+        if self.config.optimizer is None:
+            return None
+        name = self.config.optimizer.type
+        return name.lower() if name.lower() in _DEEPSPEED_OPTIMIZERS else name  # DeepSpeed lower-cases its own
+
+    def scheduler_name(self):
+        return self.config.scheduler.type if self.config.scheduler is not None else None
+
+    # -- parallel layout ------------------------------------------------------------------------
+    def get_data_parallel_rank(self) -> int:
+        return self.grid.get_data_parallel_rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_world_size
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_model_parallel_rank(self) -> int:
+        getter = getattr(self.grid, "get_model_parallel_rank", None)
+        return getter() if getter is not None else 0
+
+    def get_model_parallel_world_size(self) -> int:
+        getter = getattr(self.grid, "get_model_parallel_world_size", None)
+        return getter() if getter is not None else 1
+
+    # -- batch size and accumulation -----------------------------------------------------------
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size by changing the gradient accumulation steps (the
+        micro-batch stays). ``train_batch_size`` must divide by micro-batch * data-parallel size."""
+        micro = self.train_micro_batch_size_per_gpu()
+        if train_batch_size % (micro * self.dp_world_size) != 0:
+            raise ValueError(f"set_train_batch_size({train_batch_size}): not divisible by "
+                             f"train_micro_batch_size_per_gpu ({micro}) * data-parallel size ({self.dp_world_size})")
+        self._batch = BatchSizes(train_batch_size, micro, train_batch_size // (micro * self.dp_world_size))
+        if getattr(self, "_tput_timer", None) is not None:
+            self._tput_timer.batch_size = train_batch_size
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        gas = self.gradient_accumulation_steps()
+        self._batch = BatchSizes(micro_batch_size * gas * self.dp_world_size, micro_batch_size, gas)
+
+    def was_step_applied(self) -> bool:
+        """True if the last ``step()`` updated the weights (a boundary without overflow)."""
+        return bool(getattr(self, "_step_applied", False))
+
+    # -- throughput ---------------------------------------------------------------------------------
+    @property
+    def tput_timer(self) -> ThroughputTimer:
+        timer = self.__dict__.get("_tput_timer")
+        if timer is None:
+            acc = self.device.type != "cpu"
+            timer = ThroughputTimer(self.train_batch_size(), steps_per_output=self.config.steps_per_print,
+                                    synchronize=torch.accelerator.synchronize if acc else None)
+            self.__dict__["_tput_timer"] = timer
+        return timer
+
+    # -- ZeRO-3 export -------------------------------------------------------------------------------
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The whole model's state dict in the training dtype, on CPU, on rank 0 (None elsewhere).
+        Collective: call it on every rank. Needs ZeRO-3, as in DeepSpeed."""
+        if not self.zero_optimization_partition_weights():
+            raise ValueError("_zero3_consolidated_16bit_state_dict() requires ZeRO-3 "
+                             f"(zero_optimization.stage is {self.zero_optimization_stage()})")
+        state = self.strategy.module_state_dict(self.module)
+        if comm.get_rank() != 0:
+            return None
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return {k: v.detach().cpu() for k, v in state.items()}
+
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        """The model's state dict (gathered under ZeRO-3: collective there)."""
+        state = self.strategy.module_state_dict(self.module)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return {prefix + k: v for k, v in state.items()}
+
+    # -- teardown --------------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Wait for an asynchronous checkpoint and drop the engine's references to the model's
+        optimizer state so memory can be freed (the process group stays, as in DeepSpeed)."""
+        if self.__dict__.get("_checkpoint_writer") is not None:
+            self.wait_for_checkpoint()
+        self.__dict__.pop("_tput_timer", None)
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def _apply_custom_load_fn(self, folder, custom_load_fn) -> None:
+        """``load_checkpoint(custom_load_fn=fn)``: ``fn(src=<checkpoint's module state dict>,
+        dst=<model>)`` runs on every rank with the model's parameters whole (rank 0's result is
+        kept under ZeRO-3), and the fp32 master weights are then set from the model's weights."""
+        from shardwise.checkpoint import open_checkpoint
+        from shardwise.utils.set_full import safe_set_full_fp32_param
+        from shardwise.zero import GatheredParameters
+
+        ckpt = open_checkpoint(folder)
+        if ckpt is None:
+            raise NotImplementedError(f"load_checkpoint(custom_load_fn=...): {folder} is in DeepSpeed's own layout; "
+                                      "convert it first (shardwise convert --from-deepspeed DIR OUT) and load OUT")
+        src = ckpt.read("model.safetensors")
+        for alias, name in ckpt.manifest.get("aliases", {}).items():
+            if name in src:
+                src[alias] = src[name]
+        params = list(self.module.parameters())
+        with torch.no_grad(), GatheredParameters(params, modifier_rank=0):
+            custom_load_fn(src=src, dst=self.module)
+            if not self.zero_optimization_partition_weights():  # ZeRO-3 refreshes its masters on exit
+                for p in params:
+                    if p.requires_grad:
+                        safe_set_full_fp32_param(p, p.detach())
+
+    def _copy_recovery_script(self, save_dir) -> None:
+        """Rank 0 puts ``zero_to_fp32.py`` (stand-alone: torch and safetensors only) beside the
+        checkpoints, as DeepSpeed does; every rank returns once it is there."""
+        if comm.get_rank() == 0:
+            import os
+            import shutil
+
+            import shardwise.utils.zero_to_fp32 as script
+
+            target = os.path.join(str(save_dir), "zero_to_fp32.py")
+            tmp = target + ".tmp"
+            shutil.copyfile(script.__file__, tmp)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, target)
+        comm.barrier()

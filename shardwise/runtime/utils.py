@@ -1,0 +1,49 @@
+"""``deepspeed.runtime.utils``: the helpers scripts import from there."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import torch
+
+from shardwise import comm
+
+__all__ = ["see_memory_usage", "set_random_seed"]
+
+
+def set_random_seed(seed):
+    """Seed python's ``random``, numpy and torch (CPU and every accelerator)."""
+    import numpy
+
+    random.seed(seed)
+    numpy.random.seed(seed % (2**32))  # numpy takes 32-bit seeds only
+    torch.manual_seed(seed % (2**63))
+
+
+def see_memory_usage(message, force=False):
+    """Print ``message`` and this process's memory counters on rank 0 (nothing unless ``force``,
+    as in DeepSpeed); the peak counters are reset afterwards."""
+    if not force or (comm.is_initialized() and comm.get_rank() != 0):
+        return
+    from shardwise.accelerator import get_accelerator
+
+    gc.collect()
+    acc = get_accelerator()
+    gb = 1024**3
+    print(message)
+    print(f"MA {acc.memory_allocated() / gb:.2f} GB  Max_MA {acc.max_memory_allocated() / gb:.2f} GB  "
+          f"CA {acc.memory_reserved() / gb:.2f} GB  Max_CA {acc.max_memory_reserved() / gb:.2f} GB")
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        total, avail, percent = vm.total, vm.available, vm.percent
+    except ImportError:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        percent = round(100 * (total - avail) / total, 1)
+    print(f"CPU Virtual Memory:  used = {(total - avail) / gb:.2f} GB, percent = {percent}%")
+    acc.reset_peak_memory_stats()

@@ -1,0 +1,6 @@
+"""``deepspeed.runtime.zero``: ZeRO-3 construction and gathering (``shardwise.zero``)."""
+
+from shardwise.zero.init import GatheredParameters, Init, register_external_parameter
+from shardwise.zero.partitioned_param import ZeroParamStatus
+
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter"]

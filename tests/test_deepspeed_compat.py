@@ -1,0 +1,395 @@
+"""DeepSpeed's API surface under ``import shardwise as deepspeed``: module paths, names and
+signatures (checked against DeepSpeed 0.19's, listed here), the accelerator, the scheduler
+example, elasticity, unsupported paths and the launcher flags of ``deepspeed``.
+
+The multi-process scripts (ZeRO-3 client script, DS-Chat step-1 loop, zero_to_fp32.py in a fresh
+venv) are in tests/test_deepspeed_scripts.py.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (module path, attribute, DeepSpeed 0.19.8's parameter names in order). Read off
+# deepspeed/<module>.py; "self" left out for methods.
+SIGNATURES = [
+    ("shardwise", "initialize", ["args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
+                                 "mpu", "dist_init_required", "collate_fn", "config", "config_params"]),
+    ("shardwise", "init_distributed", ["dist_backend", "auto_mpi_discovery", "distributed_port", "verbose", "timeout",
+                                       "init_method", "dist_init_required", "config", "rank", "world_size"]),
+    ("shardwise.utils", "log_dist", ["message", "ranks", "level"]),
+    ("shardwise.utils", "set_z3_leaf_modules", ["model", "leaf_module_classes", "raise_if_not_found"]),
+    ("shardwise.utils", "unset_z3_leaf_modules", ["model", "leaf_module_classes", "raise_if_not_found"]),
+    ("shardwise.utils", "get_z3_leaf_modules", ["model"]),
+    ("shardwise.utils", "safe_get_full_fp32_param", ["param"]),
+    ("shardwise.utils", "safe_get_full_grad", ["param"]),
+    ("shardwise.utils", "safe_get_full_optimizer_state", ["param", "optim_state_key"]),
+    ("shardwise.utils", "safe_set_full_fp32_param", ["param", "value"]),
+    ("shardwise.utils", "safe_set_full_optimizer_state", ["param", "value", "optim_state_key"]),
+    ("shardwise.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint",
+     ["checkpoint_dir", "tag", "exclude_frozen_parameters", "lazy_mode"]),
+    ("shardwise.utils.zero_to_fp32", "convert_zero_checkpoint_to_fp32_state_dict",
+     ["checkpoint_dir", "output_dir", "max_shard_size", "safe_serialization", "tag", "exclude_frozen_parameters"]),
+    ("shardwise.utils.zero_to_fp32", "load_state_dict_from_zero_checkpoint", ["model", "checkpoint_dir", "tag"]),
+    ("shardwise.runtime.utils", "see_memory_usage", ["message", "force"]),
+    ("shardwise.runtime.utils", "set_random_seed", ["seed"]),
+    ("shardwise.comm", "all_gather", ["tensor_list", "tensor", "group", "async_op", "prof", "log_name", "debug"]),
+    ("shardwise.comm", "all_gather_into_tensor", ["output_tensor", "tensor", "group", "async_op"]),
+    ("shardwise.comm", "reduce_scatter_tensor", ["output_tensor", "tensor", "op", "group", "async_op"]),
+    ("shardwise.comm", "send", ["tensor", "dst", "group", "tag", "prof", "log_name", "debug"]),
+    ("shardwise.comm", "recv", ["tensor", "src", "group", "tag", "prof", "log_name", "debug"]),
+    ("shardwise.comm", "isend", ["tensor", "dst", "group", "tag", "prof", "log_name", "debug"]),
+    ("shardwise.comm", "irecv", ["tensor", "src", "group", "tag", "prof", "log_name", "debug"]),
+    ("shardwise.comm", "all_to_all_single", ["output", "tensor", "output_split_sizes", "input_split_sizes", "group",
+                                             "async_op", "prof", "log_name", "debug"]),
+    ("shardwise.comm", "get_world_group", []),
+    ("shardwise.comm", "get_local_rank", []),
+    ("shardwise.comm", "get_global_rank", ["group", "group_rank"]),
+    ("shardwise.comm", "new_group", ["ranks"]),
+    ("shardwise.comm", "barrier", ["group", "async_op", "device_ids"]),
+    ("shardwise.elasticity", "compute_elastic_config", ["ds_config", "target_deepspeed_version", "world_size",
+                                                        "return_microbatch"]),
+    ("shardwise.runtime.zero", "GatheredParameters", ["params", "modifier_rank", "fwd_module", "enabled"]),
+]
+
+ENGINE_METHODS = [
+    ("zero_optimization_stage", []), ("zero_optimization", []), ("fp16_enabled", []), ("bfloat16_enabled", []),
+    ("zero_offload_optimizer", []), ("zero_cpu_offload", []), ("gradient_clipping", []),
+    ("set_gradient_accumulation_boundary", ["is_boundary"]), ("was_step_applied", []), ("optimizer_name", []),
+    ("set_train_batch_size", ["train_batch_size"]), ("get_data_parallel_rank", []),
+    ("get_data_parallel_world_size", []), ("destroy", []), ("zero_gather_16bit_weights_on_model_save", []),
+    ("_zero3_consolidated_16bit_state_dict", ["exclude_frozen_parameters"]),
+    ("save_checkpoint", ["save_dir", "tag", "client_state", "save_latest", "exclude_frozen_parameters"]),
+    ("load_checkpoint", ["load_dir", "tag", "load_module_strict", "load_optimizer_states",
+                         "load_lr_scheduler_states", "load_module_only", "custom_load_fn"]),
+]
+
+
+def _params(fn) -> list[str]:
+    return [n for n in inspect.signature(fn).parameters if n != "self"]
+
+
+@pytest.mark.parametrize("module,name,expected", SIGNATURES, ids=[f"{m}.{n}" for m, n, _ in SIGNATURES])
+def test_signature_matches_deepspeed(module, name, expected):
+    obj = getattr(importlib.import_module(module), name)
+    names = _params(obj)
+    # DeepSpeed's parameters come first and in its order; shardwise may accept more after them.
+    assert names[: len(expected)] == expected, f"{module}.{name}{inspect.signature(obj)}"
+
+
+def test_engine_methods_match_deepspeed():
+    from shardwise.runtime.engine import DeepSpeedEngine
+
+    bad = {m: _params(getattr(DeepSpeedEngine, m)) for m, want in ENGINE_METHODS
+           if _params(getattr(DeepSpeedEngine, m))[: len(want)] != want}
+    assert not bad
+    import shardwise
+
+    assert shardwise.DeepSpeedEngine is DeepSpeedEngine
+    assert inspect.signature(DeepSpeedEngine.save_checkpoint).parameters["tag"].default is None
+
+
+def test_module_paths_resolve():
+    """The paths DeepSpeed scripts import, all present."""
+    import shardwise as deepspeed
+    from shardwise import get_accelerator, log_dist, logger  # noqa: F401
+    from shardwise.accelerator import get_accelerator as ga
+    from shardwise.comm import get_world_group  # noqa: F401
+    from shardwise.runtime.engine import DeepSpeedEngine  # noqa: F401
+    from shardwise.runtime.lr_schedules import VALID_LR_SCHEDULES, WarmupLR  # noqa: F401
+    from shardwise.runtime.utils import see_memory_usage, set_random_seed  # noqa: F401
+    from shardwise.runtime.zero import GatheredParameters  # noqa: F401
+    from shardwise.utils import RepeatingLoader, log_dist as ld, logger as lg  # noqa: F401
+    from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: F401
+
+    from shardwise.runtime.activation_checkpointing import checkpointing
+
+    assert checkpointing is deepspeed.checkpointing  # one module under both paths (Megatron-DeepSpeed)
+    with deepspeed.OnDevice(dtype=torch.bfloat16, device="meta"):
+        layer = torch.nn.Linear(3, 4)
+    assert layer.weight.device.type == "meta" and layer.weight.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32
+    assert ga is get_accelerator and ld is log_dist and lg is logger
+    assert VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    assert deepspeed.utils.RepeatingLoader is deepspeed.RepeatingLoader
+    assert isinstance(logger, logging.Logger) and logger.name == "shardwise"
+
+
+def test_unsupported_paths_say_so():
+    with pytest.raises(ModuleNotFoundError, match=r"shardwise\.moe \(DeepSpeed's deepspeed\.moe\) is not supported"):
+        importlib.import_module("shardwise.moe.layer")
+    with pytest.raises(ImportError, match="deepspeed.inference.* not supported"):
+        exec("from shardwise.inference.config import DeepSpeedInferenceConfig", {})
+    with pytest.raises(AttributeError, match=r"deepspeed\.init_inference\) is not supported"):
+        import shardwise
+
+        shardwise.init_inference  # noqa: B018
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
+        shardwise.no_such_thing  # noqa: B018
+    # a real module is never shadowed by the table
+    assert importlib.import_module("shardwise.runtime.zero.partition_parameters").GatheredParameters
+
+
+def test_accelerator_on_cpu(monkeypatch):
+    from shardwise.accelerator import real_accelerator
+
+    monkeypatch.setattr(real_accelerator, "_current", [None])
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    acc = real_accelerator.get_accelerator()
+    assert acc.device_name() == "cpu" and acc.device_name(0) == "cpu" and acc.current_device_name() == "cpu"
+    assert acc.current_device() == 1  # DeepSpeed's CPU accelerator answers LOCAL_RANK
+    assert acc.communication_backend_name() == "gloo"
+    assert acc.is_bf16_supported() is True and isinstance(acc.is_fp16_supported(), bool)
+    acc.set_device(0)
+    acc.synchronize()
+    acc.empty_cache()
+    acc.manual_seed(3)
+    a = torch.rand(3)
+    acc.manual_seed(3)
+    assert torch.equal(a, torch.rand(3))
+    before = acc.memory_allocated()
+    big = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB resident
+    big.add_(1)
+    assert acc.memory_allocated() > before and acc.max_memory_allocated() >= acc.memory_allocated()
+    del big
+    t = torch.zeros(2)
+    assert acc.pin_memory(t) is t and acc.on_accelerator(t)
+    assert acc.Stream is None and acc.Event is None  # DeepSpeed's CPU accelerator has neither
+    assert acc.device_count() >= 1
+
+
+def _seed_scheduler_example(caplog):
+    """The seed's scheduler example: a client optim.Adam, a config 'optimizer' block and WarmupLR."""
+    import shardwise as deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    config = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "scheduler": {"type": "WarmupLR",
+                      "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 100}},
+    }
+    with caplog.at_level(logging.INFO, logger="shardwise"):
+        engine, opt, _, sched = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    x = torch.randn(4, 8)
+    lrs = []
+    for _ in range(2):
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    return engine, opt, optimizer, lrs
+
+
+def test_seed_scheduler_example_client_optimizer_wins(caplog):
+    engine, opt, client, lrs = _seed_scheduler_example(caplog)
+    assert opt is client and engine.optimizer_name() == "Adam"
+    # DeepSpeed 0.19.8 prints the same two numbers for this script (run under DS_ACCELERATOR=cpu):
+    # the first step leaves WarmupLR at warmup_min_lr (log(1) = 0), the next one is log(2)/log(100) in.
+    assert lrs == [0.001, 0.0023546349804879152]
+    won = [r for r in caplog.records if "client optimizer" in r.getMessage()]
+    assert len(won) == 1 and "'optimizer' block (type Adam) is not used" in won[0].getMessage()
+
+
+# -------------------------------------------------------------------------- elasticity
+
+DS_ELASTIC = {"elasticity": {"enabled": True, "max_train_batch_size": 10000, "micro_batch_sizes": [8, 12, 16, 17],
+                             "min_gpus": 32, "max_gpus": 1500, "min_time": 20, "version": 0.1}}
+
+
+def test_compute_elastic_config_matches_deepspeed_numbers():
+    """The numbers DeepSpeed's own elasticity tests assert (tests/unit/elasticity/test_elastic.py)."""
+    from shardwise.elasticity import (ElasticityConfigError, ElasticityError, ElasticityIncompatibleWorldSize,
+                                      compute_elastic_config)
+
+    batch, valid = compute_elastic_config(DS_ELASTIC, "0.19.8")
+    assert (batch, len(valid)) == (9792, 23)
+    assert all(batch % g == 0 and any(batch // g % m == 0 for m in (8, 12, 16, 17)) for g in valid)
+    assert compute_elastic_config(DS_ELASTIC, "0.19.8", world_size=64)[2] == 17
+    small = {"elasticity": dict(DS_ELASTIC["elasticity"], max_train_batch_size=32, micro_batch_sizes=[1, 2, 3, 7],
+                                min_gpus=1)}
+    assert compute_elastic_config(small, "0.19.8", world_size=7)[2] == 3
+    with pytest.raises(ElasticityIncompatibleWorldSize):
+        compute_elastic_config(DS_ELASTIC, "0.19.8", world_size=128)
+    with pytest.raises(ElasticityError):
+        compute_elastic_config(DS_ELASTIC, "0.2")  # older than elasticity itself
+    with pytest.raises(ElasticityConfigError, match="disabled"):
+        compute_elastic_config({"elasticity": {"enabled": False}}, "0.19.8")
+    with pytest.raises(ElasticityConfigError, match="max_train_batch_size is required"):
+        compute_elastic_config({"elasticity": {"enabled": True}}, "0.19.8")
+    with pytest.raises(ElasticityConfigError, match="micro_batch_sizes"):
+        compute_elastic_config({"elasticity": dict(DS_ELASTIC["elasticity"], micro_batch_sizes=[2, 0.5])}, "0.19.8")
+    v2 = {"elasticity": dict(DS_ELASTIC["elasticity"], version=0.2, model_parallel_size=4, num_gpus_per_node=8)}
+    with pytest.raises(ElasticityConfigError, match="model parallelism"):
+        compute_elastic_config({"elasticity": dict(v2["elasticity"], version=0.1)}, "0.19.8")
+    os.environ["WORLD_SIZE"] = "16"  # version 0.2 reads the GPU count from there, as in DeepSpeed
+    try:
+        batch2, valid2 = compute_elastic_config(v2, "0.19.8")
+    finally:
+        del os.environ["WORLD_SIZE"]
+    assert 0 < batch2 <= 10000 and all(g % 2 == 0 for g in valid2)  # 8 GPUs per node / mp 4 = 2 dp ranks
+
+
+def test_elasticity_block_sets_the_batch_triad():
+    import shardwise
+    from shardwise.elasticity import ElasticityConfigError, compute_elastic_config
+
+    block = {"enabled": True, "max_train_batch_size": 32, "micro_batch_sizes": [2, 4], "min_gpus": 1, "max_gpus": 4,
+             "version": 0.1}
+    cfg = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "elasticity": block}
+    engine, *_ = shardwise.initialize(model=torch.nn.Linear(4, 2), config=cfg)
+    batch, _, micro = compute_elastic_config({"elasticity": block}, "0.19.8", world_size=1)
+    assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+            engine.gradient_accumulation_steps()) == (batch, micro, batch // micro)
+    with pytest.raises(ElasticityConfigError, match="train_batch_size set next to an enabled 'elasticity'"):
+        shardwise.initialize(model=torch.nn.Linear(4, 2), config=dict(cfg, train_batch_size=8))
+    engine, *_ = shardwise.initialize(model=torch.nn.Linear(4, 2), config=dict(
+        cfg, train_batch_size=8, elasticity=dict(block, ignore_non_elastic_batch_info=True)))
+    assert engine.train_batch_size() == batch
+
+
+# ---------------------------------------------------------------------------- launcher
+
+# Every flag of DeepSpeed 0.19.8's `deepspeed` runner (deepspeed/launcher/runner.py: parse_args).
+DS_RUNNER_FLAGS = [
+    ["-H", "hf"], ["--hostfile", "hf"], ["-i", "localhost:0"], ["--include", "localhost:0"], ["-e", "h:1"],
+    ["--exclude", "h:1"], ["--num_nodes", "1"], ["--num_gpus", "2"], ["--num_accelerators", "2"],
+    ["--master_port", "29512"], ["--master_addr", "127.0.0.1"], ["--node_rank", "0"], ["--launcher", "pdsh"],
+    ["--launcher", "openmpi"], ["--launcher", "mpich"], ["--launcher", "impi"], ["--launcher", "mvapich"],
+    ["--launcher", "slurm"], ["--launcher_args", "-x FOO"], ["--module"], ["--no_python"], ["--no_local_rank"],
+    ["--no_ssh"], ["--no_ssh_check"], ["--force_multi"], ["--save_pid"], ["--enable_each_rank_log", "logs"],
+    ["--autotuning", "tune"], ["--autotuning", "run"], ["--bind_cores_to_rank"], ["--bind_core_list", "0,2-3"],
+    ["--ssh_port", "22"], ["--venv_script", "venv.sh"], ["--log_level", "warning"], ["-q"], ["--quiet"],
+]
+
+
+@pytest.mark.parametrize("flags", DS_RUNNER_FLAGS, ids=[" ".join(f) for f in DS_RUNNER_FLAGS])
+def test_shardwise_run_accepts_every_deepspeed_flag(flags):
+    from shardwise.cli import build_parser
+    from shardwise.launcher.options import options_from_args
+
+    ns = build_parser().parse_args(["run", *flags, "train.py", "--deepspeed"])
+    opts = options_from_args(ns)
+    assert opts.script == "train.py" and opts.script_args == ["--deepspeed"]
+    if flags[0] == "--launcher":
+        assert opts.launcher == ("mpi" if flags[1] in ("openmpi", "mpich", "impi", "mvapich") else flags[1])
+    if flags[0] == "--no_ssh_check":
+        assert opts.skip_doctor
+    if flags[0] == "--bind_core_list":
+        assert opts.bind_cores_to_rank and opts.bind_core_list == "0,2-3"
+    if flags[0] == "--num_accelerators":
+        assert opts.num_procs == 2
+
+
+def test_no_deepspeed_console_script():
+    text = (REPO / "pyproject.toml").read_text()
+    scripts = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    assert "deepspeed" not in scripts and "shardwise =" in scripts
+
+
+def test_core_list_and_bad_values():
+    from shardwise.launcher.ds_flags import parse_core_list
+    from shardwise.launcher.options import LaunchOptions, validate
+
+    assert parse_core_list("0,2-4,7") == [0, 2, 3, 4, 7]
+    with pytest.raises(ValueError, match="--bind_core_list"):
+        parse_core_list("0,x")
+    with pytest.raises(ValueError, match="--venv_script 'nope.sh': no such file"):
+        validate(LaunchOptions(script=__file__, venv_script="nope.sh"))
+
+
+ELASTIC_SCRIPT = """
+import json, os, sys, torch
+import shardwise as deepspeed
+block = {"enabled": True, "max_train_batch_size": 24, "micro_batch_sizes": [2, 3], "min_gpus": 1,
+         "max_gpus": 4, "version": 0.1}
+engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 2), config={
+    "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "elasticity": block})
+print("VENV", os.environ.get("VENV_MARK"))
+print("TRIAD", json.dumps([engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+                            engine.gradient_accumulation_steps(), engine.dp_world_size]))
+"""
+
+
+def test_run_elastic_with_each_rank_log_and_venv_script(tmp_path):
+    """`shardwise run --elastic` with an elasticity config: every rank trains on the batch size
+    compute_elastic_config gives for the world it got; --enable_each_rank_log puts each rank's
+    output in its own file; --venv_script is sourced first."""
+    from shardwise.elasticity import compute_elastic_config
+
+    script = tmp_path / "train.py"
+    script.write_text(ELASTIC_SCRIPT)
+    venv = tmp_path / "activate"
+    venv.write_text("export VENV_MARK=sourced\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = str(REPO)
+    logs = tmp_path / "logs"
+    proc = subprocess.run([sys.executable, "-m", "shardwise", "run", "--num_accelerators", "2", "--elastic", "1:1",
+                           "--master_port", str(_free_port()), "--enable_each_rank_log", str(logs),
+                           "--venv_script", str(venv), "--no_ssh_check", "--log_level", "warning", str(script)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = sorted(logs.glob("*_rank*.log"))
+    assert [f.name.rsplit("_", 1)[1] for f in files] == ["rank0.log", "rank1.log"]
+    assert "TRIAD" not in proc.stdout  # the ranks' output went to the files
+    block = {"enabled": True, "max_train_batch_size": 24, "micro_batch_sizes": [2, 3], "min_gpus": 1, "max_gpus": 4,
+             "version": 0.1}
+    batch, _, micro = compute_elastic_config({"elasticity": block}, "0.19.8", world_size=2)
+    for f in files:
+        text = f.read_text()
+        assert "VENV sourced" in text, text
+        triad = json.loads(text.split("TRIAD", 1)[1].splitlines()[0])
+        assert triad == [batch, micro, batch // (micro * 2), 2], text
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_node_agents_get_the_deepspeed_flags():
+    from shardwise.launcher.options import LaunchOptions
+    from shardwise.launcher.runners import agent_command
+
+    opts = LaunchOptions(script="train.py", enable_each_rank_log="/logs", bind_core_list="0-3",
+                         venv_script="/env/bin/activate")
+    cmd = agent_command(opts, {"a": [0], "b": [0]}, master_addr="a", master_port=29500, local_addr=None)
+    joined = " ".join(cmd)
+    assert "--enable_each_rank_log /logs" in joined and "--bind_core_list 0-3" in joined
+    assert "--venv_script /env/bin/activate" in joined and cmd[-1] == "train.py"
+
+
+def test_autotuning_flag_hands_over_to_autotune(tmp_path, monkeypatch):
+    """--autotuning tune runs `shardwise autotune` only; run then launches with the best config."""
+    import shardwise.autotuning
+    import shardwise.launcher
+    from shardwise.cli import main
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 4, "autotuning": {"enabled": True,
+                                                                     "results_dir": str(tmp_path / "res")}}))
+    script = tmp_path / "train.py"
+    script.write_text("")
+    tuned, launched = [], []
+    monkeypatch.setattr(shardwise.autotuning, "run", lambda ns: tuned.append(list(ns.script_args)) or 0)
+    monkeypatch.setattr(shardwise.launcher, "run", lambda opts: launched.append(opts) or 0)
+    assert main(["run", "--autotuning", "tune", str(script), "--deepspeed_config", str(cfg)]) == 0
+    assert tuned == [["--deepspeed_config", str(cfg)]] and launched == []
+    assert main(["run", "--autotuning", "run", str(script), f"--deepspeed_config={cfg}"]) == 0
+    best = str(tmp_path / "res" / "ds_config_optimal.json")
+    assert [o.script_args for o in launched] == [[f"--deepspeed_config={best}"]]
