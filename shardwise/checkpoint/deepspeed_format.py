@@ -475,6 +475,7 @@ class _Reader:
             "optimizer": {"param_groups": groups} if groups is not None else None,
             "lr_scheduler": self.sched_json, "client_state": self.client_json,
             "config": json.loads(json.dumps(cfg, default=repr)),
+            "rank_states": False,  # DeepSpeed saves no RNG states: no rank<r>.json/.safetensors
             "converted_from": {"deepspeed_version": str(ms.get("ds_version", "unknown")), "folder": str(self.folder)},
         }
 

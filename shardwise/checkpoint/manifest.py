@@ -49,8 +49,11 @@ def _fragment_files(node) -> set[str]:
 
 def expected_files(manifest: dict) -> set[str]:
     """Every file a load reads: the shared files, each fragment's file, and rank<r>.json/.safetensors
-    for every rank of the job that saved."""
+    for every rank of the job that saved (unless the manifest says no rank state was saved: a checkpoint
+    converted from DeepSpeed's layout, which keeps no RNG states; the digest covers that flag)."""
     world = int(manifest.get("topology", {}).get("world_size", 0))
+    if manifest.get("rank_states") is False:
+        world = 0
     names = set(SHARED_FILES) | _fragment_files(manifest.get("tensors", {}))
     for r in range(world):
         names |= {f"rank{r}.json", f"rank{r}.safetensors"}
