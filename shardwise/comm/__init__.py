@@ -27,6 +27,7 @@ from shardwise.comm.comm import (
     reduce_scatter_tensor,
     reset_comms_log,
 )
+from shardwise.comm.compressed import compressed_all_reduce
 from shardwise.comm.ops import CollectiveError, CollectiveTimeoutError
 from shardwise.comm.device import get_accelerator_device, default_backend
 
@@ -41,6 +42,7 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "comms_summary",
+    "compressed_all_reduce",
     "configure",
     "default_backend",
     "destroy_process_group",

@@ -62,6 +62,12 @@ class Engine(torch.nn.Module):
         self._cast_buffers()
 
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
+        if getattr(self.optimizer, "compressed_communication", False):  # 1-bit Adam & co (docs/onebit.md)
+            from shardwise.optim.onebit.engine_support import attach
+
+            attach(self.optimizer, dp_group=self.dp_group, zero_stage=int(config.zero_optimization.stage),
+                   offload=getattr(config.zero_optimization.offload_optimizer, "device", "none") != "none",
+                   pipeline_stages=grid.get_pipe_parallel_world_size())
         self.strategy = build_strategy(
             config.zero_optimization,
             aio=config.aio,
@@ -221,7 +227,7 @@ class Engine(torch.nn.Module):
             raise ValueError(f"engine.backward(loss) needs a scalar loss tensor, got {_describe(loss)}")
         self.timers.start("backward")
         self.strategy.prepare_backward(boundary=self.is_gradient_accumulation_boundary(),
-                                       no_sync=self._no_sync_depth > 0)
+                                       no_sync=self._no_sync_depth > 0 or not self._backward_allreduce())
         scaled = loss.float()
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()
@@ -255,6 +261,10 @@ class Engine(torch.nn.Module):
             raise ValueError("engine.step() needs an optimizer: add an 'optimizer' block to the config or pass optimizer=")
         self.timers.start("step")
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        if not self._backward_allreduce() and self.precision.check_overflow:
+            from shardwise.optim.onebit.engine_support import agree_on_overflow
+
+            agree_on_overflow(self.module, self.dp_group)  # local gradients: every rank skips together
         result = self.strategy.step(loss_scale=scale, clip=float(self.config.gradient_clipping or 0.0))
         self._step_skipped = result.overflow
         self._grad_norm = result.grad_norm
@@ -317,6 +327,11 @@ class Engine(torch.nn.Module):
 
     def zero_grad(self) -> None:
         self.strategy.zero_grad()
+
+    def _backward_allreduce(self) -> bool:
+        """False while a compressed-communication optimizer exchanges momentum itself (DeepSpeed's
+        ``enable_backward_allreduce``): gradients then stay local."""
+        return getattr(self.optimizer, "needs_gradient_allreduce", True)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -1,0 +1,13 @@
+"""Optimizers that exchange 1-bit compressed momentum: DeepSpeed's ``OneBitAdam``, ``ZeroOneAdam``
+and ``OneBitLamb`` config types (docs/onebit.md).
+
+They train with the engine's full-precision gradient all-reduce during warm-up and then
+communicate themselves through ``shardwise.comm.compressed_all_reduce``; the engine asks
+``optimizer.needs_gradient_allreduce`` before each backward (see :mod:`.engine_support`).
+"""
+
+from shardwise.optim.onebit.adam import OneBitAdam
+from shardwise.optim.onebit.lamb import OneBitLamb
+from shardwise.optim.onebit.zoadam import ZeroOneAdam
+
+__all__ = ["OneBitAdam", "OneBitLamb", "ZeroOneAdam"]
