@@ -70,13 +70,6 @@ class OneBitAdam(CompressedComm, torch.optim.AdamW):
         self._init_comm(comm_backend_name, cuda_aware)
 
     # -- phase ------------------------------------------------------------------------------------
-    def _steps_done(self) -> int:
-        for p in self._all_params():
-            st = self.state.get(p)
-            if st and "step" in st:
-                return int(st["step"])
-        return 0
-
     @property
     def frozen(self) -> bool:
         """True once warm-up is over (the momentum is exchanged compressed)."""
@@ -106,14 +99,17 @@ class OneBitAdam(CompressedComm, torch.optim.AdamW):
         return loss
 
     def _states(self, group):
+        """(param, state) of the tensors with a gradient (the same on every rank at ZeRO stage 0)."""
         out = []
         for p in group["params"]:
+            if p.grad is None:
+                continue
             st = self.state[p]
             if not st:
                 st["step"] = torch.tensor(0.0, dtype=torch.float32)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            out.append(st)
+            out.append((p, st))
         return out
 
     def _manual_step(self, t: int, *, compressed: bool) -> None:
@@ -122,8 +118,8 @@ class OneBitAdam(CompressedComm, torch.optim.AdamW):
         momenta = []
         for group, states in groups:
             beta1, beta2 = group["betas"]
-            for p, st in zip(group["params"], states):
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            for p, st in states:
+                grad = p.grad
                 st["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
                 if not compressed:
                     st["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -137,7 +133,7 @@ class OneBitAdam(CompressedComm, torch.optim.AdamW):
             if self.bias_correction:
                 bc1 = 1 - beta1**t
                 bc2 = 1 - beta2 ** min(t, self.freeze_step)  # the variance stopped at the freeze
-            for p, st in zip(group["params"], states):
+            for p, st in states:
                 st["step"] += 1
                 denom = (st["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(eps)
                 if wd != 0:

@@ -81,6 +81,11 @@ class CompressedComm:
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    def _steps_done(self) -> int:
+        """Optimizer steps taken so far (the largest ``step`` in the state: a tensor that had no gradient
+        for a while lags behind)."""
+        return max((int(st["step"]) for st in self.state.values() if "step" in st), default=0)
+
     def _exchange(self, key: str, tensors: list[torch.Tensor]) -> None:
         """Replace ``tensors`` (in place) by their compressed average over the group."""
         n = self.world_size

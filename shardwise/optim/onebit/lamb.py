@@ -71,13 +71,6 @@ class OneBitLamb(CompressedComm, Lamb):
         self._init_comm(comm_backend_name, cuda_aware)
         self._coeffs: list[float] = []
 
-    def _steps_done(self) -> int:
-        for p in self._all_params():
-            st = self.state.get(p)
-            if st and "step" in st:
-                return int(st["step"])
-        return 0
-
     @property
     def frozen(self) -> bool:
         return self._steps_done() >= self.freeze_step
@@ -135,7 +128,7 @@ class OneBitLamb(CompressedComm, Lamb):
                 st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
 
     def _compressed_step(self, t: int) -> None:
-        params = self._all_params()
+        params = [p for p in self._all_params() if p.grad is not None]
         for p in params:
             st = self.state[p]
             if "exp_avg_sq_fresh" not in st:  # a tensor that never had a gradient in warm-up
@@ -145,7 +138,7 @@ class OneBitLamb(CompressedComm, Lamb):
                 st.setdefault("lamb_coeff_freeze", torch.tensor(0.0, dtype=torch.float64))
                 st.setdefault("last_factor", torch.tensor(1.0, dtype=torch.float64))
                 st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
-        if "scaling_coeff" not in self.state[params[0]]:
+        if params and "scaling_coeff" not in self.state[params[0]]:
             rms = [float(self.state[p]["exp_avg"].norm() / math.sqrt(max(p.numel(), 1))) for p in params]
             united = sum(rms) / len(rms)
             for p, r in zip(params, rms):
@@ -156,11 +149,12 @@ class OneBitLamb(CompressedComm, Lamb):
         for group in self.param_groups:
             beta1 = group["betas"][0]
             for p in group["params"]:
+                if p.grad is None:
+                    continue
                 st = self.state[p]
                 m = st["exp_avg"]
                 last[p] = m.clone()
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                m.mul_(beta1).add_(grad, alpha=1 - beta1).mul_(float(st["scaling_coeff"]))
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1).mul_(float(st["scaling_coeff"]))
                 momenta.append(m)
         self._exchange("momentum", momenta)
 
@@ -172,6 +166,8 @@ class OneBitLamb(CompressedComm, Lamb):
             if group["bias_correction"]:
                 step_size = lr * math.sqrt(1 - beta2**self.freeze_step) / (1 - beta1**t)
             for p in group["params"]:
+                if p.grad is None:
+                    continue
                 st = self.state[p]
                 st["step"] += 1
                 m, v, fresh = st["exp_avg"], st["exp_avg_sq"], st["exp_avg_sq_fresh"]

@@ -71,15 +71,12 @@ class ZeroOneAdam(CompressedComm, torch.optim.AdamW):
 
     # -- counters (kept in every tensor's state, as DeepSpeed does, so checkpoints carry them) --
     def _first_state(self) -> dict:
-        for p in self._all_params():
-            st = self.state.get(p)
-            if st and "step" in st:
+        """The state of a tensor stepped as often as any (its counters are current)."""
+        done = self._steps_done()
+        for st in self.state.values():
+            if "step" in st and int(st["step"]) == done:
                 return st
         return {}
-
-    def _steps_done(self) -> int:
-        st = self._first_state()
-        return int(st["step"]) if st else 0
 
     def _counter(self, name: str) -> int:
         st = self._first_state()
@@ -115,6 +112,8 @@ class ZeroOneAdam(CompressedComm, torch.optim.AdamW):
         out = []
         for group in self.param_groups:
             for p in group["params"]:
+                if p.grad is None:
+                    continue
                 st = self.state[p]
                 if "exp_avg" not in st:
                     st["step"] = torch.tensor(float(self._steps_done()), dtype=torch.float32)
@@ -153,11 +152,11 @@ class ZeroOneAdam(CompressedComm, torch.optim.AdamW):
             if var_step:
                 for group, p, st in items:
                     beta1, beta2 = group["betas"]
-                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                    grad = p.grad
                     st["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
                     st["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             else:
-                grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).clone() for _, p, _ in items]
+                grads = [p.grad.clone() for _, p, _ in items]
                 self._exchange("grad", grads)
                 for (group, p, st), grad in zip(items, grads):
                     beta1 = group["betas"][0]
@@ -194,8 +193,7 @@ class ZeroOneAdam(CompressedComm, torch.optim.AdamW):
                 st["momentum_accumulator"] = torch.zeros_like(p)
                 st["lrs"] = torch.tensor(0.0, dtype=torch.float64)
             beta1 = group["betas"][0]
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            st["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+            st["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
             st["lrs"] += group["lr"]
             st["step"] += 1
             update = self._update(group, p, st, t, k)
