@@ -225,3 +225,36 @@ def test_refusals_say_why(two_rank_results):
         assert "Use zero_optimization.stage 0" in errors[f"stage{stage}"]
     assert "partitioned" in errors["stage3"]
     assert "comm_backend_name" in errors["nccl"] and "'gloo'" in errors["nccl"]
+
+
+# ----------------------------------------------------------------------------- config parameters (no processes)
+
+def _build(type_name, params):
+    from shardwise.optim import build_optimizer
+
+    return build_optimizer(type_name, params, make_model().parameters())
+
+
+def test_deepspeed_parameters_accepted_and_checked():
+    common = {"lr": 1e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.0, "cuda_aware": False,
+              "comm_backend_name": "nccl", "bias_correction": True, "amsgrad": False}
+    opt = _build("OneBitAdam", {**common, "freeze_step": 5})
+    assert opt.freeze_step == 5 and opt.param_groups[0]["betas"] == (0.9, 0.99)
+    opt = _build("zerooneadam", {**common, "var_freeze_step": 9, "var_update_scaler": 2, "local_step_scaler": 3,
+                                 "local_step_clipper": 4})
+    assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler, opt.local_step_clipper) == (9, 2, 3, 4)
+    opt = _build("OneBitLamb", {**common, "freeze_step": 5, "max_coeff": 5.0, "min_coeff": 0.1, "coeff_beta": 0.8,
+                                "factor_max": 3.0, "factor_min": 0.6, "factor_threshold": 0.2})
+    assert (opt.coeff_beta, opt.factor_max, opt.factor_min, opt.factor_threshold) == (0.8, 3.0, 0.6, 0.2)
+
+    for type_name, params, words in [
+        ("OneBitAdam", {"freeze_step": 0}, "optimizer.params.freeze_step"),
+        ("OneBitAdam", {"freeze_stepp": 3}, "Did you mean 'freeze_step'"),
+        ("OneBitAdam", {"amsgrad": True}, "optimizer.params.amsgrad"),
+        ("ZeroOneAdam", {"local_step_clipper": 0}, "optimizer.params.local_step_clipper"),
+        ("OneBitLamb", {"factor_min": 5.0}, "optimizer.params.factor_min"),
+        ("OneBitLamb", {"cuda_aware": "yes"}, "optimizer.params.cuda_aware"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            _build(type_name, params)
+        assert words in str(info.value), (type_name, params, str(info.value))
