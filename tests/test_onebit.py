@@ -144,12 +144,31 @@ def _resume_case(case, tmp: str):
     return opt_type
 
 
+def _overflow_on_one_rank():
+    """fp16 past warm-up (local gradients): an inf on rank 1 alone makes both ranks skip the step."""
+    engine, opt = _engine(_config("OneBitAdam", {"freeze_step": 3}, fp16={"enabled": True}))
+    x, y = _data(STEPS)
+    x, y = x.half(), y.half()
+    _train(engine, 5, data=(x, y))
+    assert not opt.needs_gradient_allreduce
+    before = _params(engine)
+    if dist.get_rank() == 1:
+        x[5, GLOBAL_BATCH // 2] = float("inf")
+    _train(engine, 1, start=5, data=(x, y))
+    assert engine.skipped_steps == 1 and engine.was_step_skipped()
+    after = _params(engine)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    _train(engine, 2, start=6, data=(x, y))  # and training goes on, in step
+    assert engine.skipped_steps == 1 and _same_on_all_ranks(_params(engine))
+
+
 def _two_rank_body(rank: int, world: int, tmp: str):
     torch.use_deterministic_algorithms(True)
     warm = run_subtests(_warmup_case, WARMUP)
     after = run_subtests(_after_warmup_case, AFTER)
     resumed = run_subtests(_resume_case, AFTER[1:4], tmp)
-    return {"warm": warm, "after": after, "resumed": resumed}
+    _overflow_on_one_rank()
+    return {"warm": warm, "after": after, "resumed": resumed, "overflow": "agreed"}
 
 
 def _one_rank_body(rank: int, world: int, tmp: str):
@@ -208,6 +227,11 @@ def test_after_warmup_within_1_5x_of_adam_with_5x_less_traffic(two_rank_results)
         assert adam_bytes >= 5 * compressed, (name, adam_bytes, compressed)
         if name != "ZeroOneAdam":  # 0/1 Adam's replicas differ between synchronisations, by design
             assert same, name
+
+
+def test_fp16_overflow_on_one_rank_skips_everywhere(two_rank_results):
+    results, _ = two_rank_results
+    assert all(r["overflow"] == "agreed" for r in results)
 
 
 def test_bitwise_resume_after_warmup(two_rank_results):
