@@ -32,6 +32,10 @@ def test_sizes():
     assert compressed.padded_size(1000, 4) == 1024 and compressed.padded_size(1, 2) == 16
     # 4 ranks, 1024 padded elements: 256 per chunk -> 32 bytes of signs + 4 of scale, per rank
     assert compressed.message_bytes(1000, 4) == 4 * (32 + 4)
+    # tensors of 300 and 700: chunk 1 ([256, 512)) holds pieces of both -> every row carries 2 scales
+    assert compressed.message_bytes(1000, 4, [300, 700]) == 4 * (32 + 8)
+    with pytest.raises(ValueError, match="do not add up"):
+        compressed.message_bytes(1000, 4, [300, 600])
     w, s = compressed.error_buffers(1000, 4)
     assert w.numel() == 1024 and s.numel() == 256
 
@@ -46,29 +50,35 @@ def _inputs(n: int, numel: int, step: int) -> list[np.ndarray]:
     return out
 
 
-def _reference_one_call(xs: list[np.ndarray]) -> np.ndarray:
-    """The compressed average of ``xs`` from zero error buffers, written independently in numpy."""
+def _sign_times_rms(v: np.ndarray, pieces: list[slice]) -> np.ndarray:
+    """Each piece of ``v`` replaced by its root mean square times its signs (0 counts as +)."""
+    out = np.zeros_like(v)
+    for piece in pieces:
+        part = v[piece]
+        scale = np.float32(np.sqrt((part.astype(np.float64) ** 2).mean())) if part.size else 0
+        out[piece] = np.where(part >= 0, scale, -scale)
+    return out
+
+
+def _reference_one_call(xs: list[np.ndarray], sizes: list[int]) -> np.ndarray:
+    """The compressed average of ``xs`` from zero error buffers, written independently in numpy:
+    rank j's chunk of each input, cut at the tensor boundaries, as +-rms; averaged; again +-rms."""
     n, numel = len(xs), xs[0].size
-    padded = compressed.padded_size(numel, n)
-    chunk = padded // n
-    rows = [np.concatenate([x, np.zeros(padded - numel, np.float32)]).reshape(n, chunk) for x in xs]
-    counts = [max(0, min(chunk, numel - j * chunk)) for j in range(n)]
-    out = np.zeros(padded, np.float32)
+    chunk = compressed.padded_size(numel, n) // n
+    bounds = np.cumsum([0, *sizes])
+    out = np.zeros(numel, np.float32)
     for j in range(n):
-        recon = []
-        for r in range(n):
-            c = rows[r][j]
-            scale = np.float32(np.sqrt((c.astype(np.float64) ** 2).sum() / max(counts[j], 1)))
-            recon.append(np.where(c >= 0, scale, -scale).astype(np.float32))
+        lo, hi = min(j * chunk, numel), min((j + 1) * chunk, numel)
+        cuts = sorted({lo, hi, *(int(b) for b in bounds if lo < b < hi)})
+        pieces = [slice(a - lo, b - lo) for a, b in zip(cuts, cuts[1:])]
+        recon = [_sign_times_rms(x[lo:hi], pieces) for x in xs]
         avg = np.sum(recon, axis=0, dtype=np.float32) / n
-        avg[counts[j]:] = 0
-        s2 = np.float32(np.sqrt((avg.astype(np.float64) ** 2).sum() / max(counts[j], 1)))
-        out[j * chunk : (j + 1) * chunk] = np.where(avg >= 0, s2, -s2)
-    return out[:numel]
+        out[lo:hi] = _sign_times_rms(avg, pieces)
+    return out
 
 
 def _case(case, rank: int, world: int, subgroup, sub_ranks) -> str:
-    label, numel = case
+    label, numel, sizes = case
     group = subgroup if label == "subgroup" else None
     members = sub_ranks if label == "subgroup" else list(range(world))
     if rank not in members:
@@ -81,8 +91,8 @@ def _case(case, rank: int, world: int, subgroup, sub_ranks) -> str:
     t = torch.from_numpy(xs[me].copy())
     worker, server = compressed.error_buffers(numel, n)
     comm.reset_comms_log()
-    compressed.compressed_all_reduce(t, worker, server, group=group)
-    want = _reference_one_call(xs)
+    compressed.compressed_all_reduce(t, worker, server, group=group, sizes=sizes)
+    want = _reference_one_call(xs, sizes or [numel])
     assert np.allclose(t.numpy(), want, rtol=1e-5, atol=1e-6), np.abs(t.numpy() - want).max()
     # every rank gets the same result (it was broadcast as packed bits + scales)
     everyone = [torch.empty_like(t) for _ in range(n)]
@@ -91,7 +101,7 @@ def _case(case, rank: int, world: int, subgroup, sub_ranks) -> str:
 
     # 2. the comms logger records both phases with the bytes really sent
     logged = comm.comms_summary()
-    size = compressed.message_bytes(numel, n)
+    size = compressed.message_bytes(numel, n, sizes)
     assert list(logged["compressed_all_to_all"]) == [size], logged
     assert list(logged["compressed_all_gather"]) == [size], logged
     assert logged["compressed_all_to_all"][size]["count"] == 1
@@ -102,7 +112,7 @@ def _case(case, rank: int, world: int, subgroup, sub_ranks) -> str:
     per_chunk = (torch.arange(numel) // (padded // n)).float() + 0.5
     exact = pattern * per_chunk
     worker, server = compressed.error_buffers(numel, n)
-    got = compressed.compressed_all_reduce(exact.clone(), worker, server, group=group)
+    got = compressed.compressed_all_reduce(exact.clone(), worker, server, group=group, sizes=sizes)
     assert torch.allclose(got, exact, rtol=1e-6, atol=0), (got - exact).abs().max()
     assert float(worker.abs().max()) < 1e-5 and float(server.abs().max()) < 1e-5
 
@@ -116,7 +126,7 @@ def _case(case, rank: int, world: int, subgroup, sub_ranks) -> str:
     for step in range(1, steps + 1):
         xs = _inputs(n, numel, step)
         t = torch.from_numpy(xs[me].copy())
-        compressed.compressed_all_reduce(t, worker, server, group=group)
+        compressed.compressed_all_reduce(t, worker, server, group=group, sizes=sizes)
         sum_out += t.numpy()
         sum_true += np.mean(np.stack(xs).astype(np.float64), axis=0)
         err_norms.append(float(worker.norm()))
@@ -141,7 +151,8 @@ def _body(rank: int, world: int) -> list:
     comm.configure(comms_logger={"enabled": True})
     sub_ranks = [1, 3]  # not contiguous: group ranks differ from global ranks
     subgroup = comm.new_group(sub_ranks)
-    out = run_subtests(_case, [("world", 1000 + 3), ("world", 64), ("subgroup", 777)],
+    out = run_subtests(_case, [("world", 1000 + 3, None), ("world", 64, None), ("world", 1003, [300, 7, 500, 196]),
+                               ("subgroup", 777, [700, 77])],
                        rank, world, subgroup, sub_ranks)
 
     # comm_backend_name: gloo / compressed accepted, nccl / mpi refused with the reason
@@ -160,5 +171,5 @@ def _body(rank: int, world: int) -> list:
 
 def test_compressed_all_reduce_4_ranks_and_2_rank_subgroup():
     results = run_distributed(_body, 4, timeout=120)
-    assert results[1][2].startswith("subgroup n=2")
-    assert results[0][2] == "not a member"
+    assert results[1][3].startswith("subgroup n=2")
+    assert results[0][3] == "not a member"

@@ -4,14 +4,14 @@ Every rank holds a flat fp32 buffer (its momentum, say) and wants the average ov
 Instead of 32 bits per element, each element travels as one sign bit, twice:
 
 1. **worker side**: add this rank's *worker error* (what compression lost last time) to the
-   buffer, cut it into one chunk per rank, and replace each chunk by ``scale * sign``, where
-   ``scale`` is the chunk's root mean square (so the chunk keeps its L2 norm). What that loses
-   becomes the new worker error. The signs are packed 8 per byte, each chunk followed by its
-   scale (4 bytes); an **all-to-all** sends chunk j to rank j.
+   buffer and cut it into one chunk per rank. Each chunk's share of each tensor (a *segment*;
+   one tensor: one segment per chunk) is replaced by ``scale * sign``, ``scale`` being the
+   segment's root mean square (so it keeps its L2 norm). What that loses becomes the new worker
+   error. The signs are packed 8 per byte, followed by the chunk's scales (4 bytes each); an
+   **all-to-all** sends chunk j to rank j.
 2. **server side**: rank j unpacks the n versions of its chunk, averages ``scale_i * sign_i``,
-   adds its *server error*, compresses the result the same way (one scale for the chunk), keeps
-   the loss as the new server error, and an **all-gather** of the packed chunks gives every
-   rank the whole averaged buffer.
+   adds its *server error*, compresses the result the same way, keeps the loss as the new server
+   error, and an **all-gather** of the packed chunks gives every rank the whole averaged buffer.
 
 Error feedback makes the compression unbiased over time: with errors starting at zero, the
 sum of the outputs over T calls equals the sum of the true averages minus (the mean of the
@@ -19,16 +19,20 @@ ranks' worker errors + the server error) after call T, elementwise, so nothing i
 delayed (``tests/test_onebit_comm.py`` checks that identity and that the errors stay bounded).
 
 Per element, each rank sends (n-1)/n bits in each phase instead of the 2(n-1)/n x 32 bits of a
-ring all-reduce: 32x less, plus 4 bytes per chunk for the scales. DeepSpeed does the same in
-``runtime/comm/{nccl,compressed}.py`` with one scale per worker tensor and cupy / a CUDA kernel
-for the bit packing; here the packing is plain torch bit arithmetic, so one code path serves gloo
-(CPU) and NCCL (GPU). Sign 0 counts as positive, as in DeepSpeed.
+ring all-reduce: 32x less, plus 4 bytes per segment for the scales. DeepSpeed does the same in
+``runtime/comm/{nccl,compressed}.py``, one call per tensor with one worker scale per tensor and one
+server scale per chunk, using cupy / a CUDA kernel for the bit packing; here all tensors go in one
+call (two collectives per step) with a scale per segment, and the packing is plain torch bit
+arithmetic, so one code path serves gloo (CPU) and NCCL (GPU). Sign 0 counts as positive, as in
+DeepSpeed.
 
 Both collectives go through ``ops.run`` under their own names (``compressed_all_to_all``,
 ``compressed_all_gather``), so the comms logger shows them with the bytes actually sent.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -55,13 +59,55 @@ def error_buffers(numel: int, world_size: int, *, device=None) -> tuple[torch.Te
             torch.zeros(padded // world_size, dtype=torch.float32, device=device))
 
 
-def message_bytes(numel: int, world_size: int) -> int:
-    """Bytes of each of the two messages (all-to-all input, all-gather output) for ``numel`` elements."""
-    chunk = padded_size(numel, world_size) // world_size
-    return world_size * (chunk // 8 + _SCALE_BYTES)
+def message_bytes(numel: int, world_size: int, sizes: list[int] | None = None) -> int:
+    """Bytes of each of the two messages (all-to-all input, all-gather output) for ``numel`` elements
+    made of tensors of ``sizes`` elements (default: one tensor)."""
+    return world_size * _layout(numel, world_size, tuple(sizes or (numel,))).row_bytes
+
+
+class _Layout:
+    """Where the scales go: one per *segment*, a segment being a chunk's share of one tensor.
+
+    The flat buffer is padded and cut into one chunk per rank; tensor boundaries cut the chunks
+    further. ``segments[j]`` lists chunk j's segments as ``(start, end, real)`` offsets within the
+    chunk (``real`` < ``end - start`` where the segment runs into the padding); ``per_chunk`` is
+    the largest number of segments in a chunk (every message row carries that many scales)."""
+
+    def __init__(self, numel: int, n: int, sizes: tuple[int, ...]) -> None:
+        padded = padded_size(numel, n)
+        chunk = padded // n
+        ends, total = set(), 0
+        for size in sizes:
+            total += size
+            if 0 < total < numel:
+                ends.add(total)
+        self.segments = []
+        for j in range(n):
+            lo, hi = j * chunk, (j + 1) * chunk
+            edges = [lo, *sorted(e for e in ends if lo < e < hi), hi]
+            self.segments.append([(a - lo, b - lo, max(0, min(b, numel) - a)) for a, b in zip(edges, edges[1:])])
+        self.chunk = chunk
+        self.per_chunk = max(len(x) for x in self.segments)
+        self.row_bytes = chunk // 8 + _SCALE_BYTES * self.per_chunk
+
+
+_LAYOUTS: dict[tuple, _Layout] = {}
+
+
+def _layout(numel: int, n: int, sizes: tuple[int, ...]) -> _Layout:
+    key = (numel, n, sizes)
+    found = _LAYOUTS.get(key)
+    if found is None:
+        if sum(sizes) != numel or any(s < 0 for s in sizes):
+            raise ValueError(f"compressed_all_reduce: tensor sizes {list(sizes)} do not add up to {numel} elements")
+        if len(_LAYOUTS) > 64:  # a few layouts per optimizer; never grow without bound
+            _LAYOUTS.clear()
+        found = _LAYOUTS[key] = _Layout(numel, n, sizes)
+    return found
 
 
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def _bit_weights(device) -> torch.Tensor:
@@ -81,32 +127,46 @@ def pack_signs(positive: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
-    """``[..., m]`` uint8 -> ``[..., 8m]`` float32 of +1 (bit set) / -1."""
-    bits = torch.bitwise_and(packed.unsqueeze(-1), _bit_weights(packed.device)) != 0
-    return (bits.to(torch.float32) * 2 - 1).reshape(*packed.shape[:-1], -1)
+    """``[..., m]`` uint8 -> ``[..., 8m]`` float32 of +1 (bit set) / -1 (a look-up of each byte's 8 signs)."""
+    table = _TABLES.get(packed.device)
+    if table is None:
+        bits = torch.bitwise_and(torch.arange(256, dtype=torch.uint8).unsqueeze(-1), _bit_weights(torch.device("cpu")))
+        table = _TABLES[packed.device] = ((bits != 0).to(torch.float32) * 2 - 1).to(packed.device)
+    return table.index_select(0, packed.reshape(-1).long()).reshape(*packed.shape[:-1], -1)
 
 
-def _rms(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Root mean square of each row over its first ``counts[i]`` (real, unpadded) elements."""
-    return rows.norm(dim=-1) / counts.clamp(min=1).sqrt()
-
-
-def _compress(rows: torch.Tensor, counts: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-    """Rows -> packed signs and scales ``[rows, chunk/8 + 4]`` uint8; ``error`` (same shape as
-    ``rows``) becomes what was lost. Padded positions (beyond ``counts``) carry no error."""
-    scales = _rms(rows, counts).to(torch.float32)
+def _compress(rows: torch.Tensor, segments: list[list[tuple[int, int, int]]], per_chunk: int,
+              error: torch.Tensor) -> torch.Tensor:
+    """Rows ``[r, chunk]`` (row i cut into ``segments[i]``) -> packed signs and one scale per segment,
+    ``[r, chunk/8 + 4 * per_chunk]`` uint8. A segment's scale is its root mean square (so
+    ``scale * sign`` keeps its L2 norm). ``error`` (shaped like ``rows``, may be ``rows`` itself)
+    becomes what was lost; padded positions carry no error."""
     positive = rows >= 0
-    torch.sub(rows, torch.where(positive, scales[:, None], -scales[:, None]), out=error)
-    cols = torch.arange(rows.shape[-1], device=rows.device)
-    error.masked_fill_(cols[None, :] >= counts[:, None], 0.0)
-    packed = pack_signs(positive)
-    return torch.cat([packed, scales.contiguous().view(torch.uint8).view(rows.shape[0], _SCALE_BYTES)], dim=1)
+    signs = positive.to(torch.float32).mul_(2).sub_(1)
+    scales = torch.zeros(rows.shape[0], per_chunk, dtype=torch.float32, device=rows.device)
+    for i, row_segments in enumerate(segments):
+        for k, (a, b, real) in enumerate(row_segments):
+            if real == 0:
+                error[i, a:b] = 0.0
+                continue
+            seg = rows[i, a:b]
+            scale = torch.linalg.vector_norm(seg).div_(math.sqrt(real))
+            scales[i, k] = scale
+            torch.addcmul(seg, signs[i, a:b], scale, value=-1.0, out=error[i, a:b])
+            if real < b - a:
+                error[i, a + real : b] = 0.0
+    return torch.cat([pack_signs(positive), scales.view(torch.uint8)], dim=1)
 
 
-def _decompress(message: torch.Tensor) -> torch.Tensor:
-    """``[rows, chunk/8 + 4]`` uint8 -> ``[rows, chunk]`` float32 of ``scale * sign``."""
-    scales = message[:, -_SCALE_BYTES:].contiguous().view(torch.float32)  # [rows, 1]
-    return unpack_signs(message[:, :-_SCALE_BYTES]).mul_(scales)
+def _decompress(message: torch.Tensor, segments: list[list[tuple[int, int, int]]], per_chunk: int) -> torch.Tensor:
+    """``[r, chunk/8 + 4 * per_chunk]`` uint8 -> ``[r, chunk]`` float32 of ``scale * sign``."""
+    cut = message.shape[1] - _SCALE_BYTES * per_chunk
+    scales = message[:, cut:].contiguous().view(torch.float32)  # [r, per_chunk]
+    out = unpack_signs(message[:, :cut])
+    for i, row_segments in enumerate(segments):
+        for k, (a, b, _) in enumerate(row_segments):
+            out[i, a:b].mul_(scales[i, k])
+    return out
 
 
 def _all_to_all(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
@@ -121,9 +181,11 @@ def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
 
 
 def compressed_all_reduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                          group=None) -> torch.Tensor:
+                          group=None, *, sizes: list[int] | None = None) -> torch.Tensor:
     """Replace ``tensor`` (any shape, floating point) by the 1-bit compressed average over ``group``.
 
+    ``sizes``: when ``tensor`` is several tensors end to end, their element counts, so each gets its
+    own scales (magnitudes differ between layers; one scale for all would drown the small ones).
     ``worker_error`` (``padded_size(tensor.numel(), n)`` elements) and ``server_error`` (1/n of
     that) are this rank's error-feedback buffers, updated in place; make them with
     :func:`error_buffers` and keep them across calls. Collective: every rank of ``group`` calls it
@@ -141,27 +203,27 @@ def compressed_all_reduce(tensor: torch.Tensor, worker_error: torch.Tensor, serv
             "make them with shardwise.comm.compressed.error_buffers"
         )
     me = dist.get_rank(group)
-    chunk = padded // n
-    device = tensor.device
-    starts = torch.arange(n, device=device) * chunk
-    counts = (numel - starts).clamp(min=0, max=chunk)  # real elements in each chunk
+    lay = _layout(numel, n, tuple(sizes or (numel,)))
+    chunk, segs = lay.chunk, lay.per_chunk
 
     # 1. worker: compensate, compress one chunk per destination, all-to-all
-    compensated = worker_error.clone()
-    compensated[:numel].add_(tensor.detach().reshape(-1).to(torch.float32))
-    send = _compress(compensated.view(n, chunk), counts, worker_error.view(n, chunk))
+    worker_error[:numel].add_(tensor.detach().reshape(-1))  # compensated, then overwritten by the new error
+    rows = worker_error.view(n, chunk)
+    send = _compress(rows, lay.segments, segs, rows)
     recv = torch.empty_like(send)
     _all_to_all(recv, send, group)
 
     # 2. server: average my chunk over the ranks, compensate, compress, all-gather
-    mine = _decompress(recv).sum(dim=0).div_(n)  # rank order: the same sum whatever the arrival order
-    mine[int(counts[me]):] = 0.0  # padding: nothing to send, nothing to remember
+    mine_segments = lay.segments[me]
+    mine = _decompress(recv, [mine_segments] * n, segs).sum(dim=0).div_(n)  # rank order: deterministic
+    for a, b, real in mine_segments:
+        mine[a + real : b] = 0.0  # padding: nothing to send, nothing to remember
     mine.add_(server_error)
-    reply = _compress(mine.view(1, chunk), counts[me : me + 1], server_error.view(1, chunk))
-    gathered = torch.empty(n * reply.shape[1], dtype=torch.uint8, device=device)
+    reply = _compress(mine.view(1, chunk), [mine_segments], segs, server_error.view(1, chunk))
+    gathered = torch.empty(n * reply.shape[1], dtype=torch.uint8, device=tensor.device)
     _all_gather(gathered, reply.view(-1), group)
 
-    result = _decompress(gathered.view(n, -1)).view(-1)[:numel]
+    result = _decompress(gathered.view(n, -1), lay.segments, segs).view(-1)[:numel]
     with torch.no_grad():
         tensor.copy_(result.view(tensor.shape))
     return tensor

@@ -79,6 +79,18 @@ class OneBitAdam(CompressedComm, torch.optim.AdamW):
     def needs_gradient_allreduce(self) -> bool:
         return self._steps_done() + 1 <= self.freeze_step
 
+    def _frozen_denominator(self, p, st, bc2: float, eps: float) -> torch.Tensor:
+        """``sqrt(v_hat) + eps`` of the frozen variance, computed once (not saved: rebuilt after a load),
+        remembering where ``v`` is exactly zero (see ``mask_unseen``)."""
+        cache = self.__dict__.setdefault("_denoms", {})
+        found = cache.get(p)
+        if found is None or found[1] is not st["exp_avg_sq"]:
+            v = st["exp_avg_sq"]
+            denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+            cache[p] = found = (denom, v)
+            self.__dict__.setdefault("_unseen", {})[p] = v == 0
+        return found[0]
+
     # -- step ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
@@ -113,9 +125,14 @@ class OneBitAdam(CompressedComm, torch.optim.AdamW):
         return out
 
     def _manual_step(self, t: int, *, compressed: bool) -> None:
-        """DeepSpeed's update (``compressed``: frozen variance, local gradient, momentum exchanged)."""
+        """DeepSpeed's update; ``compressed``: frozen variance, local gradient, momentum exchanged.
+
+        What travels is the momentum divided by the (frozen, identical on every rank) Adam
+        denominator, i.e. the update itself: averaging commutes with that fixed scaling, and the
+        1-bit error is then relative to each element's step rather than to the largest momenta of
+        its tensor (with ``m`` itself, an element with a small variance gets ``+-rms(m) / sqrt(v)``,
+        far larger than any step Adam would take, and training can blow up)."""
         groups = [(g, self._states(g)) for g in self.param_groups]
-        momenta = []
         for group, states in groups:
             beta1, beta2 = group["betas"]
             for p, st in states:
@@ -123,19 +140,28 @@ class OneBitAdam(CompressedComm, torch.optim.AdamW):
                 st["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
                 if not compressed:
                     st["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                momenta.append(st["exp_avg"])
-        if compressed:
-            self._exchange("momentum", momenta)
+        steps = []
         for group, states in groups:
             beta1, beta2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
             bc1, bc2 = 1.0, 1.0
             if self.bias_correction:
                 bc1 = 1 - beta1**t
                 bc2 = 1 - beta2 ** min(t, self.freeze_step)  # the variance stopped at the freeze
             for p, st in states:
-                st["step"] += 1
-                denom = (st["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(eps)
-                if wd != 0:
-                    p.mul_(1 - lr * wd)
-                p.addcdiv_(st["exp_avg"], denom, value=-lr / bc1)
+                if compressed:
+                    denom = self._frozen_denominator(p, st, bc2, group["eps"])
+                else:
+                    denom = (st["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(group["eps"])
+                steps.append((group, p, st, denom, st["exp_avg"] / denom, bc1))
+        if compressed:
+            self._exchange("momentum", [s[4] for s in steps])
+            for _, p, _, _, update, _ in steps:
+                update.masked_fill_(self._unseen[p], 0.0)
+        for group, p, st, denom, update, bc1 in steps:
+            lr, wd = group["lr"], group["weight_decay"]
+            st["step"] += 1
+            if compressed:
+                torch.mul(update, denom, out=st["exp_avg"])  # every rank now holds the averaged momentum
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            p.add_(update, alpha=-lr / bc1)

@@ -46,6 +46,15 @@ def check_number(value, where: str, *, minimum: float = 0.0) -> float:
     return float(value)
 
 
+def mask_unseen(pairs) -> None:
+    """Zero the exchanged value where the variance is exactly zero: a gradient never reached that element
+    (a dead unit, an unused embedding row), so its true momentum is zero, but a sign cannot say zero
+    and ``+-scale / eps`` would blow the weight up. DeepSpeed asks users for an ``exp_avg_mask`` for
+    this; here the variance's zeros are the mask. ``pairs``: (exchanged tensor, variance)."""
+    for value, variance in pairs:
+        value.masked_fill_(variance == 0, 0.0)
+
+
 class CompressedComm:
     """Mixin: the data-parallel group, the compressed exchange and its per-rank error buffers."""
 
@@ -95,7 +104,7 @@ class CompressedComm:
         if key not in self._errors:
             self._errors[key] = compressed.error_buffers(flat.numel(), n, device=flat.device)
         worker, server = self._errors[key]
-        compressed.compressed_all_reduce(flat, worker, server, group=self._group)
+        compressed.compressed_all_reduce(flat, worker, server, group=self._group, sizes=[t.numel() for t in tensors])
         with torch.no_grad():
             for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
                 t.copy_(piece.view(t.shape))

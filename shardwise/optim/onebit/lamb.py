@@ -27,7 +27,8 @@ import math
 import torch
 
 from shardwise.optim.lamb import Lamb
-from shardwise.optim.onebit.common import CompressedComm, check_common_args, check_number, check_positive_int
+from shardwise.optim.onebit.common import CompressedComm, check_common_args, check_number, check_positive_int, \
+    mask_unseen
 
 logger = logging.getLogger("shardwise")
 
@@ -157,6 +158,7 @@ class OneBitLamb(CompressedComm, Lamb):
                 m.mul_(beta1).add_(p.grad, alpha=1 - beta1).mul_(float(st["scaling_coeff"]))
                 momenta.append(m)
         self._exchange("momentum", momenta)
+        mask_unseen([(self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]) for p in last])
 
         self._coeffs = []
         for group in self.param_groups:

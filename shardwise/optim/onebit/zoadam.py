@@ -28,7 +28,7 @@ import math
 import torch
 
 from shardwise.optim.onebit.adam import _implementation
-from shardwise.optim.onebit.common import CompressedComm, check_common_args, check_positive_int
+from shardwise.optim.onebit.common import CompressedComm, check_common_args, check_positive_int, mask_unseen
 
 logger = logging.getLogger("shardwise")
 
@@ -158,6 +158,7 @@ class ZeroOneAdam(CompressedComm, torch.optim.AdamW):
             else:
                 grads = [p.grad.clone() for _, p, _ in items]
                 self._exchange("grad", grads)
+                mask_unseen([(grad, st["exp_avg_sq"]) for (_, _, st), grad in zip(items, grads)])
                 for (group, p, st), grad in zip(items, grads):
                     beta1 = group["betas"][0]
                     st["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
@@ -207,6 +208,7 @@ class ZeroOneAdam(CompressedComm, torch.optim.AdamW):
                 acc.mul_(self._denom(group, st, k))
                 accs.append(acc)
             self._exchange("accumulator", accs)
+            mask_unseen([(st["momentum_accumulator"], st["exp_avg_sq"]) for _, _, st in items])
             for group, p, st in items:
                 acc = st["momentum_accumulator"]
                 bc1 = 1 - group["betas"][0] ** t if self.bias_correction else 1.0
