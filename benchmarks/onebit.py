@@ -70,8 +70,8 @@ def worker(args) -> None:
 
     torch.manual_seed(0)
     d, width = 256, args.width
-    model = torch.nn.Sequential(torch.nn.Linear(d, width), torch.nn.ReLU(), torch.nn.Linear(width, width // 4),
-                                torch.nn.ReLU(), torch.nn.Linear(width // 4, d))
+    model = torch.nn.Sequential(torch.nn.Linear(d, width), torch.nn.Tanh(), torch.nn.Linear(width, width // 4),
+                                torch.nn.Tanh(), torch.nn.Linear(width // 4, d))
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0,
            "optimizer": {"type": args.opt, "params": {"lr": 1e-3, **_params(args.opt, args.warmup)}},
            "zero_optimization": {"stage": 0}, "comms_logger": {"enabled": True}}
@@ -93,7 +93,7 @@ def worker(args) -> None:
         engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(loss.item())
     logged = comm.comms_summary()
     dist.barrier()
     tx = _tx_bytes() - tx0
@@ -203,8 +203,8 @@ def run(opt: str, world: int, args, ns: Namespaces | None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=45)
+    ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--links", nargs="+", default=["loopback", "1gbit"])
     ap.add_argument("--worker", action="store_true")
