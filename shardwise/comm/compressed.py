@@ -117,13 +117,19 @@ def _bit_weights(device) -> torch.Tensor:
     return w
 
 
+_GATHER_BITS = 0x8040201008040201 - (1 << 64)  # as a signed int64: multiplying 8 bytes of 0/1 by it
+# collects them, most significant first, into the top byte (no carries: each product bit is distinct)
+
+
 def pack_signs(positive: torch.Tensor) -> torch.Tensor:
     """Pack a boolean tensor (last dimension a multiple of 8) into bytes, most significant bit first
-    (``numpy.packbits`` order): ``[..., k]`` -> ``[..., k // 8]`` uint8."""
+    (``numpy.packbits`` order): ``[..., k]`` -> ``[..., k // 8]`` uint8. Each group of 8 bools is
+    read as one int64 and its bits gathered with one multiplication."""
     if positive.shape[-1] % 8:
         raise ValueError(f"pack_signs: last dimension {positive.shape[-1]} is not a multiple of 8")
-    bits = positive.reshape(*positive.shape[:-1], -1, 8).to(torch.uint8)
-    return (bits * _bit_weights(positive.device)).sum(dim=-1, dtype=torch.uint8)
+    lead = positive.shape[:-1]
+    words = positive.contiguous().view(torch.uint8).reshape(*lead, -1, 8).view(torch.int64).squeeze(-1)
+    return torch.bitwise_right_shift(words * _GATHER_BITS, 56).bitwise_and_(0xFF).to(torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
@@ -141,8 +147,8 @@ def _compress(rows: torch.Tensor, segments: list[list[tuple[int, int, int]]], pe
     ``[r, chunk/8 + 4 * per_chunk]`` uint8. A segment's scale is its root mean square (so
     ``scale * sign`` keeps its L2 norm). ``error`` (shaped like ``rows``, may be ``rows`` itself)
     becomes what was lost; padded positions carry no error."""
-    positive = rows >= 0
-    signs = positive.to(torch.float32).mul_(2).sub_(1)
+    packed = pack_signs(rows >= 0)
+    signs = unpack_signs(packed)
     scales = torch.zeros(rows.shape[0], per_chunk, dtype=torch.float32, device=rows.device)
     for i, row_segments in enumerate(segments):
         for k, (a, b, real) in enumerate(row_segments):
@@ -155,7 +161,7 @@ def _compress(rows: torch.Tensor, segments: list[list[tuple[int, int, int]]], pe
             torch.addcmul(seg, signs[i, a:b], scale, value=-1.0, out=error[i, a:b])
             if real < b - a:
                 error[i, a + real : b] = 0.0
-    return torch.cat([pack_signs(positive), scales.view(torch.uint8)], dim=1)
+    return torch.cat([packed, scales.view(torch.uint8)], dim=1)
 
 
 def _decompress(message: torch.Tensor, segments: list[list[tuple[int, int, int]]], per_chunk: int) -> torch.Tensor:

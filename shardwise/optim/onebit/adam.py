@@ -140,7 +140,7 @@ class OneBitAdam(CompressedComm, torch.optim.AdamW):
                 st["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
                 if not compressed:
                     st["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        steps = []
+        items = []
         for group, states in groups:
             beta1, beta2 = group["betas"]
             bc1, bc2 = 1.0, 1.0
@@ -148,19 +148,29 @@ class OneBitAdam(CompressedComm, torch.optim.AdamW):
                 bc1 = 1 - beta1**t
                 bc2 = 1 - beta2 ** min(t, self.freeze_step)  # the variance stopped at the freeze
             for p, st in states:
-                if compressed:
-                    denom = self._frozen_denominator(p, st, bc2, group["eps"])
-                else:
-                    denom = (st["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(group["eps"])
-                steps.append((group, p, st, denom, st["exp_avg"] / denom, bc1))
-        if compressed:
-            self._exchange("momentum", [s[4] for s in steps])
-            for _, p, _, _, update, _ in steps:
-                update.masked_fill_(self._unseen[p], 0.0)
-        for group, p, st, denom, update, bc1 in steps:
+                items.append((group, p, st, bc1, bc2))
+        exchange = compressed and self.world_size > 1 and bool(items)
+        if exchange:  # the updates are written straight into the exchange buffer
+            sizes = [p.numel() for _, p, _, _, _ in items]
+            flat = self._flat("momentum", sum(sizes), items[0][1].device)
+            updates = [piece.view(p.shape) for piece, (_, p, _, _, _) in zip(flat.split(sizes), items)]
+        denoms = []
+        for i, (group, p, st, _, bc2) in enumerate(items):
+            if compressed:
+                denoms.append(self._frozen_denominator(p, st, bc2, group["eps"]))
+            else:
+                denoms.append((st["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(group["eps"]))
+            if exchange:
+                torch.div(st["exp_avg"], denoms[i], out=updates[i])
+        if exchange:
+            self._exchange_flat("momentum", flat, sizes)
+        else:
+            updates = [st["exp_avg"] / d for (_, _, st, _, _), d in zip(items, denoms)]
+        for (group, p, st, bc1, _), denom, update in zip(items, denoms, updates):
             lr, wd = group["lr"], group["weight_decay"]
             st["step"] += 1
             if compressed:
+                update.masked_fill_(self._unseen[p], 0.0)
                 torch.mul(update, denom, out=st["exp_avg"])  # every rank now holds the averaged momentum
             if wd != 0:
                 p.mul_(1 - lr * wd)

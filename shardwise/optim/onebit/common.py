@@ -97,17 +97,33 @@ class CompressedComm:
 
     def _exchange(self, key: str, tensors: list[torch.Tensor]) -> None:
         """Replace ``tensors`` (in place) by their compressed average over the group."""
-        n = self.world_size
-        if n == 1 or not tensors:
+        if self.world_size == 1 or not tensors:
             return
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+        sizes = [t.numel() for t in tensors]
+        flat = self._flat(key, sum(sizes), tensors[0].device)
+        torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
+        self._exchange_flat(key, flat, sizes)
+        with torch.no_grad():
+            for t, piece in zip(tensors, flat.split(sizes)):
+                t.copy_(piece.view(t.shape))
+
+    def _flat(self, key: str, numel: int, device) -> torch.Tensor:
+        """A reusable fp32 buffer of ``numel`` elements for the exchange ``key``."""
+        flats = self.__dict__.setdefault("_flats", {})
+        buf = flats.get(key)
+        if buf is None or buf.numel() != numel or buf.device != torch.device(device):
+            buf = flats[key] = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf
+
+    def _exchange_flat(self, key: str, flat: torch.Tensor, sizes: list[int]) -> None:
+        """Average ``flat`` (tensors of ``sizes`` end to end) over the group, 1-bit compressed, in place."""
+        n = self.world_size
+        if n == 1:
+            return
         if key not in self._errors:
             self._errors[key] = compressed.error_buffers(flat.numel(), n, device=flat.device)
         worker, server = self._errors[key]
-        compressed.compressed_all_reduce(flat, worker, server, group=self._group, sizes=[t.numel() for t in tensors])
-        with torch.no_grad():
-            for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
-                t.copy_(piece.view(t.shape))
+        compressed.compressed_all_reduce(flat, worker, server, group=self._group, sizes=sizes)
 
     def reset_errors(self) -> None:
         for worker, server in self._errors.values():
