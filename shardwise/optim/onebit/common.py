@@ -16,15 +16,9 @@ tensors, so the regular checkpoint fragments carry it and it reshards like Adam'
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from shardwise.comm import compressed
-
-logger = logging.getLogger("shardwise")
-
-_BOOL_ONLY = ("cuda_aware",)
 
 
 def check_common_args(*, amsgrad: bool, cuda_aware: bool, name: str) -> None:
