@@ -39,7 +39,7 @@ def _params(name: str, warmup: int) -> dict:
     if name == "OneBitAdam":
         return {"freeze_step": warmup}
     if name == "OneBitLamb":
-        return {"freeze_step": warmup, "lr": 1e-3}
+        return {"freeze_step": warmup, "lr": 1e-2}  # LAMB's steps are relative to the weights: a larger lr
     if name == "ZeroOneAdam":  # local steps synchronised every 4 steps once past var_freeze_step
         return {"var_freeze_step": warmup, "var_update_scaler": 4, "local_step_scaler": 4, "local_step_clipper": 4}
     return {}
@@ -237,7 +237,7 @@ def main() -> None:
                 else:
                     with Namespaces(1 if link == "loopback" else 2, None if link == "loopback" else "1gbit") as ns:
                         rows[opt] = run(opt, world, args, ns)
-                        shaped = ns.qdisc
+                        shaped = ns.qdisc or shaped
             adam = rows["Adam"]
             for opt, r in rows.items():
                 print(f"| {link} | {world} | {opt} | {r['logged_bytes']:,.0f} | {r['tx_per_rank']:,.0f} | "

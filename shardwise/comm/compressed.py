@@ -23,8 +23,8 @@ ring all-reduce: 32x less, plus 4 bytes per segment for the scales. DeepSpeed do
 ``runtime/comm/{nccl,compressed}.py``, one call per tensor with one worker scale per tensor and one
 server scale per chunk, using cupy / a CUDA kernel for the bit packing; here all tensors go in one
 call (two collectives per step) with a scale per segment, and the packing is plain torch bit
-arithmetic, so one code path serves gloo (CPU) and NCCL (GPU). Sign 0 counts as positive, as in
-DeepSpeed.
+arithmetic, so one code path serves gloo (CPU) and NCCL (GPU). +0 counts as positive, as in
+DeepSpeed (-0 counts as negative here).
 
 Both collectives go through ``ops.run`` under their own names (``compressed_all_to_all``,
 ``compressed_all_gather``), so the comms logger shows them with the bytes actually sent.
@@ -138,7 +138,7 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     if table is None:
         bits = torch.bitwise_and(torch.arange(256, dtype=torch.uint8).unsqueeze(-1), _bit_weights(torch.device("cpu")))
         table = _TABLES[packed.device] = ((bits != 0).to(torch.float32) * 2 - 1).to(packed.device)
-    return table.index_select(0, packed.reshape(-1).long()).reshape(*packed.shape[:-1], -1)
+    return torch.nn.functional.embedding(packed.reshape(-1).long(), table).reshape(*packed.shape[:-1], -1)
 
 
 def _compress(rows: torch.Tensor, segments: list[list[tuple[int, int, int]]], per_chunk: int,
@@ -147,8 +147,7 @@ def _compress(rows: torch.Tensor, segments: list[list[tuple[int, int, int]]], pe
     ``[r, chunk/8 + 4 * per_chunk]`` uint8. A segment's scale is its root mean square (so
     ``scale * sign`` keeps its L2 norm). ``error`` (shaped like ``rows``, may be ``rows`` itself)
     becomes what was lost; padded positions carry no error."""
-    packed = pack_signs(rows >= 0)
-    signs = unpack_signs(packed)
+    packed = pack_signs(~torch.signbit(rows))  # +0 is positive; -0 is negative, like copysign below
     scales = torch.zeros(rows.shape[0], per_chunk, dtype=torch.float32, device=rows.device)
     for i, row_segments in enumerate(segments):
         for k, (a, b, real) in enumerate(row_segments):
@@ -158,7 +157,7 @@ def _compress(rows: torch.Tensor, segments: list[list[tuple[int, int, int]]], pe
             seg = rows[i, a:b]
             scale = torch.linalg.vector_norm(seg).div_(math.sqrt(real))
             scales[i, k] = scale
-            torch.addcmul(seg, signs[i, a:b], scale, value=-1.0, out=error[i, a:b])
+            torch.sub(seg, torch.copysign(scale, seg), out=error[i, a:b])  # seg - scale * sign(seg)
             if real < b - a:
                 error[i, a + real : b] = 0.0
     return torch.cat([packed, scales.view(torch.uint8)], dim=1)
