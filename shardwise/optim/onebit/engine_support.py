@@ -2,9 +2,9 @@
 
 * :func:`attach` at ``initialize``: refuse the combinations that cannot work, with the reason, and
   give the optimizer the data-parallel group.
-* Before each backward the engine asks ``optimizer.needs_gradient_allreduce``; when it is False the
-  gradients stay local (the optimizer exchanges compressed momentum itself), as DeepSpeed's engine
-  does when the optimizer clears ``enable_backward_allreduce``.
+* Before each backward the engine sets ``engine.enable_backward_allreduce`` to
+  ``optimizer.needs_gradient_allreduce``; when it is False the gradients stay local (the optimizer
+  exchanges compressed momentum itself), as in DeepSpeed, where the optimizer clears that switch.
 * :func:`agree_on_overflow` before such a step: with local gradients one rank may see an inf/nan the
   others do not; it would skip the step (and the exchange) alone and the others would wait for it
   forever. One small all-reduce makes every rank skip together.
