@@ -32,11 +32,13 @@ logger = logging.getLogger("shardwise")
 
 
 def _implementation(params) -> dict:
-    """The same kernel choice the optimizer factory makes for type ``Adam`` (so warm-up is bitwise Adam)."""
+    """The same kernel choice the optimizer factory makes for type ``Adam`` (so warm-up is bitwise Adam):
+    torch's fused AdamW on one CPU/CUDA device with floating-point tensors, else the foreach path."""
     tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
     tensors = [t[1] if isinstance(t, tuple) else t for t in tensors]
-    if tensors and all(isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.is_floating_point()
-                       for t in tensors):
+    devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+    if tensors and len(devices) == 1 and devices <= {"cpu", "cuda"} and all(
+            isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
         return {"fused": True}
     return {"foreach": True}
 
