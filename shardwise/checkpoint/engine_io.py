@@ -85,6 +85,9 @@ def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, cli
     rng_meta, rng_tensors = st.rng_state()
     plan.tensors[f"rank{rank}.safetensors"] = rng_tensors
     plan.json_files[f"rank{rank}.json"] = {"rng": rng_meta}
+    private = _rank_optimizer_state(engine)
+    if private:  # per-rank optimizer state (1-bit optimizers' error feedback): one file per rank
+        plan.tensors[f"optim_private_rank{rank}.safetensors"] = snapshot(private) if asynchronous else private
     all_descs = [d for part in _all_gather_object(descs) for d in part]
 
     # Stage 3 assembles the full weights collectively; other stages read them on rank 0 alone.
@@ -207,6 +210,8 @@ def load_checkpoint(engine, load_dir, *, writer: CheckpointWriter, tag=None, loa
                              "pass load_optimizer_states=False to load the weights only")
         engine.optimizer.state.clear()
     load_fragments(engine, FragmentReader(ckpt), manifest, model_state, load_optimizer=load_opt)
+    if load_opt and hasattr(engine.optimizer, "load_rank_state_dict"):
+        _load_rank_optimizer_state(engine, ckpt)
 
     client_state, counters = {}, None
     if not load_module_only:
@@ -229,6 +234,32 @@ def load_checkpoint(engine, load_dir, *, writer: CheckpointWriter, tag=None, loa
             st.set_rng_state(meta["rng"], ckpt.read(f"rank{rank}.safetensors"))
     comm.barrier()
     return str(ckpt.folder), client_state, counters
+
+
+def _rank_optimizer_state(engine) -> dict[str, torch.Tensor]:
+    """Optimizer state that differs by rank and is not a fragment of a parameter (the 1-bit
+    optimizers' error-feedback buffers): the optimizer's ``rank_state_dict()``, if it has one."""
+    get = getattr(engine.optimizer, "rank_state_dict", None)
+    return {k: v.detach() for k, v in get().items()} if get is not None else {}
+
+
+def _load_rank_optimizer_state(engine, ckpt) -> None:
+    """Give the optimizer this rank's own state back; refuse a different data-parallel size."""
+    manifest = ckpt.manifest
+    name = f"optim_private_rank{comm.get_rank()}.safetensors"
+    if not any(f.startswith("optim_private_rank") for f in manifest["files"]):
+        engine.optimizer.load_rank_state_dict(None)  # saved before there was any (warm-up): start afresh
+        return
+    topo = manifest["topology"]
+    if topo["world_size"] != comm.get_world_size() or topo["dp_world_size"] != engine.dp_world_size:
+        raise ValueError(
+            f"checkpoint {ckpt.folder}: saved by {topo['world_size']} ranks ({topo['dp_world_size']} data-parallel) "
+            f"with {type(engine.optimizer).__name__} past its warm-up; each rank's error-feedback buffers (and "
+            "ZeroOneAdam's local momentum) belong to that rank and cannot be resharded to "
+            f"{comm.get_world_size()} ranks ({engine.dp_world_size} data-parallel). Load it with "
+            f"{topo['world_size']} ranks, or pass load_optimizer_states=False to load the weights only"
+        )
+    engine.optimizer.load_rank_state_dict(ckpt.read(name) if name in manifest["files"] else {})
 
 
 def _load_module(engine, state: dict[str, torch.Tensor], *, strict: bool, where: Path) -> None:

@@ -42,6 +42,7 @@ from shardwise.comm.comm import (
     scatter,
     send,
 )
+from shardwise.comm.compressed import compressed_all_reduce
 from shardwise.comm.ops import CollectiveError, CollectiveTimeoutError
 from shardwise.comm.device import get_accelerator_device, default_backend
 
@@ -71,6 +72,7 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "comms_summary",
+    "compressed_all_reduce",
     "configure",
     "default_backend",
     "destroy_process_group",

@@ -17,7 +17,7 @@ log = logging.getLogger("shardwise")
 
 # Our op names, and the DeepSpeed names accepted for them in ``prof_ops``.
 OP_NAMES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-            "barrier", "broadcast_object")
+            "barrier", "broadcast_object", "compressed_all_to_all", "compressed_all_gather")
 ALIASES = {"all_gather_base": "all_gather_into_tensor", "all_gather": "all_gather_into_tensor",
            "reduce_scatter_base": "reduce_scatter_tensor", "reduce_scatter": "reduce_scatter_tensor",
            "broadcast_object_list": "broadcast_object"}
@@ -26,7 +26,7 @@ ALIASES = {"all_gather_base": "all_gather_into_tensor", "all_gather": "all_gathe
 def bus_factor(op: str, n: int) -> float:
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+    if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "compressed_all_to_all", "compressed_all_gather"):
         return (n - 1) / n
     if op == "barrier":
         return 0.0

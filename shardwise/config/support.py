@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["NOT_IMPLEMENTED", "unsupported_features", "check_supported"]
 
 # optimizer types (compared case-insensitively) that are not implemented yet
-UNIMPLEMENTED_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb"}
+UNIMPLEMENTED_OPTIMIZERS: set[str] = set()
 
 
 def _changed(block: BaseModel) -> bool:
@@ -31,7 +31,6 @@ def _switched_on(block: dict[str, Any]) -> bool:
 
 
 NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
-    "optimizer.type": lambda c: c.optimizer is not None and c.optimizer.type.lower() in UNIMPLEMENTED_OPTIMIZERS,
     "amp.enabled": lambda c: c.amp.enabled,
     "torch_autocast.enabled": lambda c: c.torch_autocast.enabled,
     "sparse_gradients": lambda c: c.sparse_gradients,

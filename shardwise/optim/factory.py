@@ -29,18 +29,23 @@ from .lr_schedules import (
     WarmupLR,
 )
 from .one_cycle import OneCycle
+from .onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 
 logger = logging.getLogger(__name__)
 
 # DeepSpeed optimizer types that shardwise does not provide (yet).
 _NOT_IMPLEMENTED = {
-    name.lower(): name for name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD", "Muon")
+    name.lower(): name for name in ("MuAdam", "MuAdamW", "MuSGD", "Muon")
 }
 _ADAM_EXTRAS = ("torch_adam", "adam_w_mode", "bias_correction", "set_grad_none")
 _ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 _OWN_OPTIMIZERS: dict[str, tuple[str, type[torch.optim.Optimizer]]] = {
     "lamb": ("Lamb", Lamb),
     "lion": ("Lion", Lion),
+    # 1-bit compressed communication (shardwise/optim/onebit, docs/onebit.md)
+    "onebitadam": ("OneBitAdam", OneBitAdam),
+    "zerooneadam": ("ZeroOneAdam", ZeroOneAdam),
+    "onebitlamb": ("OneBitLamb", OneBitLamb),
 }
 _OWN_SCHEDULERS: dict[str, type] = {
     cls.__name__.lower(): cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)
@@ -248,7 +253,8 @@ def build_optimizer(type_name: str, params: dict[str, Any] | None, model_paramet
         kwargs = _check_optimizer_values(params, accepted)
     else:
         torch_names = sorted(c.__name__ for k, c in torch_classes.items() if k not in _NOT_IMPLEMENTED)
-        valid = list(dict.fromkeys(["Adam", "AdamW", "Lamb", "Lion", *torch_names]))
+        valid = list(dict.fromkeys(["Adam", "AdamW", "Lamb", "Lion", "OneBitAdam", "ZeroOneAdam", "OneBitLamb",
+                                    *torch_names]))
         raise ValueError(
             f"optimizer.type: unknown optimizer {type_name!r}. Valid types: {', '.join(valid)}."
             + _did_you_mean(type_name, [*valid, *_NOT_IMPLEMENTED.values()])
