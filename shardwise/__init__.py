@@ -44,6 +44,21 @@ def initialize(
     cfg = load_config(source)
     init_distributed(dist_init_required=dist_init_required)
     comm.configure(comms_logger=cfg.comms_logger, timeout=cfg.comm_timeout)
+    from shardwise.pipe.module import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        if mpu is not None:
+            raise ValueError("initialize(mpu=...) cannot be combined with a PipelineModule: its topology "
+                             "defines the process groups")
+        from shardwise.pipe.engine import PipelineEngine
+
+        engine = PipelineEngine(model=model, config=cfg, optimizer=optimizer, model_parameters=model_parameters,
+                                lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+        return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    if cfg.pipeline != type(cfg.pipeline)():
+        raise ValueError("the config has a 'pipeline' block but the model is not a shardwise.pipe.PipelineModule "
+                         f"({type(model).__name__}); pipeline parallelism needs one (and one process per stage), "
+                         "else remove the block")
     grid = MpuGrid(mpu) if mpu is not None else ParallelGrid.data_parallel_only()
     engine = Engine(
         model=model,
@@ -92,6 +107,9 @@ _LAZY = {
     "RepeatingLoader": ("shardwise.runtime.dataloader", "RepeatingLoader"),
     "Engine": ("shardwise.runtime.engine", "Engine"),
     "DeepSpeedEngine": ("shardwise.runtime.engine", "Engine"),
+    "PipelineEngine": ("shardwise.pipe.engine", "PipelineEngine"),
+    "PipelineModule": ("shardwise.pipe.module", "PipelineModule"),
+    "pipe": ("shardwise.pipe", None),
     "zero": ("shardwise.zero", None),
     "runtime": ("shardwise.runtime", None),
     "checkpoint": ("shardwise.checkpoint", None),

@@ -82,7 +82,9 @@ class ParallelGrid:
                 self._groups[axis] = None  # the default group: no new communicator needed
                 continue
             for ranks in groups:  # every rank creates every group, in the same order
-                g = comm.new_group(ranks) if topology.get_dim(axis) > 1 else None
+                # A size-1 data axis still needs its own group: None would mean the whole world to the
+                # ZeRO strategy reducing over it (a pipeline with one replica per stage).
+                g = comm.new_group(ranks) if topology.get_dim(axis) > 1 or axis == "data" else None
                 if self.rank in ranks:
                     self._groups[axis] = g
         self.coord = topology.get_coord(self.rank)

@@ -209,7 +209,12 @@ class PipelineModule(nn.Module):
                         self.tied_modules[layer.key] = layer.build()
                         self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
                         for attr in layer.tied_weight_attr:
-                            self._recursive_getattr(self.tied_modules[layer.key], attr)  # must exist
+                            try:
+                                self._recursive_getattr(self.tied_modules[layer.key], attr)
+                            except AttributeError:
+                                raise PipelineError(f"layer {idx}: TiedLayerSpec({layer.key!r}, "
+                                                    f"{layer.typename.__name__}) has no attribute {attr!r} "
+                                                    "(tied_weight_attr)") from None
                     module = self.tied_modules[layer.key]
                     funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
                 elif isinstance(layer, LayerSpec):
