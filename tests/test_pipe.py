@@ -72,7 +72,20 @@ CASES_4 = [
 
 
 def _body(rank, world, cases):
-    return run_subtests(lambda c: (c["name"], _train(c)), cases)
+    out = run_subtests(lambda c: (c["name"], _train(c)), cases)
+    if world == 4:  # an exhausted iterator on the first and last stage stops the middle ones too
+        import shardwise
+        from shardwise.pipe import PipelineError, PipelineModule
+
+        model = PipelineModule(layer_specs(), num_stages=4, loss_fn=torch.nn.CrossEntropyLoss())
+        engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                          config=_config(micro=4, dp=1))
+        x, y = batch(0, 4, ROWS)
+        try:
+            engine.train_batch(iter([(x[i], y[i]) for i in range(3)]))
+        except PipelineError as e:
+            out.append(("exhausted", str(e)))
+    return out
 
 
 def _check(results, cases, dp_of):
@@ -106,3 +119,68 @@ def test_pipeline_parity_two_ranks():
 def test_pipeline_parity_four_ranks():
     results = run_distributed(_body, 4, args=(CASES_4,), timeout=300)
     _check(results, CASES_4, lambda c: 4 // c["stages"])
+    for rank, r in enumerate(results):
+        msg = dict(r)["exhausted"]
+        want = "ran out after 3 of the 4 micro-batches" if rank in (0, 3) else "rank(s) [0, 3]"
+        assert want in msg, (rank, msg)
+
+
+class _Dict(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return {"h": self.fc(x)}
+
+
+def _errors(rank, world):
+    """Each misuse raises a clear error on every rank that takes part, without hanging the others."""
+    import shardwise
+    from shardwise.pipe import LayerSpec, PipelineError, PipelineModule
+
+    got = {}
+
+    def expect(name, fn, exc=PipelineError):
+        try:
+            fn()
+        except exc as e:
+            got[name] = str(e)
+        else:
+            got[name] = None
+
+    expect("more stages than layers", lambda: PipelineModule([LayerSpec(torch.nn.Linear, 8, 8)], num_stages=2))
+    expect("not divisible", lambda: PipelineModule(layer_specs(), num_stages=3))
+    expect("plain model with pipeline config", lambda: shardwise.initialize(
+        model=torch.nn.Linear(2, 2), config={**_config(micro=1, dp=2), "pipeline": {"activation_checkpoint_interval": 1}}),
+        ValueError)
+    model = PipelineModule([LayerSpec(_Dict), LayerSpec(torch.nn.Linear, 8, 4)], num_stages=2,
+                           loss_fn=torch.nn.CrossEntropyLoss(), partition_method="uniform")
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=_config(micro=4, dp=1))
+    x, y = batch(0, 4, ROWS)
+    data = [(x[i], y[i]) for i in range(4)]
+    expect("exhausted", lambda: engine.train_batch(iter(data[:2])))
+    expect("forward", lambda: engine(x[0]))
+    expect("backward", lambda: engine.backward(torch.ones(())))
+    expect("step", lambda: engine.step())
+    if rank == 0:  # stage 0 refuses the dict before sending anything; stage 1 only joins the data check
+        expect("non-tensor output", lambda: engine.train_batch(iter(data)))
+    else:
+        engine.set_dataiterator(iter(data))
+        engine._load_batches(4)
+    return got
+
+
+def test_pipeline_errors():
+    results = run_distributed(_errors, 2, timeout=120)
+    for rank, got in enumerate(results):
+        assert "1 layers cannot fill 2 pipeline stages" in got["more stages than layers"]
+        assert "num_stages (3) must divide the world size (2)" in got["not divisible"]
+        assert "'pipeline' block but the model is not a shardwise.pipe.PipelineModule" in \
+            got["plain model with pipeline config"]
+        assert "ran out" in got["exhausted"], got  # every stage, not only those reading data
+        for call in ("forward", "backward", "step"):
+            assert f"engine.{call}() is not available on a pipeline engine" in got[call]
+            assert "train_batch" in got[call]
+    msg = results[0]["non-tensor output"]
+    assert "layer 0 (_Dict) returned a dict" in msg and "tensor or a tuple of tensors" in msg, msg
