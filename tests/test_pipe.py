@@ -11,9 +11,9 @@ from pipe_models import batch, layer_specs, reference
 STEPS, ROWS = 3, 2  # rows of one micro-batch per data-parallel rank
 
 
-def _config(*, micro: int, dp: int, stage: int = 0, clip: float = 0.0, extra=None) -> dict:
+def _config(*, micro: int, dp: int, stage: int = 0, clip: float = 0.0, extra=None, rows: int = ROWS) -> dict:
     cfg = {
-        "train_batch_size": ROWS * micro * dp, "train_micro_batch_size_per_gpu": ROWS,
+        "train_batch_size": rows * micro * dp, "train_micro_batch_size_per_gpu": rows,
         "gradient_accumulation_steps": micro, "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 64},
@@ -71,8 +71,64 @@ CASES_4 = [
 ]
 
 
-def _body(rank, world, cases):
+def _steps(engine, first: int, count: int, *, micro: int, rows_total: int, pipeline: bool = True):
+    dp = engine.dp_world_size
+    d = engine.grid.get_data_parallel_rank()
+    per = rows_total // dp
+    sl = slice(d * per, (d + 1) * per)
+    losses = []
+    for step in range(first, first + count):
+        x, y = batch(step, micro, rows_total)
+        if pipeline:
+            losses.append(float(engine.train_batch(iter([(x[i, sl], y[i, sl]) for i in range(micro)]))))
+        else:
+            total = 0.0
+            for i in range(micro):
+                loss = torch.nn.functional.cross_entropy(engine(x[i, sl]), y[i, sl])
+                engine.backward(loss)
+                engine.step()
+                total += float(loss)
+            losses.append(total / micro)
+    return losses
+
+
+def _pipe_engine(stages: int, rows: int, micro: int = 4, zero: int = 0):
+    import shardwise
+    from shardwise.pipe import PipelineModule
+
+    model = PipelineModule(layer_specs(), num_stages=stages, loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True)
+    dp = torch.distributed.get_world_size() // stages
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                      config=_config(micro=micro, dp=dp, rows=rows, stage=zero))
+    return engine
+
+
+def _ckpt_save_and_reload(ckpt_dir: str):
+    """Save at 2 stages x 2 replicas (ZeRO 1), then load at 4 stages x 1 replica: the same losses follow."""
+    a = _pipe_engine(2, rows=2, zero=1)
+    before = _steps(a, 0, 2, micro=4, rows_total=4)
+    a.save_checkpoint(ckpt_dir, tag="t")
+    after = _steps(a, 2, 2, micro=4, rows_total=4)
+    b = _pipe_engine(4, rows=4)
+    b.load_checkpoint(ckpt_dir, tag="t")
+    resumed = _steps(b, 2, 2, micro=4, rows_total=4)
+    return {"before": before, "after": after, "resumed": resumed, "global_steps": b.global_steps}
+
+
+def _plain_load(rank, world, ckpt_dir):
+    import shardwise
+    from shardwise.pipe.module import build_sequential
+
+    model = build_sequential(layer_specs(), seed_layers=True, base_seed=0)  # other weights: the load replaces them
+    engine, *_ = shardwise.initialize(model=model, config=_config(micro=4, dp=1, rows=4))
+    engine.load_checkpoint(ckpt_dir, tag="t")
+    return {"resumed": _steps(engine, 2, 2, micro=4, rows_total=4, pipeline=False), "steps": engine.global_steps}
+
+
+def _body(rank, world, cases, ckpt_dir=None):
     out = run_subtests(lambda c: (c["name"], _train(c)), cases)
+    if ckpt_dir:
+        out.append(("checkpoint", _ckpt_save_and_reload(ckpt_dir)))
     if world == 4:  # an exhausted iterator on the first and last stage stops the middle ones too
         import shardwise
         from shardwise.pipe import PipelineError, PipelineModule
@@ -111,14 +167,30 @@ def _check(results, cases, dp_of):
                 assert got["eval"] == pytest.approx(want, rel=1e-6)
 
 
-def test_pipeline_parity_two_ranks():
-    results = run_distributed(_body, 2, args=(CASES_2,), timeout=240)
+def _two_rank_body(rank, world):
+    return _body(rank, world, CASES_2) + [("errors", _errors(rank, world))]
+
+
+def test_pipeline_parity_two_ranks_and_errors():
+    results = run_distributed(_two_rank_body, 2, timeout=240)
     _check(results, CASES_2, lambda c: 2 // c["stages"])
+    _check_errors([dict(r)["errors"] for r in results])
 
 
-def test_pipeline_parity_four_ranks():
-    results = run_distributed(_body, 4, args=(CASES_4,), timeout=300)
+def test_pipeline_parity_four_ranks(tmp_path):
+    results = run_distributed(_body, 4, args=(CASES_4, str(tmp_path)), timeout=300)
     _check(results, CASES_4, lambda c: 4 // c["stages"])
+    ref, _ = reference(steps=4, micro=4, rows=4)
+    for r in results:
+        ck = dict(r)["checkpoint"]
+        torch.testing.assert_close(ck["before"] + ck["after"], ref, rtol=1e-6, atol=0)
+        # Saved at 2 stages, loaded at 4: the losses continue as without the interruption.
+        torch.testing.assert_close(ck["resumed"], ck["after"], rtol=1e-6, atol=0)
+        assert ck["global_steps"] == 4
+    # ... and into the same layers as a plain nn.Sequential in one process (no pipeline).
+    plain = run_distributed(_plain_load, 1, args=(str(tmp_path),), timeout=120)[0]
+    torch.testing.assert_close(plain["resumed"], dict(results[0])["checkpoint"]["after"], rtol=1e-6, atol=0)
+    assert plain["steps"] == 4
     for rank, r in enumerate(results):
         msg = dict(r)["exhausted"]
         want = "ran out after 3 of the 4 micro-batches" if rank in (0, 3) else "rank(s) [0, 3]"
@@ -171,8 +243,7 @@ def _errors(rank, world):
     return got
 
 
-def test_pipeline_errors():
-    results = run_distributed(_errors, 2, timeout=120)
+def _check_errors(results):
     for rank, got in enumerate(results):
         assert "1 layers cannot fill 2 pipeline stages" in got["more stages than layers"]
         assert "num_stages (3) must divide the world size (2)" in got["not divisible"]

@@ -87,6 +87,24 @@ class PipelineEngine(Engine):
     def reset_activation_shape(self) -> None:
         """Kept for DeepSpeed scripts: shapes are re-sent whenever they change."""
 
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False):
+        """Every stage's layers in one checkpoint, named by global layer index (loads at any number of
+        stages, or into the same layers without a pipeline). Collective; written synchronously."""
+        from shardwise.pipe.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        from shardwise.pipe.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
     # -- the calls a pipeline does not take -------------------------------------------------------
     def forward(self, *args, **kwargs):
         raise PipelineError(_ONLY_TRAIN_BATCH.format("forward"))
