@@ -32,7 +32,8 @@ def _train(case: dict):
                            partition_method=case.get("partition", "parameters"),
                            schedule=case.get("schedule"), virtual_stages=case.get("virtual", 1))
     dp = torch.distributed.get_world_size() // stages
-    extra = {"pipeline": {"activation_checkpoint_interval": case["ckpt"]}} if case.get("ckpt") else None
+    extra = {"pipeline": {"activation_checkpoint_interval": case["ckpt"]}} if case.get("ckpt") else {}
+    extra.update(case.get("config", {}))
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                       config=_config(micro=micro, dp=dp, stage=case.get("zero", 0),
                                                      clip=case.get("clip", 0.0), extra=extra))
@@ -46,6 +47,7 @@ def _train(case: dict):
         losses.append(float(loss))
         norms.append(engine.get_global_grad_norm())
     out = {"losses": losses, "norms": norms, "meta": engine._act_in.metadata_received,
+           "skipped": engine.skipped_steps, "scale": engine.cur_scale,
            "ckpt_interval": model.activation_checkpoint_interval}
     if case.get("eval"):
         x, y = batch(99, micro, ROWS * dp)
@@ -61,6 +63,10 @@ CASES_2 = [
     {"name": "accumulation 8", "stages": 2, "micro": 8},
     {"name": "tied", "stages": 2, "tied": True, "partition": "uniform", "clip": 0.05},
     {"name": "interleaved 2x2 virtual", "stages": 2, "virtual": 2, "partition": "uniform"},
+    # 16-bit: not bitwise, so compared loosely; an fp16 overflow on any stage skips the step on all.
+    {"name": "bf16", "stages": 2, "config": {"bf16": {"enabled": True}}, "rtol": 2e-2},
+    {"name": "fp16 overflow", "stages": 2, "config": {"fp16": {"enabled": True, "initial_scale_power": 40}},
+     "rtol": 2e-2, "skipped": True},
 ]
 CASES_4 = [
     {"name": "4 stages", "stages": 4, "micro": 8},
@@ -152,7 +158,12 @@ def _check(results, cases, dp_of):
         ref, model = reference(steps=STEPS, micro=micro, rows=ROWS * dp, clip=case.get("clip", 0.0),
                                tied=case.get("tied", False))
         for r, got in enumerate(per_rank):
-            torch.testing.assert_close(got["losses"], ref, rtol=1e-6, atol=0,
+            if case.get("skipped"):  # every step overflows at this scale: all stages skip it together
+                assert got["skipped"] == STEPS and got["scale"] < 2.0 ** 40, got
+                untrained, _ = reference(steps=STEPS, micro=micro, rows=ROWS * dp, lr=0.0)
+                torch.testing.assert_close(got["losses"], untrained, rtol=case["rtol"], atol=0)
+                continue
+            torch.testing.assert_close(got["losses"], ref, rtol=case.get("rtol", 1e-6), atol=0,
                                        msg=lambda m: f"{case['name']} rank {r}: {m}")
             assert got["norms"] == per_rank[0]["norms"], (case["name"], "every rank reports the global norm")
         if case.get("ckpt"):
