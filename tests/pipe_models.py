@@ -69,7 +69,7 @@ def reference(*, steps: int, micro: int, rows: int, lr: float = 1e-2, clip: floa
         for i in range(micro):
             loss = nn.functional.cross_entropy(model(x[i]), y[i])
             (loss / micro).backward()
-            total += float(loss)
+            total += float(loss.detach())
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()

@@ -94,7 +94,10 @@ def _steps(engine, first: int, count: int, *, micro: int, rows_total: int, pipel
                 engine.backward(loss)
                 engine.step()
                 total += float(loss)
-            losses.append(total / micro)
+            mean = torch.tensor([total / micro / dp], dtype=torch.float64)
+            if dp > 1:
+                torch.distributed.all_reduce(mean, group=engine.dp_group)
+            losses.append(float(mean))
     return losses
 
 
@@ -118,7 +121,20 @@ def _ckpt_save_and_reload(ckpt_dir: str):
     b = _pipe_engine(4, rows=4)
     b.load_checkpoint(ckpt_dir, tag="t")
     resumed = _steps(b, 2, 2, micro=4, rows_total=4)
-    return {"before": before, "after": after, "resumed": resumed, "global_steps": b.global_steps}
+    # Into a non-pipelined model (plain nn.Sequential, 4 data-parallel ranks), and back from it.
+    import shardwise
+    from shardwise.pipe.module import build_sequential
+
+    c, *_ = shardwise.initialize(model=build_sequential(layer_specs(), seed_layers=True, base_seed=0),
+                                 config=_config(micro=4, dp=4, rows=1))
+    c.load_checkpoint(ckpt_dir, tag="t")
+    c.save_checkpoint(ckpt_dir, tag="plain")
+    plain = _steps(c, 2, 2, micro=4, rows_total=4, pipeline=False)
+    d = _pipe_engine(2, rows=2)
+    d.load_checkpoint(ckpt_dir, tag="plain")
+    back = _steps(d, 2, 2, micro=4, rows_total=4)
+    return {"before": before, "after": after, "resumed": resumed, "global_steps": b.global_steps,
+            "plain": plain, "back": back}
 
 
 def _plain_load(rank, world, ckpt_dir):
@@ -197,6 +213,8 @@ def test_pipeline_parity_four_ranks(tmp_path):
         torch.testing.assert_close(ck["before"] + ck["after"], ref, rtol=1e-6, atol=0)
         # Saved at 2 stages, loaded at 4: the losses continue as without the interruption.
         torch.testing.assert_close(ck["resumed"], ck["after"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(ck["plain"], ck["after"], rtol=1e-6, atol=0)  # plain model, 4 replicas
+        torch.testing.assert_close(ck["back"], ck["after"], rtol=1e-6, atol=0)  # plain checkpoint -> pipeline
         assert ck["global_steps"] == 4
     # ... and into the same layers as a plain nn.Sequential in one process (no pipeline).
     plain = run_distributed(_plain_load, 1, args=(str(tmp_path),), timeout=120)[0]
