@@ -145,7 +145,7 @@ class PipelineEngine(Engine):
         batches = self._load_batches(m)
         schedule = sched.InferenceSchedule(m, self.num_stages, self.stage_id, self.module.virtual_stages)
         with torch.no_grad():
-            state = self._run(schedule, batches, compute_loss=compute_loss)
+            state = self._run(schedule, batches, compute_loss=compute_loss, keep_logits=return_logits)
         losses = state.losses
         if not compute_loss:
             out = state.logits if self.is_last_stage() else None
@@ -216,9 +216,10 @@ class PipelineEngine(Engine):
         return labels
 
     # -- running a schedule -----------------------------------------------------------------------
-    def _run(self, schedule, batches, compute_loss: bool = True) -> "_BatchState":
+    def _run(self, schedule, batches, compute_loss: bool = True, keep_logits: bool = False) -> "_BatchState":
         st = _BatchState(schedule, batches)
         st.compute_loss = compute_loss
+        st.keep_logits = keep_logits or not compute_loss
         handlers = {
             sched.LoadMicroBatch: self._exec_load,
             sched.RecvActivation: self._exec_recv_activation,
@@ -265,8 +266,9 @@ class PipelineEngine(Engine):
         out = self.module(tensors[0] if single else tensors, chunk=ins.chunk)
         self.timers.stop("forward")
         if self._is_last_vs(ins.chunk):
+            if st.keep_logits:
+                st.logits.append(out.detach() if isinstance(out, torch.Tensor) else out)
             if not st.compute_loss:
-                st.logits.append(out)
                 return
             loss_fn = self.module.loss_fn
             loss = loss_fn(out, st.labels[ins.micro_batch_id]) if loss_fn is not None else out
@@ -409,5 +411,6 @@ class _BatchState:
         self.losses: list = []
         self.logits: list = []
         self.compute_loss = True
+        self.keep_logits = False
         self.backwards_done = 0
         self.total_backwards = sum(1 for k, _, _ in schedule.compute_order() if k == "B")

@@ -208,6 +208,12 @@ class InferenceSchedule(PipeSchedule):
 
     train = False
 
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, virtual_stages: int = 1) -> None:
+        super().__init__(micro_batches, stages, stage_id, virtual_stages)
+        if virtual_stages > 1 and micro_batches % stages:
+            raise ValueError(f"with virtual stages the number of micro-batches ({micro_batches}) must be a "
+                             f"multiple of the number of stages ({stages})")
+
     def compute_order(self):
         return [("F", i, c) for i in range(self.micro_batches) for c in range(self.virtual_stages)] \
             if self.virtual_stages == 1 else [("F", *InterleavedSchedule._unit(self, k, True))
