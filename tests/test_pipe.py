@@ -51,7 +51,9 @@ def _train(case: dict):
            "ckpt_interval": model.activation_checkpoint_interval}
     if case.get("eval"):
         x, y = batch(99, micro, ROWS * dp)
-        out["eval"] = float(engine.eval_batch(iter([(x[i, rows], y[i, rows]) for i in range(micro)])))
+        loss, logits = engine.eval_batch(iter([(x[i, rows], y[i, rows]) for i in range(micro)]), return_logits=True)
+        out["eval"] = float(loss)
+        out["logits"] = logits
     return out
 
 
@@ -190,8 +192,14 @@ def _check(results, cases, dp_of):
             x, y = batch(99, micro, ROWS * dp)
             with torch.no_grad():
                 want = sum(float(torch.nn.functional.cross_entropy(model(x[i]), y[i])) for i in range(micro)) / micro
-            for got in per_rank:
+            for r, got in enumerate(per_rank):
                 assert got["eval"] == pytest.approx(want, rel=1e-6)
+                if r == len(per_rank) - 1:  # the last stage returns its outputs
+                    with torch.no_grad():
+                        torch.testing.assert_close(torch.stack(got["logits"]), torch.stack([model(x[i]) for i in range(micro)]),
+                                                   rtol=1e-5, atol=1e-6)
+                else:
+                    assert got["logits"] is None
 
 
 def _two_rank_body(rank, world):
