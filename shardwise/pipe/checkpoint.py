@@ -99,13 +99,13 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_lates
     return True
 
 
-def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict=True, **kwargs):
-    """The ordinary load, with strictness judged against the layers this stage holds."""
+def check_stage_layers(engine, load_dir, tag) -> None:
+    """Strict loading, judged against the layers this stage holds (the checkpoint has them all)."""
     ckpt = open_checkpoint(load_dir, tag)
-    if ckpt is not None and load_module_strict:
-        saved = set(ckpt.manifest.get("module_keys", []))
-        missing = sorted(k for k in engine.module.state_dict() if k not in saved)
-        if missing:
-            raise ValueError(f"checkpoint {ckpt.folder} lacks layers of pipeline stage {engine.stage_id}: "
-                             f"{', '.join(missing)}; load_module_strict=False keeps their current values")
-    return engine_io.load_checkpoint(engine, load_dir, tag=tag, load_module_strict=False, **kwargs)
+    if ckpt is None:
+        return
+    saved = set(ckpt.manifest.get("module_keys", []))
+    missing = sorted(k for k in engine.module.state_dict() if k not in saved)
+    if missing:
+        raise ValueError(f"checkpoint {ckpt.folder} lacks layers of pipeline stage {engine.stage_id}: "
+                         f"{', '.join(missing)}; load_module_strict=False keeps their current values")

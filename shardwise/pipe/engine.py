@@ -99,11 +99,16 @@ class PipelineEngine(Engine):
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-        from shardwise.pipe.checkpoint import load_checkpoint
+        """The ordinary load (names are layer-indexed, so any stage count works); ``load_module_strict``
+        judges the layers this stage holds, as the checkpoint holds every stage's."""
+        from shardwise.pipe.checkpoint import check_stage_layers
 
-        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        if load_module_strict:
+            check_stage_layers(self, load_dir, tag)
+        return super().load_checkpoint(load_dir, tag=tag, load_module_strict=False,
+                                       load_optimizer_states=load_optimizer_states,
+                                       load_lr_scheduler_states=load_lr_scheduler_states,
+                                       load_module_only=load_module_only)
 
     # -- the calls a pipeline does not take -------------------------------------------------------
     def forward(self, *args, **kwargs):
