@@ -101,7 +101,7 @@ def worker(args) -> None:
 
         model = build_sequential(specs, seed_layers=True)
     else:
-        extra = {} if args.backend == "deepspeed" else {"schedule": args.schedule, "virtual_stages": args.virtual}
+        extra = {} if args.backend == "deepspeed" else {"schedule": args.schedule, "virtual_stages": args.chunks}
         model = PipelineModule(specs, num_stages=args.stages, loss_fn=loss_fn, seed_layers=True,
                                partition_method="uniform", **extra)
     engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -147,7 +147,7 @@ def run(args, *, backend, mode, stages, micro, schedule="1f1b", virtual=1, world
     py = args.deepspeed_python if backend == "deepspeed" else sys.executable
     cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(args.port),
            __file__, "--worker", "--backend", backend, "--mode", mode, "--stages", str(stages), "--micro", str(micro),
-           "--schedule", schedule, "--virtual", str(virtual), "--steps", str(args.steps), "--layers",
+           "--schedule", schedule, "--chunks", str(virtual), "--steps", str(args.steps), "--layers",
            str(args.layers), "--embd", str(args.embd), "--rows", str(args.rows), "--seq", str(args.seq)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if backend == "deepspeed":
@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--schedule", default="1f1b")
-    ap.add_argument("--virtual", type=int, default=1)
+    ap.add_argument("--chunks", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--embd", type=int, default=128)
