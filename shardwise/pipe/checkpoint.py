@@ -28,25 +28,28 @@ def _layer_order(key: str):
     return (0, int(head), key) if head.isdigit() else (1, 0, key)
 
 
-def _fragment_files(engine, rank: int):
+def _fragment_files(engine, view, rank: int):
     """This rank's fragment files. A replicated strategy (ZeRO 0) keeps everything on every data-parallel
     rank of a stage: its first one writes the stage's share, under its own global rank's file names."""
     strategy = engine.strategy
     if not strategy.replicated:
-        yield from rank_fragment_files(engine, rank)
+        yield from rank_fragment_files(view, rank)
         return
     if engine.grid.get_data_parallel_rank() != 0:
         return
-    for name, tensors, descs in rank_fragment_files(engine, 0):
+    for name, tensors, descs in rank_fragment_files(view, 0):
         new = name.replace("_rank0", f"_rank{rank}", 1)
         yield new, tensors, [{**d, "file": new} for d in descs]
 
 
 def save_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_latest=True,
                     exclude_frozen_parameters=False) -> bool:
+    engine.wait_for_checkpoint()  # an asynchronous save of this engine still in flight
+    # What checkpoint/ reads of an engine (a narrow view where the engine offers one).
+    view = engine.training_state() if getattr(type(engine), "training_state", None) else engine
     save_dir = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    engine_io._validate_tag(engine, tag)
+    engine_io._validate_tag(view, tag)
     rank, world = comm.get_rank(), comm.get_world_size()
     plan = SavePlan(tmp=save_dir / f"{TMP_PREFIX}{tag}", final=save_dir / tag, rank=rank, world=world,
                     save_latest=save_latest)
@@ -59,7 +62,7 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_lates
     comm.barrier()
 
     descs = []
-    for name, tensors, file_descs in _fragment_files(engine, rank):
+    for name, tensors, file_descs in _fragment_files(engine, view, rank):
         descs.extend(file_descs)
         plan.tensors[name] = tensors
     rng_meta, rng_tensors = st.rng_state()
@@ -79,7 +82,7 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_lates
                 merged.update(part[0])
                 all_frozen.update(part[1])
         merged = dict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
-        manifest = engine_io._manifest(engine, plan, merged, client_state or {}, exclude_frozen_parameters)
+        manifest = engine_io._manifest(view, plan, merged, client_state or {}, exclude_frozen_parameters)
         keys = list(merged)
         if exclude_frozen_parameters:
             keys = [k for k in keys if k not in all_frozen]
