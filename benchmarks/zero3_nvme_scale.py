@@ -68,7 +68,7 @@ def _worker(rank, world, port, args, out_dir):
     torch.manual_seed(0)
     with shardwise.zero.Init():
         model = GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=args.layers, n_head=16, n_embd=args.width))
-    params = sum(p._sw.numel for p in model.parameters())
+    params = sum(p.ds_numel for p in model.parameters())
     engine, *_ = shardwise.initialize(model=model, config=cfg)
     x = torch.randint(0, 128, (1, 64))
     times = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-__version__ = "0.1.0"
+from shardwise.version import __version__  # noqa: E402
 
 from shardwise import comm  # noqa: E402  (light: torch only)
 from shardwise.comm import init_distributed  # noqa: E402

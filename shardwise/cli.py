@@ -160,12 +160,44 @@ def _add_consolidate(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--exclude-frozen-parameters", action="store_true", help="leave out frozen parameters")
 
     def handle(ns: argparse.Namespace) -> int:
+        import tempfile
+
         from shardwise.checkpoint.consolidate import consolidate_checkpoint
+        from shardwise.checkpoint.deepspeed_format import convert_deepspeed_checkpoint, is_deepspeed_checkpoint
 
         try:
-            print(consolidate_checkpoint(ns.ckpt_dir, ns.out, tag=ns.tag, max_shard_size=ns.max_shard_size,
-                                         hf_config=ns.hf_config, exclude_frozen_parameters=ns.exclude_frozen_parameters))
+            with tempfile.TemporaryDirectory(prefix="shardwise-from-deepspeed-") as tmp:
+                src = ns.ckpt_dir
+                if is_deepspeed_checkpoint(src, ns.tag):  # DeepSpeed's own layout: converted first
+                    src = convert_deepspeed_checkpoint(src, tmp, tag=ns.tag)
+                print(consolidate_checkpoint(src, ns.out, tag=None if src != ns.ckpt_dir else ns.tag,
+                                             max_shard_size=ns.max_shard_size, hf_config=ns.hf_config,
+                                             exclude_frozen_parameters=ns.exclude_frozen_parameters))
         except FileNotFoundError as e:  # a missing tag or file: a message, not a traceback
+            raise ValueError(str(e)) from None
+        return 0
+
+    parser.set_defaults(handler=handle)
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "convert", allow_abbrev=False, help="a DeepSpeed checkpoint as a native shardwise checkpoint",
+        description="Read a checkpoint folder written by DeepSpeed's save_checkpoint (ZeRO 0-3, fp32/fp16/bf16; "
+        "with the restricted unpickler) and write it as a shardwise checkpoint OUT/<tag> (safetensors + JSON, "
+        "OUT/latest), which engine.load_checkpoint then reads at any world size and ZeRO stage without "
+        "unpickling anything. See docs/checkpoints.md.")
+    parser.add_argument("--from-deepspeed", required=True, metavar="DIR",
+                        help="DeepSpeed save_dir (or one tag's folder)")
+    parser.add_argument("out", metavar="OUT", help="output save_dir")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in DIR/latest)")
+
+    def handle(ns: argparse.Namespace) -> int:
+        from shardwise.checkpoint.deepspeed_format import convert_deepspeed_checkpoint
+
+        try:
+            print(convert_deepspeed_checkpoint(ns.from_deepspeed, ns.out, tag=ns.tag))
+        except FileNotFoundError as e:
             raise ValueError(str(e)) from None
         return 0
 
@@ -174,7 +206,7 @@ def _add_consolidate(sub: argparse._SubParsersAction) -> None:
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_run, _add_doctor, _add_finetune, _add_serve,
                                                                    _add_estimate, _add_autotune, _add_plot,
-                                                                   _add_consolidate]
+                                                                   _add_consolidate, _add_convert]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,8 @@
-"""Mixed-precision policy, loss scaling and the gradient overflow check.
+"""Mixed-precision policy, loss scaling, and the step's unscale / overflow check / clipping.
+
+Every ZeRO stage computes the squared norm of the gradients it holds with ``grad_sq_sum``,
+sums it over the ranks that hold pieces, and lets ``unscale_and_clip`` decide the overflow
+and the one coefficient (unscale x clip) applied before the optimizer steps.
 
 The dynamic loss scaler follows DeepSpeed's rules (``fp16`` config block):
 
@@ -191,27 +195,50 @@ def create_loss_scaler(fp16_cfg: Any) -> DynamicLossScaler | StaticLossScaler:
     )
 
 
-def has_inf_or_nan(tensors: Iterable[torch.Tensor | None]) -> bool:
-    """True if any element of any tensor is inf or NaN (``None`` and empty tensors are skipped).
+@dataclass(frozen=True)
+class StepResult:
+    grad_norm: float  # global L2 norm of the unscaled gradients, before clipping
+    overflow: bool  # True: inf/nan found, the optimizer step was skipped
 
-    One max-abs foreach reduction per (device, dtype) bucket, then one host sync per device.
-    The max-abs norm is exact in the tensor's own dtype, so large finite fp16 values are
-    never mistaken for overflow.
-    """
-    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+
+def grad_sq_sum(tensors: Iterable[torch.Tensor], piece: int = 1 << 24) -> torch.Tensor:
+    """Sum of squares of every element, in fp32 (a 16-bit tensor is widened a slice at a time, so no
+    full-size fp32 copy is made and large finite fp16 values do not overflow)."""
+    total = None
     for t in tensors:
-        if t is None:
-            continue
-        if t.is_sparse:
-            t = t.coalesce().values()
-        if t.numel() == 0 or not t.is_floating_point():
-            continue  # integer tensors cannot hold inf/NaN
-        buckets.setdefault((t.device, t.dtype), []).append(t.detach())
-    flags: dict[torch.device, list[torch.Tensor]] = {}
-    for (device, _), group in buckets.items():
-        maxima = torch.stack(torch._foreach_norm(group, float("inf")))
-        flags.setdefault(device, []).append((~torch.isfinite(maxima)).any())
-    return any(bool(torch.stack(per_device).any()) for per_device in flags.values())
+        flat = t.reshape(-1)
+        if flat.dtype == torch.float32:
+            part = torch.linalg.vector_norm(flat).square()
+        else:
+            part = torch.zeros((), dtype=torch.float32, device=t.device)
+            for i in range(0, flat.numel(), piece):
+                part += flat[i : i + piece].float().square().sum()
+        total = part if total is None else total + part
+    return total if total is not None else torch.zeros((), dtype=torch.float32)
+
+
+def unscale_and_clip(sq_sum: torch.Tensor, *, loss_scale: float, clip: float,
+                     check_overflow: bool) -> tuple[float, float | None]:
+    """From the global sum of squares of the *scaled* gradients: ``(norm, coef)``.
+
+    ``norm`` is the L2 norm of the unscaled gradients (before clipping); ``coef`` the single factor to
+    multiply the scaled gradients by (unscale, and clip to ``clip`` as ``torch.nn.utils.clip_grad_norm_``
+    does), or ``None`` when ``check_overflow`` finds inf/NaN (the step is then skipped).  The sum is
+    global (all-reduced over the ranks holding pieces), so every rank decides the same."""
+    total = sq_sum.sqrt() / loss_scale
+    if check_overflow and not bool(torch.isfinite(total)):
+        return float("inf"), None
+    norm = float(total)
+    coef = 1.0 / loss_scale
+    if clip > 0 and clip / (norm + 1e-6) < 1.0:
+        coef *= clip / (norm + 1e-6)
+    return norm, coef
+
+
+def apply_coefficient_(grads: list[torch.Tensor], coef: float) -> None:
+    """Multiply the gradients in place by the factor ``unscale_and_clip`` returned."""
+    if coef != 1.0 and grads:
+        torch._foreach_mul_(grads, coef)
 
 
 @dataclass(frozen=True)

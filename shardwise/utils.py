@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.runtime.dataloader import RepeatingLoader  # noqa: F401  (deepspeed.utils.RepeatingLoader)
+from shardwise.zero.partitioned_param import full_shape, is_partitioned
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"]
 
@@ -26,27 +27,22 @@ def _owner(param: torch.nn.Parameter):
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """The fp32 (master) weights of ``param``, whole."""
     engine, name = _owner(param)
-    if not param.requires_grad:  # frozen: no master copy, the (possibly sharded) weight itself
-        from shardwise.zero.partitioned_param import gather_full, is_sharded
+    if not param.requires_grad:  # frozen: no master copy, the (possibly partitioned) weight itself
+        from shardwise.zero.partitioned_param import gather_full
 
-        return (gather_full(param, group=engine.dp_group) if is_sharded(param) else param.detach()).float()
-    return engine.strategy.gather_full(name, _shape(param), "param")
+        return (gather_full(param) if is_partitioned(param) else param.detach()).float()
+    return engine.strategy.gather_full(name, full_shape(param), "param")
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor:
     """The reduced gradient of ``param`` (after ``engine.backward`` at an accumulation boundary,
     before ``engine.step``), unscaled, in fp32."""
     engine, name = _owner(param)
-    grad = engine.strategy.gather_full(name, _shape(param), "grad")
+    grad = engine.strategy.gather_full(name, full_shape(param), "grad")
     return grad / engine.cur_scale if engine.cur_scale != 1.0 else grad
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
     """One per-element optimizer state of ``param`` (e.g. ``"exp_avg"``), whole, in fp32."""
     engine, name = _owner(param)
-    return engine.strategy.gather_full(name, _shape(param), optim_state_key)
-
-
-def _shape(param: torch.nn.Parameter) -> torch.Size:
-    meta = getattr(param, "_sw", None)  # stage 3: the parameter's own data may be released
-    return meta.shape if meta is not None else param.shape
+    return engine.strategy.gather_full(name, full_shape(param), optim_state_key)

@@ -37,13 +37,11 @@ def _train(engine, rank, steps):
 
 def _body(rank, world, root):
     import shardwise
-    from shardwise.checkpoint.engine_io import writer_of
-
     engine, *_ = shardwise.initialize(model=_model(0), config=CONFIG)
     _train(engine, rank, 2)
     at_a = snapshot(engine)
     engine.save_checkpoint(root, tag="a")
-    busy_after_return = writer_of(engine).busy
+    busy_after_return = engine.checkpoint_writer.busy
     _train(engine, rank, 3)  # changes every weight and optimizer state while "a" is being written
     at_b = snapshot(engine)
     engine.save_checkpoint(root, tag="b")  # waits for "a" first

@@ -15,7 +15,9 @@ from shardwise.precision import (
     StaticLossScaler,
     cast_inputs,
     create_loss_scaler,
-    has_inf_or_nan,
+    apply_coefficient_,
+    grad_sq_sum,
+    unscale_and_clip,
 )
 
 O, C = True, False  # overflow / clean step
@@ -156,28 +158,47 @@ def test_create_loss_scaler_rejects_bad_values(over, key):
 # ------------------------------------------------------------------ overflow check
 
 
+def _overflows(tensors) -> bool:
+    _, coef = unscale_and_clip(grad_sq_sum(tensors), loss_scale=1.0, clip=0.0, check_overflow=True)
+    return coef is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
-def test_has_inf_or_nan(dtype, bad):
+def test_overflow_check(dtype, bad):
     clean = [torch.randn(7, 3).to(dtype), torch.randn(5).to(dtype)]
-    assert has_inf_or_nan(clean) is False
+    assert _overflows(clean) is False
     poisoned = [t.clone() for t in clean]
     poisoned[1][3] = bad
-    assert has_inf_or_nan(poisoned) is True
-    assert has_inf_or_nan(iter(poisoned)) is True  # any iterable
+    assert _overflows(poisoned) is True
+    assert _overflows(iter(poisoned)) is True  # any iterable
 
 
-def test_has_inf_or_nan_large_finite_fp16_is_not_overflow():
-    big = torch.full((1000,), 65504.0, dtype=torch.float16)  # fp16 max; its sum/L2 norm would overflow
-    assert has_inf_or_nan([big, -big]) is False
+def test_overflow_check_large_finite_fp16_is_not_overflow():
+    big = torch.full((1000,), 65504.0, dtype=torch.float16)  # fp16 max; its sum/L2 norm would overflow in fp16
+    assert _overflows([big, -big]) is False
 
 
-def test_has_inf_or_nan_mixed_dtypes_none_empty_and_integers():
-    tensors = [None, torch.empty(0), torch.ones(3, dtype=torch.int64), torch.ones(2, dtype=torch.bfloat16)]
-    assert has_inf_or_nan(tensors) is False
-    assert has_inf_or_nan([]) is False
+def test_overflow_check_mixed_dtypes_and_empty():
+    tensors = [torch.empty(0), torch.ones(2, dtype=torch.bfloat16)]
+    assert _overflows(tensors) is False
+    assert _overflows([]) is False
     tensors.append(torch.tensor([1.0, float("nan")], dtype=torch.float16))
-    assert has_inf_or_nan(tensors) is True
+    assert _overflows(tensors) is True
+
+
+def test_unscale_and_clip_matches_clip_grad_norm():
+    grads = [torch.randn(10, 3), torch.randn(7)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    expected_norm = float(torch.nn.utils.clip_grad_norm_(params, 0.5))
+    scaled = [g * 8.0 for g in grads]  # as with a loss scale of 8
+    norm, coef = unscale_and_clip(grad_sq_sum(scaled), loss_scale=8.0, clip=0.5, check_overflow=True)
+    assert norm == pytest.approx(expected_norm, rel=1e-6)
+    apply_coefficient_(scaled, coef)
+    for s, p in zip(scaled, params):
+        torch.testing.assert_close(s, p.grad, rtol=1e-6, atol=1e-7)
 
 
 # ------------------------------------------------------------------ policy

@@ -92,7 +92,7 @@ def _gathered_body(rank, world):
 
     model = make_model()
     engine, *_ = shardwise.initialize(model=model, config=base_config(zero_optimization=Z3))
-    shard_numel = model.fc1.weight._sw.shard.numel()
+    shard_numel = model.fc1.weight.ds_tensor.numel()
     with shardwise.zero.GatheredParameters(model.fc1.weight, modifier_rank=0):
         whole = model.fc1.weight.shape
         if rank == 0:
@@ -130,7 +130,7 @@ def _init_body(rank, world):
         model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
         model.apply(lambda m: torch.nn.init.constant_(m.bias, 0.25) if isinstance(m, torch.nn.Linear) else None)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    shard_bytes = sum(p._sw.shard.nbytes for p in model.parameters())
+    shard_bytes = sum(p.ds_tensor.nbytes for p in model.parameters())
     empty = all(p.numel() == 0 for p in model.parameters())
     engine, *_ = shardwise.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
@@ -205,7 +205,7 @@ def test_units_follow_the_module_tree():
     names = {id(p): n for n, p in model.named_parameters()}
     for p in model.parameters():
         shard_param_(p)
-    block = sum(p._sw.numel for p in model.blocks[0].parameters())
+    block = sum(p.ds_numel for p in model.blocks[0].parameters())
     units, module_units = _build_units(model, names, 1, block)
     roots = {m for m, us in module_units.items()}
     assert all(b in roots for b in model.blocks) and model.blocks not in roots and model not in roots

@@ -26,13 +26,16 @@ from pathlib import Path
 
 import torch
 
-from shardwise import __version__, comm
+from shardwise import comm
+from shardwise.version import __version__
 from shardwise.checkpoint import state as st
 from shardwise.checkpoint.files import TMP_PREFIX, recover_interrupted, write_tensors
 from shardwise.checkpoint.fragments import FragmentReader, index_fragments, load_fragments, rank_fragment_files
 from shardwise.checkpoint.manifest import FORMAT, VERSION, list_tags, open_checkpoint
 from shardwise.checkpoint.serialize import join_state, split_state
 from shardwise.checkpoint.writer import CheckpointWriter, SavePlan, snapshot
+from shardwise.training_state import StepCounters
+from shardwise.zero.partitioned_param import full_shape
 
 logger = logging.getLogger("shardwise")
 
@@ -45,18 +48,10 @@ def _describe(tensors: dict[str, torch.Tensor], file: str) -> dict:
     }
 
 
-def writer_of(engine) -> CheckpointWriter:
-    """The engine's background writer (created on first use)."""
-    w = engine.__dict__.get("_checkpoint_writer")
-    if w is None:
-        w = engine.__dict__["_checkpoint_writer"] = CheckpointWriter()
-    return w
-
-
-def wait_for_save(engine) -> None:
+def wait_for_save(writer: CheckpointWriter) -> None:
     """Every rank: wait until the asynchronous save in flight (if any) is committed. Collective
     when a save was in flight (one was on every rank then, saves being collective)."""
-    if writer_of(engine).wait():
+    if writer.wait():
         comm.barrier()  # rank 0 has committed: 'latest' names the new tag for everyone
 
 
@@ -65,13 +60,14 @@ def _is_async(engine) -> bool:
     return bool(w is not None and w.decoupled)
 
 
-def save_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_latest=True,
-                    exclude_frozen_parameters=False) -> bool:
-    writer = writer_of(engine)
+def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, client_state=None,
+                    save_latest=True, exclude_frozen_parameters=False) -> bool:
+    """``engine``: the engine's ``TrainingState`` (``shardwise/training_state.py``); ``writer``: its
+    background writer (asynchronous saves)."""
     writer.wait()  # the previous asynchronous save, if any, is committed before this one starts
     started = time.perf_counter()
     save_dir = Path(save_dir)
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    tag = str(tag) if tag is not None else f"global_step{engine.counters.global_steps}"
     _validate_tag(engine, tag)
     rank, world = comm.get_rank(), comm.get_world_size()
     asynchronous = _is_async(engine)
@@ -143,10 +139,10 @@ def _manifest(engine, plan: SavePlan, module_sd: dict, client_state: dict, exclu
         "topology": {"world_size": comm.get_world_size(), "dp_world_size": engine.dp_world_size,
                      "zero_stage": engine.strategy.stage},
         "engine": {
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps,
+            "global_steps": engine.counters.global_steps,
+            "global_samples": engine.counters.global_samples,
+            "micro_steps": engine.counters.micro_steps,
+            "skipped_steps": engine.counters.skipped_steps,
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
             "param_dtype": str(engine.precision.param_dtype).removeprefix("torch."),
             "data": st.data_position(engine),
@@ -187,15 +183,24 @@ def _validate_tag(engine, tag: str) -> None:
         logger.warning(msg)
 
 
-def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict=True, load_optimizer_states=True,
-                    load_lr_scheduler_states=True, load_module_only=False):
-    wait_for_save(engine)
+def load_checkpoint(engine, load_dir, *, writer: CheckpointWriter, tag=None, load_module_strict=True,
+                    load_optimizer_states=True, load_lr_scheduler_states=True, load_module_only=False):
+    """Load into the parts of ``engine`` (a ``TrainingState``). Returns ``(folder, client_state, counters)``;
+    ``counters`` (``StepCounters``, None with ``load_module_only``) are for the engine to apply."""
+    wait_for_save(writer)
+    from shardwise.checkpoint.deepspeed_format import load_if_deepspeed  # DeepSpeed's own layout
+
+    loaded = load_if_deepspeed(engine, load_dir, writer=writer, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+    if loaded is not None:
+        return loaded
     ckpt = open_checkpoint(load_dir, tag)
     if ckpt is None:
         tags = list_tags(Path(load_dir))
         logger.warning("load_checkpoint: no 'latest' file in %s and no tag given; nothing loaded%s", load_dir,
                        f" (tags there: {', '.join(tags)})" if tags else "")
-        return None, None
+        return None, None, None
     manifest = ckpt.manifest
     model_state = ckpt.read("model.safetensors")
     for alias, name in manifest.get("aliases", {}).items():
@@ -210,7 +215,7 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict=True, load
         engine.optimizer.state.clear()
     load_fragments(engine, FragmentReader(ckpt), manifest, model_state, load_optimizer=load_opt)
 
-    client_state = {}
+    client_state, counters = {}, None
     if not load_module_only:
         if load_opt:
             st.load_group_settings(engine, manifest["optimizer"]["param_groups"])
@@ -218,10 +223,8 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict=True, load
         if load_lr_scheduler_states and engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(join_state(manifest["lr_scheduler"], extra))
         state = manifest["engine"]
-        engine.global_steps = state["global_steps"]
-        engine.global_samples = state["global_samples"]
-        engine.micro_steps = state["micro_steps"]
-        engine.skipped_steps = state["skipped_steps"]
+        counters = StepCounters(global_steps=state["global_steps"], global_samples=state["global_samples"],
+                                micro_steps=state["micro_steps"], skipped_steps=state["skipped_steps"])
         if engine.loss_scaler is not None and state["loss_scaler"] is not None:
             engine.loss_scaler.load_state_dict(state["loss_scaler"])
         st.restore_data_position(engine, state.get("data"))
@@ -232,12 +235,11 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict=True, load
             meta = json.loads(ckpt.check(f"rank{rank}.json").read_text())
             st.set_rng_state(meta["rng"], ckpt.read(f"rank{rank}.safetensors"))
     comm.barrier()
-    return str(ckpt.folder), client_state
+    return str(ckpt.folder), client_state, counters
 
 
 def _load_module(engine, state: dict[str, torch.Tensor], *, strict: bool, where: Path) -> None:
-    own = {k: tuple(v._sw.shape if hasattr(v, "_sw") else v.shape)
-           for k, v in engine.module.state_dict(keep_vars=True).items()}
+    own = {k: tuple(full_shape(v)) for k, v in engine.module.state_dict(keep_vars=True).items()}
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     mismatched = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {own[k]}"

@@ -16,6 +16,8 @@ import contextlib
 import torch
 from safetensors import safe_open
 
+from shardwise.zero.partitioned_param import full_shape
+
 
 def rank_fragment_files(engine, rank: int):
     """Yield ``(file, tensors, descriptors)`` for this rank's fragments, one master and one optimizer
@@ -25,7 +27,7 @@ def rank_fragment_files(engine, rank: int):
     strategy = engine.strategy
     if strategy.replicated and rank != 0:
         return
-    shapes = {n: list(p._sw.shape if hasattr(p, "_sw") else p.shape) for n, p in engine.module.named_parameters()}
+    shapes = {n: list(full_shape(p)) for n, p in engine.module.named_parameters()}
     opt = engine.optimizer
     for k, batch in enumerate(strategy.fragment_batches()):
         suffix = f"rank{rank}" if k == 0 else f"rank{rank}_{k}"

@@ -178,8 +178,6 @@ def _failure(rec: OpRecord, exc: BaseException) -> CollectiveError:
     if timed_out and limit is not None:
         lines[0] += f" (collective timeout {limit.total_seconds():g} s)"
     if ranks:
-        from shardwise.comm.watchdog import format_states
-
         lines.append("where each rank was:")
         world = dist.get_world_size() if dist.is_initialized() else None
         lines.extend("  " + line for line in format_states(ranks, world))
@@ -246,3 +244,36 @@ def run(name: str, call: Callable[[], Any], *, group, tensors: Sequence[torch.Te
 def _stamp(rec: OpRecord) -> None:
     if rec.end is None:
         rec.end = time.perf_counter()
+
+
+# -- what every rank was doing (snapshots the watchdog collects) ------------------------
+def summarize_state(state: dict) -> tuple[str, str]:
+    """(what the rank was doing, without times: for grouping ranks; the same with times)."""
+    if state["in_flight"]:
+        oldest = state["in_flight"][0]
+        return f"in {oldest['op']}", f"in {oldest['op']} for {oldest['for']:.1f} s"
+    last = state.get("last")
+    tail = f" (last completed: {last['op']})" if last else " (none completed yet)"
+    if state.get("stack"):
+        tail += f"; main thread at {state['stack'][-1].split(': ', 1)[0]}"
+    since = f" for {last['ago']:.1f} s" if last else ""
+    return "not in a collective" + tail, "not in a collective" + since + tail
+
+
+def format_states(states: list[dict], world_size: int | None = None) -> list[str]:
+    """One line per distinct state, ranks with the same state grouped together."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for s in states:
+        key, text = summarize_state(s)
+        groups.setdefault(key, []).append((s["rank"], text))
+    lines = []
+    for members in sorted(groups.values(), key=lambda m: m[0][0]):
+        ranks = _ranges([r for r, _ in members])[1:-1]
+        word = "rank" if len(members) == 1 else "ranks"
+        lines.append(f"{word} {ranks}: {members[0][1]}")
+    if world_size is not None:
+        missing = sorted(set(range(world_size)) - {s["rank"] for s in states})
+        if missing:
+            lines.append(f"rank(s) {_ranges(missing)[1:-1]}: no answer (exited, or "
+                         f"blocked outside Python)")
+    return lines

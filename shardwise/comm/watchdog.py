@@ -44,38 +44,6 @@ def snapshot(rank: int) -> dict:
     return state
 
 
-def _summary(state: dict) -> tuple[str, str]:
-    """(what the rank was doing, without times: for grouping ranks; the same with times)."""
-    if state["in_flight"]:
-        oldest = state["in_flight"][0]
-        return f"in {oldest['op']}", f"in {oldest['op']} for {oldest['for']:.1f} s"
-    last = state.get("last")
-    tail = f" (last completed: {last['op']})" if last else " (none completed yet)"
-    if state.get("stack"):
-        tail += f"; main thread at {state['stack'][-1].split(': ', 1)[0]}"
-    since = f" for {last['ago']:.1f} s" if last else ""
-    return "not in a collective" + tail, "not in a collective" + since + tail
-
-
-def format_states(states: list[dict], world_size: int | None = None) -> list[str]:
-    """One line per distinct state, ranks with the same state grouped together."""
-    groups: dict[str, list[tuple[int, str]]] = {}
-    for s in states:
-        key, text = _summary(s)
-        groups.setdefault(key, []).append((s["rank"], text))
-    lines = []
-    for members in sorted(groups.values(), key=lambda m: m[0][0]):
-        ranks = ops._ranges([r for r, _ in members])[1:-1]
-        word = "rank" if len(members) == 1 else "ranks"
-        lines.append(f"{word} {ranks}: {members[0][1]}")
-    if world_size is not None:
-        missing = sorted(set(range(world_size)) - {s["rank"] for s in states})
-        if missing:
-            lines.append(f"rank(s) {ops._ranges(missing)[1:-1]}: no answer (exited, or "
-                         f"blocked outside Python)")
-    return lines
-
-
 class Watchdog:
     def __init__(self, store, *, rank: int, world_size: int, prefix: str) -> None:
         self._base = store
@@ -107,8 +75,9 @@ class Watchdog:
                     continue
                 alarm = json.loads(self._poll_store.get(alarm_key))
                 self._answer(self._poll_store, alarm)
-            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
-                pass
+            except Exception as exc:  # noqa: BLE001 - reported, not swallowed
+                if not self._stop.is_set() and not _store_gone(exc):
+                    _report_own_failure(self.rank, "answering an alarm", exc)
             return
 
     def _answer(self, store, alarm: dict) -> None:
@@ -116,7 +85,7 @@ class Watchdog:
         self._post(store, state)
         blocked_there = state["in_flight"] and state["in_flight"][0]["op"] == alarm["op"]
         if alarm["rank"] != self.rank and not blocked_there:
-            _, text = _summary(state)
+            _, text = ops.summarize_state(state)
             lines = [f"[shardwise] rank {self.rank} ({state['host']}, pid {state['pid']}): "
                      f"rank {alarm['rank']} reported that {alarm['op']} {alarm['what']}; "
                      f"this rank is {text}"]
@@ -150,5 +119,22 @@ class Watchdog:
                 if store.check([key]):
                     states.append(json.loads(store.get(key)))
             return states
-        except Exception:  # noqa: BLE001 - the store itself is gone; report this rank only
+        except Exception as exc:  # noqa: BLE001 - the report then names this rank only
+            _report_own_failure(self.rank, "collecting the other ranks' states", exc)
             return []
+
+
+def _store_gone(exc: BaseException) -> bool:
+    """The rendezvous store closed under us: the job is ending, nothing to report."""
+    text = str(exc).lower()
+    return isinstance(exc, (ConnectionError, EOFError)) or any(
+        w in text for w in ("connection reset", "broken pipe", "connection refused", "connection closed",
+                            "socket", "recv", "send"))
+
+
+def _report_own_failure(rank: int, doing: str, exc: BaseException) -> None:
+    """The watchdog's own failure, printed once (it runs in a thread: raising would be lost)."""
+    print(f"[shardwise] rank {rank}: the hang watchdog failed while {doing}, so hang reports from this "
+          f"rank are incomplete: {type(exc).__name__}: {exc}\n"
+          + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+          file=sys.stderr, flush=True)

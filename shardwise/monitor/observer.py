@@ -1,7 +1,9 @@
 """What the engine calls at the edges of a training step to make it visible.
 
-``StepObserver.before_forward()`` runs at the start of every ``engine(...)`` call and
-``after_step(loss)`` after every optimizer step. Between them they drive the monitors
+``StepObserver.before_forward(global_steps)`` runs at the start of every ``engine(...)`` call and
+``after_step(report)`` after every optimizer step.  The observer sees the engine only through a
+``TrainingState`` (built once) and the ``StepReport`` of each step (``shardwise/training_state.py``);
+autotuning's trial recorder, which reads batch settings, is handed the engine itself. Between them they drive the monitors
 (TensorBoard / CSV / W&B events from rank 0), the flops profiler (``flops_profiler`` block)
 and autotuning trials (``autotuning`` block written by ``shardwise autotune``).
 """
@@ -14,6 +16,7 @@ import time
 import torch
 
 from shardwise import comm
+from shardwise.training_state import StepReport, TrainingState
 
 from . import MonitorMaster
 
@@ -30,17 +33,18 @@ _TIMER_TAGS = {
 
 
 class StepObserver:
-    def __init__(self, engine) -> None:
-        cfg = engine.config
-        self.engine = engine
-        self.monitor = MonitorMaster(cfg, rank=engine.global_rank)
+    def __init__(self, state: TrainingState, *, autotuning_engine=None) -> None:
+        cfg = state.config
+        self.state = state
+        engine = autotuning_engine
+        self.monitor = MonitorMaster(cfg, rank=state.global_rank)
         self.flops = None
         self.last_flops_profile = None  # the finished FlopsProfiler, for programmatic access (rank 0)
         fp = cfg.flops_profiler
-        if fp.enabled and engine.global_rank == 0:
+        if fp.enabled and state.global_rank == 0:
             from shardwise.profiling.flops import FlopsProfiler
 
-            self.flops = FlopsProfiler(engine.module, recompute_fwd_factor=fp.recompute_fwd_factor)
+            self.flops = FlopsProfiler(state.module, recompute_fwd_factor=fp.recompute_fwd_factor)
         self.trial = None
         at = cfg.autotuning
         if at.enabled:
@@ -50,38 +54,38 @@ class StepObserver:
                 recorder.write_model_info_and_exit(engine)
             if at.metric_path:
                 self.trial = recorder.TrialRecorder(engine)
-            elif engine.global_rank == 0:
+            elif state.global_rank == 0:
                 logger.warning("autotuning.enabled without autotuning.metric_path does nothing inside training; "
                                "run 'shardwise autotune ...' to tune")
         self._step_begin: float | None = None
         self._last_end: float | None = None
 
     # -- hooks -----------------------------------------------------------------------------
-    def before_forward(self) -> None:
+    def before_forward(self, global_steps: int) -> None:
         if self._step_begin is None:
             self._step_begin = time.perf_counter()
-        fp = self.engine.config.flops_profiler
-        if self.flops is not None and not self.flops.started and self.engine.global_steps == fp.profile_step:
+        fp = self.state.config.flops_profiler
+        if self.flops is not None and not self.flops.started and global_steps == fp.profile_step:
             self.flops.start_profile()
 
-    def after_step(self, loss: float | None) -> None:
+    def after_step(self, report: StepReport) -> None:
         now = time.perf_counter()
         begin = self._last_end if self._last_end is not None else (self._step_begin or now)
         step_time = now - begin
         self._last_end = now
         if self.flops is not None and self.flops.started:
-            self._report_flops()
+            self._report_flops(report.global_steps)
         if self.monitor.enabled:
-            self._write_step_events(loss, step_time)
+            self._write_step_events(report, step_time)
         if self.trial is not None:
             self.trial.after_step()
 
     # -- pieces ----------------------------------------------------------------------------
-    def _report_flops(self) -> None:
-        fp = self.engine.config.flops_profiler
+    def _report_flops(self, global_steps: int) -> None:
+        fp = self.state.config.flops_profiler
         prof = self.flops
         prof.stop_profile()
-        step = self.engine.global_steps - 1  # the step that was profiled (0-based, as profile_step)
+        step = global_steps - 1  # the step that was profiled (0-based, as profile_step)
         prof.print_model_profile(profile_step=step, module_depth=fp.module_depth, top_modules=fp.top_modules,
                                  detailed=fp.detailed, output_file=fp.output_file)
         if self.trial is not None:
@@ -90,31 +94,30 @@ class StepObserver:
 
     def _mean_loss(self, loss: float | None) -> float | None:
         """The loss averaged over data-parallel ranks (a collective: every rank calls this)."""
-        e = self.engine
-        if loss is None or e.dp_world_size == 1:
+        s = self.state
+        if loss is None or s.dp_world_size == 1:
             return loss
-        t = torch.tensor([loss], dtype=torch.float64, device=e.device)
-        comm.all_reduce(t, group=e.dp_group)
-        return float(t.item()) / e.dp_world_size
+        t = torch.tensor([loss], dtype=torch.float64, device=s.device)
+        comm.all_reduce(t, group=s.dp_group)
+        return float(t.item()) / s.dp_world_size
 
-    def _write_step_events(self, loss: float | None, step_time: float) -> None:
-        e = self.engine
-        loss = self._mean_loss(loss)
-        if e.global_rank != 0:
+    def _write_step_events(self, r: StepReport, step_time: float) -> None:
+        loss = self._mean_loss(r.loss)
+        if self.state.global_rank != 0:
             return
-        x = e.global_samples
-        events = [("Train/Samples/lr", e.get_lr()[0], x)]
+        x = r.global_samples
+        events = [("Train/Samples/lr", r.lr, x)]
         if loss is not None:
             events.insert(0, ("Train/Samples/train_loss", loss, x))
-        if e.loss_scaler is not None:
-            events.append(("Train/Samples/loss_scale", e.cur_scale, x))
-        if e.get_global_grad_norm() is not None:
-            events.append(("Train/Samples/grad_norm", e.get_global_grad_norm(), x))
+        if r.loss_scale is not None:
+            events.append(("Train/Samples/loss_scale", r.loss_scale, x))
+        if r.grad_norm is not None:
+            events.append(("Train/Samples/grad_norm", r.grad_norm, x))
         if step_time > 0:
-            events.append(("Train/Samples/samples_per_sec", e.train_batch_size() / step_time, x))
+            events.append(("Train/Samples/samples_per_sec", r.batch_size / step_time, x))
             events.append(("Train/Samples/step_time_ms", 1000.0 * step_time, x))
-        if e.timers.enabled:
-            last = dict(e.timers.last_step)
+        if r.timings is not None:
+            last = dict(r.timings)
             if "backward" in last:
                 last["backward_inner"] = last["backward"] - last.get("backward_allreduce", 0.0)
             events.extend((f"Train/Samples/{tag}", 1000.0 * last[name], x)

@@ -12,15 +12,14 @@ freed before the block does not hide the block's own peak.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 
 import torch
 
+from shardwise.malloc import return_large_frees_to_the_os
+
 __all__ = ["PeakMemory"]
 
-_M_MMAP_THRESHOLD = -3
-_malloc_set = False
 
 
 def _status_kib(field: str) -> int:
@@ -32,13 +31,9 @@ def _status_kib(field: str) -> int:
 
 
 def _cpu_setup() -> None:
-    global _malloc_set
-    if not _malloc_set:
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
-        except (OSError, AttributeError):
-            pass  # not glibc: peaks may read high after big frees, never low
-        _malloc_set = True
+    # Freed blocks of 128 KiB and more go back to the system, so memory freed before the block does
+    # not hide its peak (without glibc peaks may read high after big frees, never low).
+    return_large_frees_to_the_os(128 * 1024)
 
 
 class PeakMemory:

@@ -6,11 +6,9 @@ import torch
 
 
 def full_numel(p: torch.Tensor) -> int:
-    """Elements of the whole parameter: a stage-3 parameter holds only its shard (``p._sw``)."""
-    meta = getattr(p, "_sw", None)
-    if meta is not None:
-        return int(meta.numel)
-    return int(getattr(p, "ds_numel", p.numel()))  # DeepSpeed-partitioned parameters
+    """Elements of the whole parameter: a ZeRO-3 parameter holds only its shard (``ds_tensor``); it
+    and a DeepSpeed-partitioned one say their whole size in ``ds_numel``."""
+    return int(getattr(p, "ds_numel", p.numel()))
 
 
 def count_parameters(model: torch.nn.Module, *, trainable_only: bool = True) -> int:

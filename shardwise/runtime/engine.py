@@ -21,7 +21,8 @@ from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
-from shardwise.zero.strategy import ReduceSettings, build_strategy
+from shardwise.training_state import StepCounters, StepReport, TrainingState
+from shardwise.zero import ReduceSettings, build_strategy, is_partitioned
 
 logger = logging.getLogger("shardwise")
 
@@ -89,6 +90,7 @@ class Engine(torch.nn.Module):
         self._grad_norm: float | None = None
         self._step_skipped = False
         self._no_sync_depth = 0
+        self._boundary_override: bool | None = None
         self._backwards_since_step = 0
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self._loss_count = 0
@@ -97,17 +99,18 @@ class Engine(torch.nn.Module):
         self._interval_start = time.perf_counter()
         self._progress: ProgressBar | None = None
         checkpointing.configure_from(config, mpu=grid)  # activation_checkpointing block, if set
-        self.observer = StepObserver(self)  # monitors, flops profiler, autotuning trials
+        self._checkpoint_writer = None  # created by the first save or load
+        self.observer = StepObserver(self.training_state(), autotuning_engine=self)  # monitors, flops, autotuning
         self.monitor = self.observer.monitor
 
     # -- set-up ---------------------------------------------------------------------------
     def _broadcast_model(self) -> None:
-        """Every data-parallel replica starts from data-parallel rank 0's weights and buffers."""
+        """Every data-parallel replica starts from data-parallel rank 0's weights and buffers
+        (parameters ``zero.Init`` partitioned were broadcast when they were sharded)."""
         if self.dp_world_size == 1:
             return
         src = 0 if self.dp_group is None else torch.distributed.get_global_rank(self.dp_group, 0)
-        # Stage 3 shards parameters itself, broadcasting each one from rank 0 as it does.
-        params = [] if self.config.zero_optimization.stage == 3 else list(self.module.parameters())
+        params = [p for p in self.module.parameters() if not is_partitioned(p)]
         with torch.no_grad():
             for t in params + list(self.module.buffers()):
                 comm.broadcast(t.data, src=src, group=self.dp_group)
@@ -202,11 +205,30 @@ class Engine(torch.nn.Module):
         return self._batch.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Override whether the coming backward/step is the accumulation boundary (DeepSpeed's method;
+        a pipeline engine running its own schedule marks its last micro-batch this way).  ``None``
+        returns to counting micro-steps."""
+        self._boundary_override = is_boundary
+
+    @property
+    def enable_backward_allreduce(self) -> bool:
+        """Whether backward passes reduce gradients across the data-parallel group (DeepSpeed's
+        attribute).  1-bit Adam sets it to False after its warm-up and exchanges compressed momentum
+        itself; only ZeRO stage 0 allows that (``ZeroStrategy.reduce_gradients``)."""
+        return self.strategy.reduce_gradients
+
+    @enable_backward_allreduce.setter
+    def enable_backward_allreduce(self, on: bool) -> None:
+        self.strategy.reduce_gradients = on
 
     # -- training step ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        self.observer.before_forward()
+        self.observer.before_forward(self.global_steps)
         self.timers.start("forward")
         if self.precision.auto_cast:
             args = cast_inputs(args, self.precision.param_dtype)
@@ -220,22 +242,32 @@ class Engine(torch.nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward(loss) needs a scalar loss tensor, got {_describe(loss)}")
         self.timers.start("backward")
-        self.strategy.prepare_backward(boundary=self.is_gradient_accumulation_boundary(),
-                                       no_sync=self._no_sync_depth > 0)
+        self._begin_backward()
         scaled = loss.float()
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
-            scaled = scaled * self.loss_scaler.loss_scale
+            scaled = self.loss_scaler.scale_loss(scaled)
         scaled.backward(retain_graph=retain_graph)
-        self.timers.start("backward_allreduce")
-        self.strategy.finish_backward()
-        self.timers.stop("backward_allreduce")
+        self._end_backward()
         self.timers.stop("backward")
         self._loss_sum += loss.detach().float().reshape(())
         self._loss_count += 1
-        self._backwards_since_step += 1
         return loss
+
+    def _begin_backward(self) -> None:
+        """Before autograd runs: arm the strategy's gradient hooks (reduce at the boundary or, for the
+        partitioned-gradient stages, every time).  A subclass running its own schedule (pipeline)
+        calls this and ``_end_backward`` around its own ``torch.autograd.backward``."""
+        self.strategy.prepare_backward(boundary=self.is_gradient_accumulation_boundary(),
+                                       no_sync=self._no_sync_depth > 0)
+
+    def _end_backward(self) -> None:
+        """After autograd: wait for the gradient reductions still in flight."""
+        self.timers.start("backward_allreduce")
+        self.strategy.finish_backward()
+        self.timers.stop("backward_allreduce")
+        self._backwards_since_step += 1
 
     def step(self, lr_kwargs=None) -> None:
         """Count a micro-step; at an accumulation boundary update the weights."""
@@ -251,6 +283,9 @@ class Engine(torch.nn.Module):
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
+        """The accumulation-boundary step: unscale, overflow check, clip and the optimizer step on this
+        rank's share (the strategy, with ``shardwise.precision``), the loss scale update, the scheduler,
+        zeroed gradients and the counters.  A subclass with its own schedule calls it once per batch."""
         if self.optimizer is None:
             raise ValueError("engine.step() needs an optimizer: add an 'optimizer' block to the config or pass optimizer=")
         self.timers.start("step")
@@ -291,7 +326,11 @@ class Engine(torch.nn.Module):
         self._loss_sum.zero_()
         self._loss_count = 0
         self.timers.end_step()
-        self.observer.after_step(loss)
+        self.observer.after_step(StepReport(
+            loss=loss, global_steps=self.global_steps, global_samples=self.global_samples, lr=self.get_lr()[0],
+            loss_scale=self.loss_scaler.loss_scale if self.loss_scaler is not None else None,
+            grad_norm=self._grad_norm, batch_size=self.train_batch_size(),
+            timings=dict(self.timers.last_step) if self.timers.enabled else None))
         if self._progress is not None:
             self._progress.update(step=self.global_steps, loss=loss, lr=self.get_lr()[0], samples=self.train_batch_size())
         spp = self.config.steps_per_print
@@ -361,12 +400,34 @@ class Engine(torch.nn.Module):
         self._progress = ProgressBar(total=total, enabled=self.global_rank == 0, desc=desc)
         return self._progress
 
+    # -- what checkpoint/ and monitor/ see ----------------------------------------------------
+    def training_state(self) -> TrainingState:
+        """A narrow view of this engine for ``checkpoint/`` and ``monitor/``: its parts, and a copy of
+        its counters (only the engine writes them)."""
+        return TrainingState(
+            module=self.module, strategy=self.strategy, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            loss_scaler=self.loss_scaler, precision=self.precision, config=self.config, dp_group=self.dp_group,
+            dp_world_size=self.dp_world_size, global_rank=self.global_rank, device=self.device,
+            training_dataloader=self.training_dataloader,
+            counters=StepCounters(global_steps=self.global_steps, global_samples=self.global_samples,
+                                  micro_steps=self.micro_steps, skipped_steps=self.skipped_steps))
+
+    @property
+    def checkpoint_writer(self):
+        """The background writer of asynchronous saves (``checkpoint.writer.decoupled``)."""
+        if self._checkpoint_writer is None:
+            from shardwise.checkpoint.writer import CheckpointWriter
+
+            self._checkpoint_writer = CheckpointWriter()
+        return self._checkpoint_writer
+
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False):
         from shardwise.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+        return save_checkpoint(self.training_state(), save_dir, writer=self.checkpoint_writer, tag=tag,
+                               client_state=client_state or {}, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
@@ -378,7 +439,8 @@ class Engine(torch.nn.Module):
         without it nothing is written and False is returned. Collective: call it on every rank."""
         from shardwise.checkpoint.files import save_state_dict_atomically
 
-        if self.strategy.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        if self.strategy.gathers_module_state and \
+                not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             logger.warning("save_16bit_model: not saved, because ZeRO-3 weights are partitioned and "
                            "zero_optimization.stage3_gather_16bit_weights_on_model_save is false")
             return False
@@ -396,17 +458,21 @@ class Engine(torch.nn.Module):
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         from shardwise.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only)
+        folder, client_state, counters = load_checkpoint(
+            self.training_state(), load_dir, writer=self.checkpoint_writer, tag=tag,
+            load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        if counters is not None:
+            self.global_steps, self.global_samples = counters.global_steps, counters.global_samples
+            self.micro_steps, self.skipped_steps = counters.micro_steps, counters.skipped_steps
+        return folder, client_state
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save (``checkpoint.writer.decoupled``) is committed; raise its error.
         Call it on every rank. The next save, a load and interpreter exit wait by themselves."""
         from shardwise.checkpoint.engine_io import wait_for_save
 
-        wait_for_save(self)
+        wait_for_save(self.checkpoint_writer)
 
     def __getattr__(self, name: str):
         try:

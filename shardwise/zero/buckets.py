@@ -7,17 +7,19 @@ of backward.  Buckets start strictly in index order (a complete bucket waits
 for its predecessors), which keeps the collective sequence identical on every
 rank even if autograd's order differs between them.
 
-Where a bucket's data lives is the stage's business (``storage``): stage 0/1
-reduce views of a persistent flat gradient buffer; stage 2 points
-``param.grad`` into short-lived bucket buffers and releases them after the
-reduction.  A bucket gets its storage when the previous one is launched (the
-first one when backward begins), before its own gradients arrive.
+Where a bucket's data lives is the business of a ``GradientStore``, one per
+gradient layout (``zero/gradients.py``: a persistent flat buffer for stages 0
+and 1, pooled short-lived bucket buffers for stage 2; ``zero/stage3.py``: the
+units of stage 3).  The reducer calls it three times per bucket, always in
+this direction: ``storage(bucket)`` when the bucket is next to fill (before its
+own gradients arrive), ``accept(bucket, i, param)`` when a member's gradient is
+final, and ``reduced(bucket, own)`` once the reduction is done.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Protocol
 
 import torch
 
@@ -27,14 +29,32 @@ from shardwise.zero.flat import FlatGroup
 from shardwise.zero.strategy import ReduceSettings
 
 
+class GradientStore(Protocol):
+    """Where gradients live while they are reduced: one implementation per layout."""
+
+    reduce_every_backward: bool  # True: reduce on every backward (stages 2-3), not only at the boundary
+    max_in_flight: int | None  # buckets reduced at once before the oldest is completed (None: no bound)
+
+    def storage(self, bucket: Bucket) -> torch.Tensor:
+        """The tensor that will hold ``bucket``'s gradients (called before they arrive)."""
+
+    def accept(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
+        """Parameter ``index`` of the bucket's group has its final ``param.grad``: move it into the bucket."""
+
+    def reduced(self, bucket: Bucket, own: torch.Tensor) -> None:
+        """The bucket's reduction is done; ``own`` is this rank's chunk of the result."""
+
+
 class Bucket:
-    def __init__(self, index: int, group_index: int, start: int, end: int, members: list[int]) -> None:
+    def __init__(self, index: int, group_index: int, position: int, start: int, end: int,
+                 members: list[int]) -> None:
         self.index = index
         self.group_index = group_index
+        self.position = position  # index among its group's buckets
         self.start, self.end = start, end
         self.members = members  # parameter indices inside the group
         self.pending = len(members)
-        self.data: torch.Tensor | None = None  # the bucket's gradients (set by the storage callback)
+        self.data: torch.Tensor | None = None  # the bucket's gradients (from ``GradientStore.storage``)
         self.work = None
         self.comm_buffer: torch.Tensor | None = None  # a cast copy when communication_data_type differs
 
@@ -46,31 +66,26 @@ class Bucket:
 class BucketReducer:
     """Reduce gradients bucket by bucket with ``all_reduce`` or in-place ``reduce_scatter``.
 
-    ``storage(bucket)`` returns the tensor holding the bucket's gradients (called
-    when the bucket's first gradient arrives); ``accept(group_index, param_index,
-    param)`` moves a ready gradient into it; ``done(bucket)`` runs once the
-    bucket's reduced result is final (after the post-scaling).
+    The ``store`` (a ``GradientStore``) says where each bucket's gradients live.
+    ``dp_group`` is the data-parallel process group reduced over (``None``: the world).
     With ``scatter`` the result is only this rank's chunk of each bucket.
     """
 
-    def __init__(self, groups: list[FlatGroup], *, reduce: ReduceSettings, dp_group, scatter: bool,
-                 storage: Callable[[Bucket], torch.Tensor],
-                 accept: Callable[[Bucket, int, torch.Tensor], None],
-                 done: Callable[[Bucket], None] = lambda b: None,
-                 max_in_flight: int | None = None) -> None:
+    def __init__(self, groups: list[FlatGroup], store: GradientStore, *, reduce: ReduceSettings, dp_group,
+                 scatter: bool) -> None:
         self.groups = groups
+        self.store = store
         self.reduce = reduce
         self.dp_group = dp_group
         self.world = comm.get_world_size(dp_group)
         self.rank = comm.get_rank(dp_group)
         self.scatter = scatter
-        self.storage, self.accept, self.done = storage, accept, done
-        self.max_in_flight = max_in_flight
+        self.max_in_flight = store.max_in_flight
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         for gi, g in enumerate(groups):
-            for (start, end), members in zip(g.buckets, g.bucket_members):
-                b = Bucket(len(self.buckets), gi, start, end, members)
+            for pos, ((start, end), members) in enumerate(zip(g.buckets, g.bucket_members)):
+                b = Bucket(len(self.buckets), gi, pos, start, end, members)
                 self.buckets.append(b)
                 for i in members:
                     self._bucket_of[id(g.params[i])] = b
@@ -112,7 +127,7 @@ class BucketReducer:
         """Give ``bucket`` its storage before its first gradient arrives (the stage may then let
         autograd write gradients straight into it)."""
         if bucket.data is None:
-            bucket.data = self.storage(bucket)
+            bucket.data = self.store.storage(bucket)
 
     def _make_hook(self, gi: int, i: int):
         def hook(p: torch.Tensor) -> None:
@@ -122,7 +137,7 @@ class BucketReducer:
                     raise RuntimeError(self._second_gradient_message(gi, i))
                 self._arrived.add((gi, i))
             self._prepare(bucket)
-            self.accept(bucket, i, p)
+            self.store.accept(bucket, i, p)
             if self.active:
                 bucket.pending -= 1
                 if bucket.pending == 0:
@@ -190,7 +205,7 @@ class BucketReducer:
         if b.comm_buffer is not None:
             b.data[region].copy_(src)
             b.comm_buffer = None
-        self.done(b)
+        self.store.reduced(b, b.data[self.own_slice(b)])
 
     def finish(self) -> None:
         """Launch what autograd left (unused parameters) and wait for every bucket."""

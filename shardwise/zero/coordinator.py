@@ -17,6 +17,7 @@ import contextlib
 import torch
 
 from shardwise import comm
+from shardwise.zero.partitioned_param import ZeroParamStatus
 
 
 class Unit:
@@ -27,10 +28,10 @@ class Unit:
         self.params, self.names = params, names
         self.position_of = {id(p): k for k, p in enumerate(params)}
         self.world = world
-        metas = [p._sw for p in params]
-        self.dtype = metas[0].shard.dtype
-        self.device = metas[0].shard.device
-        self.chunks = [m.chunk for m in metas]
+        self.dtype = params[0].ds_tensor.dtype
+        self.device = params[0].ds_tensor.device
+        self.chunks = [p.ds_tensor.numel() for p in params]
+        self.numels = [p.ds_numel for p in params]
         self.offsets, off = [], 0
         for c in self.chunks:
             self.offsets.append(off)
@@ -38,19 +39,16 @@ class Unit:
         self.shard_numel = off
         # Re-home every parameter's shard into one contiguous unit shard.
         self.shard = torch.zeros(off, dtype=self.dtype, device=self.device)
-        for m, o, c in zip(metas, self.offsets, self.chunks):
-            self.shard[o : o + c].copy_(m.shard)
-            m.shard = self.shard[o : o + c]
-            m.unit = self
-        self.full_numel = sum(m.numel for m in metas)
-        self.full = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
-        pos = 0
-        self.positions = []
-        for p, m in zip(params, metas):
+        for p, o, c in zip(params, self.offsets, self.chunks):
+            self.shard[o : o + c].copy_(p.ds_tensor)
+            p.ds_tensor = self.shard[o : o + c]
+            p._ds_unit = self
+        self.full_numel = sum(self.numels)
+        self.positions, pos = [], 0
+        for n in self.numels:
             self.positions.append(pos)
-            p.data = self.full[pos : pos + m.numel].view(m.shape)
-            pos += m.numel
-        self._storage_bytes = self.full.untyped_storage().nbytes()
+            pos += n
+        self._new_full_buffer()
         self.gathered = False
         self.pending = None  # ("comm", work, buffer) in-flight all-gather, or ("disk", future, shard) read
         self.users = 0
@@ -58,11 +56,29 @@ class Unit:
         self.store = None  # NvmeStore when the shard lives in a file (offload_param: nvme)
         self.release()
 
+    def _new_full_buffer(self) -> None:
+        """The buffer the whole parameters live in while gathered; ``param.data`` are views of it."""
+        self.full = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
+        for p, pos, n in zip(self.params, self.positions, self.numels):
+            p.data = self.full[pos : pos + n].view(p.ds_shape)
+        self._storage_bytes = self.full.untyped_storage().nbytes()
+
+    def cast_(self, dtype: torch.dtype) -> None:
+        """Re-home the (released) shard and gather buffer in ``dtype`` (16-bit training)."""
+        self.dtype = dtype
+        self._point(self.shard.to(dtype))
+        self._new_full_buffer()
+        self.release()
+
+    def _set_status(self, status: ZeroParamStatus) -> None:
+        for p in self.params:
+            p.ds_status = status
+
     # -- where the shard lives (offload_param) ------------------------------------------------
     def _point(self, shard: torch.Tensor) -> None:
         self.shard = shard
         for p, o, c in zip(self.params, self.offsets, self.chunks):
-            p._sw.shard = shard[o : o + c] if shard.numel() else shard
+            p.ds_tensor = shard[o : o + c] if shard.numel() else shard
 
     def offload_to_cpu(self) -> None:
         self._point(self.shard.to("cpu"))
@@ -88,10 +104,6 @@ class Unit:
                 self.store.write_async(self.file, buf).result()
             self._point(torch.empty(0, dtype=self.dtype))
 
-    @property
-    def live_numel(self) -> int:
-        return self.full_numel if self.gathered else 0
-
     def start_gather(self, group) -> None:
         if self.gathered or self.pending is not None:
             return
@@ -99,8 +111,9 @@ class Unit:
         if self.store is not None:  # read now; the collective is issued in finish_gather (same order everywhere)
             shard = torch.empty(self.shard_numel, dtype=self.dtype)
             self.pending = ("disk", self.store.read_async(self.file, shard), shard)
-            return
-        self.pending = ("comm", *self._all_gather(self.shard, async_op=True))
+        else:
+            self.pending = ("comm", *self._all_gather(self.shard, async_op=True))
+        self._set_status(ZeroParamStatus.INFLIGHT)
 
     def _all_gather(self, shard: torch.Tensor, *, async_op: bool):
         shard = shard.to(self.device)  # offload_param cpu: the shard comes to the compute device
@@ -123,14 +136,15 @@ class Unit:
         self.full.untyped_storage().resize_(self._storage_bytes)
         rows = buf.view(self.world, self.shard_numel)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
-            for p, pos, o, c in zip(self.params, self.positions, self.offsets, self.chunks):
-                n = p._sw.numel
+            for pos, n, o, c in zip(self.positions, self.numels, self.offsets, self.chunks):
                 self.full[pos : pos + n].copy_(rows[:, o : o + c].reshape(-1)[:n])
         self.gathered = True
+        self._set_status(ZeroParamStatus.AVAILABLE)
 
     def release(self) -> None:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
+        self._set_status(ZeroParamStatus.NOT_AVAILABLE)
 
 
 class _GatherBeforeBackward(torch.autograd.Function):

@@ -13,8 +13,9 @@ import contextlib
 import torch
 
 from shardwise import comm
-from shardwise.zero.memory import return_large_frees_to_the_os
-from shardwise.zero.partitioned_param import gather_full, is_sharded, scatter_full_, shard_param_
+from shardwise.malloc import return_large_frees_to_the_os
+from shardwise.zero.partitioned_param import (ZeroParamStatus, gather_full, is_partitioned, scatter_full_,
+                                              shard_param_, unit_of)
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
@@ -36,31 +37,37 @@ class GatheredParameters:
     def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True) -> None:
         if isinstance(params, torch.Tensor):
             params = [params]
-        self.params = [p for p in params if is_sharded(p)] if enabled else []
+        self.params = [p for p in params if is_partitioned(p)] if enabled else []
         self.modifier_rank = modifier_rank
         self._saved: list[torch.Tensor] = []
 
     def __enter__(self):
-        self._saved = [p.data for p in self.params]
+        self._saved = [(p.data, p.ds_status) for p in self.params]
         for p in self.params:
             p.data = gather_full(p).clone()
+            p.ds_status = ZeroParamStatus.AVAILABLE
         return self
 
     def __exit__(self, *exc) -> None:
         try:
             if self.modifier_rank is not None and exc[0] is None:
                 for p in self.params:
-                    if comm.get_world_size() > 1:
-                        comm.broadcast(p.data, src=self.modifier_rank)
+                    group = p.ds_process_group
+                    if comm.get_world_size(group) > 1:
+                        src = self.modifier_rank if group is None else \
+                            torch.distributed.get_global_rank(group, self.modifier_rank)
+                        comm.broadcast(p.data, src=src, group=group)
                     scatter_full_(p, p.data)
                     _refresh_owner(p)
         finally:
-            for p, data in zip(self.params, self._saved):
+            for p, (data, status) in zip(self.params, self._saved):
                 p.data = data
+                if p.ds_status is ZeroParamStatus.AVAILABLE:  # (a release inside may have changed it)
+                    p.ds_status = status
 
 
 def _refresh_owner(p: torch.nn.Parameter) -> None:
-    unit = getattr(p._sw, "unit", None)
+    unit = unit_of(p)
     if unit is not None and unit.gathered:
         unit.release()  # stale now; the next use gathers the new values
     owner = getattr(p, "_shardwise_owner", None)
@@ -87,7 +94,7 @@ class Init:
 
     def _shard_tree(self, module: torch.nn.Module) -> None:
         for p in module.parameters():
-            if not is_sharded(p):
+            if not is_partitioned(p):
                 if self.dtype is not None and p.is_floating_point():
                     p.data = p.data.to(self.dtype)
                 shard_param_(p, group=self.group)
@@ -146,7 +153,7 @@ def _gathering_apply():
     def apply(module, fn):
         for m in module.children():
             apply(m, fn)
-        own = [p for p in module._parameters.values() if p is not None and is_sharded(p)]
+        own = [p for p in module._parameters.values() if p is not None and is_partitioned(p)]
         with GatheredParameters(own, modifier_rank=0) if own else contextlib.nullcontext():
             fn(module)
         return module

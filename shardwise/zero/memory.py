@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from shardwise.zero.partitioned_param import full_numel
+
 # Per-element optimizer state bytes of the common optimizers (fp32 states).
 _STATE_BYTES = {"Adam": 8, "AdamW": 8, "Lamb": 8, "Lion": 4, "Adagrad": 4, "RMSprop": 4}
 
@@ -71,36 +73,18 @@ def optimizer_state_bytes_per_element(optimizer) -> int:
 
 def measure(strategy, optimizer, *, precision: str, weight_bytes: int) -> MemoryBreakdown:
     parts = strategy.memory_parts()
-    n = strategy.dp_world_size if hasattr(strategy, "dp_world_size") else strategy.world
+    n = strategy.dp_world_size
     states = 0
     if optimizer is not None:
         for state in optimizer.state.values():
             states += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
-    psi = sum(p.numel() if not hasattr(p, "_sw") else p._sw.numel
-              for g in strategy.groups for p in g.params if p.requires_grad)
+    psi = sum(full_numel(p) for g in strategy.groups for p in g.params if p.requires_grad)
     k = optimizer_state_bytes_per_element(optimizer) if optimizer is not None else 0
-    stage = strategy.stage
-    shard = 1 if stage == 0 else n
-    theory = weight_bytes * psi // (n if stage == 3 else 1)  # parameters
-    theory += weight_bytes * psi // (n if stage >= 2 else 1)  # gradients
+    shard = 1 if strategy.replicated else n
+    theory = weight_bytes * psi // (n if strategy.shards_parameters else 1)  # parameters
+    theory += weight_bytes * psi // (n if strategy.shards_gradients else 1)  # gradients
     theory += (4 * psi // shard) if parts["master_params"] else 0
     theory += k * psi // shard
     total = parts["params"] + parts["grads"] + parts["master_params"] + states
     return MemoryBreakdown(parts["params"], parts["grads"], parts["master_params"], states, parts["bucket_buffers"],
-                           total, theory, psi, stage, n, precision, parts["live_params"], parts["on_disk"])
-
-
-def return_large_frees_to_the_os() -> None:
-    """Serve allocations of 1 MiB and more with mmap, so freeing them returns the memory at once.
-
-    glibc raises its mmap threshold (up to 32 MiB) after large frees, after which buffers of a few
-    MiB come from the heap and stay resident once freed: with ZeRO-3 and offload, where the
-    same sizes are allocated and freed every step, that kept a 151M-parameter ZeRO-3 run at 1.4 GiB RSS per rank
-    instead of 0.8 GiB. A fixed threshold (``mallopt(M_MMAP_THRESHOLD)``) stops that."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to tune
+                           total, theory, psi, strategy.stage, n, precision, parts["live_params"], parts["on_disk"])

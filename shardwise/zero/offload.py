@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.zero.memory import return_large_frees_to_the_os
+from shardwise.malloc import return_large_frees_to_the_os
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -185,9 +185,3 @@ class OptimizerSwapper:
                 writes = [w for w in writes if not w.done()]
         for w in writes:
             w.result()
-
-    def resident_bytes_bound(self) -> int:
-        biggest = max((sg.numel for sg in self.subgroups), default=0)
-        per_elem = 4 + sum(torch.tensor([], dtype=d).element_size() for sg in self.subgroups[:1]
-                           for _, d in sg.state_keys)
-        return (self.ahead + 1) * biggest * max(per_elem, 4)

@@ -19,14 +19,16 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.precision import PrecisionPolicy
+from shardwise.precision import PrecisionPolicy, StepResult, apply_coefficient_, grad_sq_sum, unscale_and_clip
 from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.flat import FlatGroup, group_by_dtype
-from shardwise.zero.strategy import ReduceSettings, StepResult, ZeroStrategy
+from shardwise.zero.gradients import FlatGradients
+from shardwise.zero.strategy import ReduceSettings, ZeroStrategy
 
 
 class DataParallelStrategy(ZeroStrategy):
     stage = 0
+    replicated = True  # every rank holds the whole optimizer state: rank 0 alone saves it
 
     def __init__(
         self,
@@ -48,21 +50,14 @@ class DataParallelStrategy(ZeroStrategy):
         # Reverse order: the last layers' gradients are ready first.
         self.groups: list[FlatGroup] = group_by_dtype(list(reversed(trainable)),
                                                       bucket_elements=reduce.bucket_elements)
-        self.grad_buffers: list[torch.Tensor] = []
-        self.grad_views: list[list[torch.Tensor]] = []
-        self._hooks = []
         for g in self.groups:
             g.flatten_params_()
         self._build_masters()  # before any cast, so the masters keep full fp32 values
         for g in self.groups:
             if g.dtype != precision.param_dtype and g.dtype.is_floating_point:
                 g.cast_(precision.param_dtype)
-            buf = g.new_buffer()
-            self.grad_buffers.append(buf)
-            self.grad_views.append(g.views(buf))
-        self._attach_grads()
-        self.reducer = BucketReducer(self.groups, reduce=reduce, dp_group=dp_group, scatter=False,
-                                     storage=self._bucket_storage, accept=self._accept_grad)
+        self.gradients = FlatGradients(self.groups)
+        self.reducer = BucketReducer(self.groups, self.gradients, reduce=reduce, dp_group=dp_group, scatter=False)
 
     # -- set-up ---------------------------------------------------------------------------
     def _build_masters(self) -> None:
@@ -85,46 +80,31 @@ class DataParallelStrategy(ZeroStrategy):
             self.master_params.append(group_masters)
         _swap_optimizer_params(self.optimizer, swap)
 
-    def _bucket_storage(self, b: Bucket) -> torch.Tensor:
-        return self.grad_buffers[b.group_index][b.start : b.end]
-
-    def _accept_grad(self, b: Bucket, i: int, p: torch.Tensor) -> None:
-        view = self.grad_views[b.group_index][i]
-        if p.grad is not view:  # someone set .grad (e.g. zero_grad(set_to_none=True)): take it back
-            view.copy_(p.grad)
-            p.grad = view
-
-    def _attach_grads(self) -> None:
-        for g, views in zip(self.groups, self.grad_views):
-            for p, v in zip(g.params, views):
-                p.grad = v
-
     # -- backward -------------------------------------------------------------------------
     @property
     def buckets(self) -> list[Bucket]:
         return self.reducer.buckets
 
+    @property
+    def grad_buffers(self) -> list[torch.Tensor]:
+        return self.gradients.buffers
+
     def prepare_backward(self, *, boundary: bool, no_sync: bool = False) -> None:
-        self.reducer.begin(active=boundary and not no_sync and self.dp_world_size > 1)
-        self._attach_grads()
+        self.reducer.begin(active=boundary and not no_sync and self.reduce_gradients and self.dp_world_size > 1)
+        self.gradients.attach()
 
     def finish_backward(self) -> None:
         self.reducer.finish()
 
     # -- step -----------------------------------------------------------------------------
-    def _step_grads(self, loss_scale: float) -> list[torch.Tensor]:
+    def _step_grads(self) -> list[torch.Tensor]:
+        """The gradients the optimizer steps: the flat buffers themselves, or (16-bit training) fp32
+        copies that exist only during the step, attached to the master weights."""
         if self.master_buffers is None:
-            grads = self.grad_buffers
-            if loss_scale != 1.0:
-                for g in grads:
-                    g.mul_(1.0 / loss_scale)
-            return grads
-        # fp32 gradients exist only during the step (16-bit training keeps no persistent fp32 grads).
+            return self.grad_buffers
         out = []
         for group, masters, g in zip(self.groups, self.master_params, self.grad_buffers):
             mg = g.to(torch.float32)
-            if loss_scale != 1.0:
-                mg.mul_(1.0 / loss_scale)
             for mp, view in zip(masters, group.views(mg)):
                 mp.grad = view
             out.append(mg)
@@ -136,19 +116,13 @@ class DataParallelStrategy(ZeroStrategy):
                 mp.grad = None
 
     def step(self, *, loss_scale: float, clip: float) -> StepResult:
-        grads = self._step_grads(loss_scale)
-        norms = torch.stack([g.float().norm(2) for g in grads])
-        total = norms.norm(2)
-        overflow = self.precision.check_overflow and not bool(torch.isfinite(total))
-        if overflow:
-            self._drop_master_grads()
-            return StepResult(grad_norm=float("inf"), overflow=True)
-        norm = float(total)
-        if clip > 0:
-            coef = clip / (norm + 1e-6)
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
+        # Every rank holds the whole (already all-reduced) gradients: the norm is local.
+        norm, coef = unscale_and_clip(grad_sq_sum(self.grad_buffers), loss_scale=loss_scale, clip=clip,
+                                      check_overflow=self.precision.check_overflow)
+        if coef is None:
+            return StepResult(grad_norm=norm, overflow=True)
+        grads = self._step_grads()
+        apply_coefficient_(grads, coef)
         self.optimizer.step()
         self._drop_master_grads()
         if self.master_buffers is not None:
@@ -157,13 +131,9 @@ class DataParallelStrategy(ZeroStrategy):
         return StepResult(grad_norm=norm, overflow=False)
 
     def zero_grad(self) -> None:
-        for buf in self.grad_buffers:
-            buf.zero_()
-        self._attach_grads()
+        self.gradients.zero_()
 
     # -- introspection --------------------------------------------------------------------
-    replicated = True  # every rank holds the whole optimizer state: rank 0 alone saves it
-
     def local_fragments(self):
         """(name, start, end, optimizer tensor) for every parameter: stage 0 holds them all."""
         names = [n for g in self.groups for n in g.names]
@@ -173,7 +143,7 @@ class DataParallelStrategy(ZeroStrategy):
     def memory_parts(self) -> dict[str, int]:
         return {
             "params": sum(g.param_buffer.nbytes for g in self.groups),
-            "grads": sum(t.nbytes for t in self.grad_buffers),
+            "grads": self.gradients.nbytes(),
             "master_params": sum(t.nbytes for t in self.master_buffers) if self.master_buffers is not None else 0,
             "bucket_buffers": 0,
             "live_params": 0,
@@ -183,7 +153,7 @@ class DataParallelStrategy(ZeroStrategy):
     def local_grad(self, name: str, start: int, end: int) -> torch.Tensor:
         for gi, g in enumerate(self.groups):
             if name in g.names:
-                return self.grad_views[gi][g.names.index(name)].reshape(-1)[start:end]
+                return self.gradients.views[gi][g.names.index(name)].reshape(-1)[start:end]
         raise KeyError(name)
 
 

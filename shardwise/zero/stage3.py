@@ -19,16 +19,17 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.precision import PrecisionPolicy
+from shardwise.precision import PrecisionPolicy, StepResult
 from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.coordinator import ParamCoordinator, Unit
-from shardwise.zero.partitioned_param import gather_full, is_sharded, scatter_full_, shard_param_
-from shardwise.zero.stage12 import PartitionedStrategy, _Fragment, _offload_device
-from shardwise.zero.strategy import ReduceSettings
+from shardwise.zero.partitioned_param import gather_full, is_partitioned, owned_range, scatter_full_, shard_param_
+from shardwise.zero.partitioned_step import Fragment, PartitionedOptimizer, offload_device
+from shardwise.zero.strategy import ReduceSettings, ZeroStrategy
 
 
 class _UnitBuckets:
-    """Presents the trainable parameters of the units as the "group" a ``BucketReducer`` walks."""
+    """Presents the trainable parameters of the units as the "group" a ``BucketReducer`` walks:
+    one bucket per unit, holding the unit's gradients rank-major (row r goes to rank r)."""
 
     def __init__(self, units: list[Unit], world: int) -> None:
         self.params, self.buckets, self.bucket_members, self.unit_of_bucket = [], [], [], []
@@ -49,7 +50,75 @@ class _UnitBuckets:
                 pos += size
 
 
-class Stage3Strategy(PartitionedStrategy):
+class UnitGradients:
+    """The ``GradientStore`` of stage 3: a unit's gradients are packed rank-major into a short-lived
+    bucket as they arrive (``param.grad`` is dropped at once), and this rank's row of the reduced
+    bucket is added to the unit's gradient partition."""
+
+    reduce_every_backward = True
+    max_in_flight = 2
+
+    def __init__(self, units: list[Unit], world: int) -> None:
+        self.units = units
+        self.world = world
+        self.layout = _UnitBuckets(units, world)
+        self.partitions = [torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device) for u in units]
+        self._trainable = {u.index: sum(p.requires_grad for p in u.params) for u in units}
+        self._accepted = dict.fromkeys(self._trainable, 0)
+
+    def begin(self) -> None:
+        self._accepted = dict.fromkeys(self._accepted, 0)
+
+    def zero_(self) -> None:
+        for buf in self.partitions:
+            buf.zero_()
+        for u in self.units:
+            for p in u.params:
+                p.grad = None
+
+    # -- GradientStore ----------------------------------------------------------------------
+    def storage(self, b: Bucket) -> torch.Tensor:
+        u = self.layout.unit_of_bucket[b.position]
+        return torch.zeros(b.numel, dtype=u.dtype, device=u.device)
+
+    def accept(self, b: Bucket, i: int, p: torch.Tensor) -> None:
+        u = self.layout.unit_of_bucket[b.position]
+        k = u.position_of[id(p)]
+        n, off, c = u.numels[k], u.offsets[k], u.chunks[k]
+        rows = b.data.view(self.world, u.shard_numel)[:, off : off + c]  # rank-major: row r -> rank r
+        grad = p.grad.reshape(-1)
+        full = n // c
+        rows[:full].copy_(grad[: full * c].view(full, c))
+        if full * c < n:  # the last, partial chunk (the rest of the bucket is already zero)
+            rows[full, : n - full * c].copy_(grad[full * c :])
+        p.grad = None
+        self._accepted[u.index] += 1
+        if self._accepted[u.index] == self._trainable[u.index] and not u.persistent and u.users == 0:
+            u.release()  # every use of the unit has finished its backward
+
+    def reduced(self, b: Bucket, own: torch.Tensor) -> None:
+        u = self.layout.unit_of_bucket[b.position]
+        self.partitions[u.index].add_(own)
+        b.data = None
+
+    # -- for the step -----------------------------------------------------------------------
+    def owned_grads(self) -> list[torch.Tensor]:
+        return list(self.partitions)
+
+    def grad_of(self, f: Fragment) -> torch.Tensor:
+        return self.partitions[f.group][f.local : f.local + f.numel]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.partitions)
+
+
+class Stage3Strategy(ZeroStrategy):
+    stage = 3
+    replicated = False
+    shards_gradients = True
+    shards_parameters = True
+    gathers_module_state = True
+
     def __init__(
         self,
         *,
@@ -62,47 +131,42 @@ class Stage3Strategy(PartitionedStrategy):
         zero_config=None,
         aio=None,
     ) -> None:
-        self.stage = 3
         self.optimizer = optimizer
         self.precision = precision
         self.dp_group = dp_group
-        self.world = comm.get_world_size(dp_group)
+        self.world = self.dp_world_size = comm.get_world_size(dp_group)
         self.rank = comm.get_rank(dp_group)
         if not any(p.requires_grad for _, p in named_params):
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
+        zc = zero_config
         names = {id(p): n for n, p in named_params}
         for p in module.parameters():
-            if not is_sharded(p):
-                shard_param_(p, group=dp_group)
-        unit_elements = int(zero_config.stage3_prefetch_bucket_size) if zero_config is not None else 0
+            if not is_partitioned(p):  # (the engine broadcast rank 0's values already)
+                shard_param_(p, group=dp_group, broadcast=False)
+        unit_elements = int(zc.stage3_prefetch_bucket_size) if zc is not None else 0
         self.units, module_units = _build_units(module, names, self.world, unit_elements)
-        threshold = int(zero_config.stage3_param_persistence_threshold) if zero_config is not None else 0
+        threshold = int(zc.stage3_param_persistence_threshold) if zc is not None else 0
         for u in self.units:
-            u.persistent = all(p._sw.numel <= threshold for p in u.params)
-        self.groups = self.units  # the fragment/gradient code of stages 1-2 indexes "groups"
-        offload = zero_config.offload_optimizer if zero_config is not None else None
-        self.offload_device = _offload_device(offload)
-        self.param_offload_device = _offload_device(zero_config.offload_param if zero_config is not None else None)
-        self._build_partitions()
-        self._setup_offload(offload, int(zero_config.sub_group_size) if zero_config is not None else 10**9, aio)
+            u.persistent = all(p.ds_numel <= threshold for p in u.params)
+            for p in u.params:
+                p.ds_persist = u.persistent
+        param_offload = zc.offload_param if zc is not None else None
+        self.partition = PartitionedOptimizer(
+            optimizer, source=self, partition_of=lambda ui: self.units[ui].shard, fragments=self._fragments(),
+            params_of={n: p for u in self.units for n, p in zip(u.names, u.params)},
+            laid_out={id(p) for u in self.units for p in u.params},
+            # Offloaded shards move (to the CPU or a file): the optimizer must not step views of them.
+            separate_master=precision.master_weights or offload_device(param_offload) != "none",
+            offload=zc.offload_optimizer if zc is not None else None,
+            sub_group_size=int(zc.sub_group_size) if zc is not None else 10**9, aio=aio, dp_group=dp_group)
         for u in self.units:  # 16-bit training: shards hold 16-bit weights, masters fp32
             if u.dtype != precision.param_dtype:
-                _cast_unit_(u, precision.param_dtype)
+                u.cast_(precision.param_dtype)
         self.param_store = None
-        self._offload_params(zero_config.offload_param if zero_config is not None else None, aio)
-        self.partition_grads = [torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device) for u in self.units]
-        self._layout = _UnitBuckets(self.units, self.world)
-        self._bucket_unit = {}
-        self.reducer = BucketReducer(
-            [self._layout], reduce=reduce, dp_group=dp_group, scatter=True,
-            storage=self._bucket_storage, accept=self._accept_grad, done=self._bucket_done,
-            max_in_flight=2,
-        )
-        for b, u in zip(self.reducer.buckets, self._layout.unit_of_bucket):
-            self._bucket_unit[b.index] = u
-        self._accepted = {u.index: 0 for u in self.units}
-        self._trainable = {u.index: sum(p.requires_grad for p in u.params) for u in self.units}
-        zc = zero_config
+        self._offload_params(param_offload, aio)
+        self.gradients = UnitGradients(self.units, self.world)
+        self.reducer = BucketReducer([self.gradients.layout], self.gradients, reduce=reduce, dp_group=dp_group,
+                                     scatter=True)
         self.coordinator = ParamCoordinator(
             self.units, module_units, group=dp_group,
             prefetch_elements=int(zc.stage3_prefetch_bucket_size) if zc is not None else 0,
@@ -111,75 +175,19 @@ class Stage3Strategy(PartitionedStrategy):
         )
 
     # -- layout ---------------------------------------------------------------------------
-    def _wants_master(self) -> bool:
-        # Offloaded shards move (to the CPU or a file): the optimizer must not step views of them.
-        return super()._wants_master() or (self.offload_device != "nvme" and self.param_offload_device != "none")
-
-    def _build_partitions(self) -> None:
-        self.master_buffers = [] if self._wants_master() else None
-        self.fragments = []
-        replace: dict[int, list[torch.Tensor]] = {}
+    def _fragments(self) -> list[list[Fragment]]:
+        out = []
         for ui, u in enumerate(self.units):
-            if self.master_buffers is not None:
-                self.master_buffers.append(u.shard.to(device=self._master_device(u.device), dtype=torch.float32,
-                                                      copy=True))
             frags = []
             for p, name, off in zip(u.params, u.names, u.offsets):
-                start, end = p._sw.owned
-                if not p.requires_grad or end <= start:
-                    continue
-                src = self.master_buffers[ui] if self.master_buffers is not None else u.shard
-                t = torch.nn.Parameter(src[off : off + end - start], requires_grad=True)
-                frags.append(_Fragment(name, ui, start, end, off, off, t))
-                replace.setdefault(id(p), []).append(t)
-            self.fragments.append(frags)
-        if self.optimizer is not None:
-            if self.optimizer.state:
-                raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to "
-                                 "initialize() (ZeRO replaces its parameters by this rank's partition)")
-            for group in self.optimizer.param_groups:
-                group["params"] = [t for p in group["params"]
-                                   for t in (replace.get(id(p), []) if is_sharded(p) else [p])]
+                start, end = owned_range(p)
+                if p.requires_grad and end > start:
+                    frags.append(Fragment(name, ui, start, end, off, off))
+            out.append(frags)
+        return out
 
-    # -- backward -------------------------------------------------------------------------
-    def _bucket_storage(self, b: Bucket) -> torch.Tensor:
-        u = self._bucket_unit[b.index]
-        return torch.zeros(b.numel, dtype=u.dtype, device=u.device)
-
-    def _accept_grad(self, b: Bucket, i: int, p: torch.Tensor) -> None:
-        u = self._bucket_unit[b.index]
-        k = u.position_of[id(p)]
-        n, off, c = p._sw.numel, u.offsets[k], u.chunks[k]
-        rows = b.data.view(self.world, u.shard_numel)[:, off : off + c]  # rank-major: row r -> rank r
-        grad = p.grad.reshape(-1)
-        full = n // c
-        rows[:full].copy_(grad[: full * c].view(full, c))
-        if full * c < n:  # the last, partial chunk (the rest of the bucket is already zero)
-            rows[full, : n - full * c].copy_(grad[full * c :])
-        p.grad = None
-        self._accepted[u.index] += 1
-        if self._accepted[u.index] == self._trainable[u.index] and not u.persistent and u.users == 0:
-            u.release()  # every use of the unit has finished its backward
-
-    def _bucket_done(self, b: Bucket) -> None:
-        u = self._bucket_unit[b.index]
-        self.partition_grads[u.index].add_(b.data[self.reducer.own_slice(b)])
-        b.data = None
-
-    def prepare_backward(self, *, boundary: bool, no_sync: bool = False) -> None:
-        if no_sync:
-            raise ValueError("zero_optimization.stage 3 reduces gradients on every backward; "
-                             "engine.no_sync() is not supported with it")
-        self._accepted = dict.fromkeys(self._accepted, 0)
-        self.reducer.begin(active=True)
-
-    def finish_backward(self) -> None:
-        self.reducer.finish()
-        self.coordinator.end_of_pass()
-
-    # -- step -----------------------------------------------------------------------------
     def _offload_params(self, block, aio) -> None:
-        device = _offload_device(block)
+        device = offload_device(block)
         if device == "cpu":
             for u in self.units:
                 u.offload_to_cpu()
@@ -192,33 +200,51 @@ class Stage3Strategy(PartitionedStrategy):
             for u in self.units:
                 u.offload_to_nvme(self.param_store)
 
-    def _weight_target(self, f) -> torch.Tensor:
+    # -- what the partitioned step asks (FragmentSource) ---------------------------------------
+    def owned_grads(self) -> list[torch.Tensor]:
+        return self.gradients.owned_grads()
+
+    def grad_of(self, f: Fragment) -> torch.Tensor:
+        return self.gradients.grad_of(f)
+
+    def weight_of(self, f: Fragment) -> torch.Tensor:
         return self.units[f.group].shard[f.local : f.local + f.numel]
 
-    def _write_back(self, frags) -> None:
-        by_unit: dict[int, list] = {}
-        for f in frags:
-            by_unit.setdefault(f.group, []).append(f)
-        for ui, fs in by_unit.items():
-            with self.units[ui].resident(write=True):  # the shard may live on disk
-                super()._write_back(fs)
+    def writable(self, group: int):
+        return self.units[group].resident(write=True)  # the shard may live on disk
 
-    def _after_step(self) -> None:
-        self.coordinator.end_of_pass()  # shards were updated in place; the next forward gathers them
+    # -- backward -------------------------------------------------------------------------
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.reducer.buckets
+
+    def prepare_backward(self, *, boundary: bool, no_sync: bool = False) -> None:
+        if no_sync:
+            raise ValueError("zero_optimization.stage 3 reduces gradients on every backward; "
+                             "engine.no_sync() is not supported with it")
+        self.gradients.begin()
+        self.reducer.begin(active=True)
+
+    def finish_backward(self) -> None:
+        self.reducer.finish()
+        self.coordinator.end_of_pass()
+
+    # -- step -----------------------------------------------------------------------------
+    def step(self, *, loss_scale: float, clip: float) -> StepResult:
+        result = self.partition.step(self, precision=self.precision, loss_scale=loss_scale, clip=clip)
+        if not result.overflow:
+            self.coordinator.end_of_pass()  # shards were updated in place; the next forward gathers them
+        return result
 
     def zero_grad(self) -> None:
-        for buf in self.partition_grads:
-            buf.zero_()
-        for u in self.units:
-            for p in u.params:
-                p.grad = None
+        self.gradients.zero_()
 
     def refresh_master(self, name: str, p: torch.nn.Parameter) -> None:
         """After ``GatheredParameters(modifier_rank=...)`` rewrote ``p``'s shard: update its fp32 copy."""
-        if not self._separate_master:
+        if not self.partition.separate_master:
             return  # the optimizer steps views of the shard itself
-        u = p._sw.unit
-        for batch in self._fragment_batches():
+        u = p._ds_unit
+        for batch in self.partition.batches():
             with u.resident(write=False):
                 for f in batch:
                     if f.name == name and f.group == u.index:
@@ -232,48 +258,58 @@ class Stage3Strategy(PartitionedStrategy):
         names = {id(p): n for n, p in module.named_parameters()}
         for u in self.units:
             for p in u.params:
-                out[names[id(p)]] = gather_full(p, group=self.dp_group).cpu().clone()
+                out[names[id(p)]] = gather_full(p).cpu().clone()
         for name, t in module.state_dict(keep_vars=True).items():
             if name not in out and id(t) not in sharded:
                 out[name] = t.detach().cpu().clone()
         return out
 
     def load_module_state_dict(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-        sharded = {}
-        for name, p in module.named_parameters():
-            if is_sharded(p):
-                sharded[name] = p
+        sharded = {name: p for name, p in module.named_parameters() if is_partitioned(p)}
         with torch.no_grad():
             for name, p in sharded.items():
                 if name in state:
-                    scatter_full_(p, state[name].to(p._sw.shard.dtype))
+                    scatter_full_(p, state[name].to(p.ds_tensor.dtype))
         rest = {k: v for k, v in state.items() if k not in sharded}
         module.load_state_dict(rest, strict=False)
         self.coordinator.end_of_pass()
 
+    # -- introspection --------------------------------------------------------------------
+    @property
+    def swapper(self):
+        return self.partition.swapper
+
+    @property
+    def fragments(self) -> list[list[Fragment]]:
+        return self.partition.fragments
+
+    @property
+    def groups(self) -> list[Unit]:
+        return self.units
+
     def memory_parts(self) -> dict[str, int]:
         return {
             "params": sum(u.shard.nbytes for u in self.units),  # 0 when the shards are on NVMe
-            "grads": sum(t.nbytes for t in self.partition_grads),
-            "master_params": sum(t.nbytes for t in self.master_buffers) if self.master_buffers is not None else 0,
+            "grads": self.gradients.nbytes(),
+            "master_params": self.partition.master_bytes(),
             "bucket_buffers": self.reducer.transient_bytes(torch.finfo(self.precision.param_dtype).bits // 8),
             "live_params": sum(u.full_numel * u.shard.element_size() for u in self.units if u.gathered),
-            "on_disk": (self.swapper.store.disk_bytes() if self.swapper is not None else 0)
-            + (self.param_store.disk_bytes() if self.param_store is not None else 0),
+            "on_disk": self.partition.disk_bytes() + (self.param_store.disk_bytes() if self.param_store else 0),
         }
 
+    def local_grad(self, name: str, start: int, end: int) -> torch.Tensor:
+        for f in self.partition.all_fragments():
+            if f.name == name and f.param_start == start:
+                return self.gradients.grad_of(f)
+        raise KeyError(f"{name}[{start}:{end}] is not owned by this rank")
 
-def _cast_unit_(u: Unit, dtype: torch.dtype) -> None:
-    """Re-home a (released) unit's shard and gather buffer in ``dtype``."""
-    shard = u.shard.to(dtype)
-    for p, o, c in zip(u.params, u.offsets, u.chunks):
-        p._sw.shard = shard[o : o + c]
-    u.shard, u.dtype = shard, dtype
-    u.full = torch.empty(u.full_numel, dtype=dtype, device=u.device)
-    for p, pos in zip(u.params, u.positions):
-        p.data = u.full[pos : pos + p._sw.numel].view(p._sw.shape)
-    u._storage_bytes = u.full.untyped_storage().nbytes()
-    u.release()
+    def fragment_batches(self):
+        for frags in self.partition.batches():
+            yield [(f.name, f.param_start, f.param_end, f.tensor) for f in frags]
+
+    def local_fragments(self):
+        for f in self.partition.all_fragments():
+            yield f.name, f.param_start, f.param_end, f.tensor
 
 
 def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, unit_elements: int):
@@ -303,7 +339,7 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
     def visit(m: torch.nn.Module) -> None:
         subtree = fresh(p for p in m.parameters())
         container = isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))  # never called itself
-        fits = sum(p._sw.numel for p in subtree) <= unit_elements and not container
+        fits = sum(p.ds_numel for p in subtree) <= unit_elements and not container
         if fits or not any(True for _ in m.children()):
             claim(m, subtree)
             return

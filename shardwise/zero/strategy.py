@@ -1,10 +1,13 @@
-"""The small interface every ZeRO stage implements, and the factory.
+"""The small interface every ZeRO stage implements (the factory is ``zero/factory.py``).
 
 The engine calls only these methods, in this order, per micro-step:
 ``prepare_backward(boundary=..., no_sync=...)`` -> autograd runs (hooks reduce gradients as
 they become ready) -> ``finish_backward()``; and at an accumulation
 boundary ``step(...)`` then ``zero_grad()``.  Stages 1-3 and offload are
 further implementations of this class; the engine does not branch on stage.
+
+A strategy reduces over the data-parallel process group it is given (``dp_group``;
+``None`` is the whole world), so a data x pipe x tensor grid hands it the data axis.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ import abc
 from dataclasses import dataclass
 
 import torch
+
+from shardwise import comm
+from shardwise.precision import StepResult
+
+__all__ = ["ReduceSettings", "StepResult", "ZeroStrategy"]
 
 
 @dataclass(frozen=True)
@@ -26,14 +34,29 @@ class ReduceSettings:
     comm_dtype: torch.dtype | None = None  # communication_data_type
 
 
-@dataclass(frozen=True)
-class StepResult:
-    grad_norm: float  # global L2 norm of the unscaled gradients, before clipping
-    overflow: bool  # True: inf/nan found, the optimizer step was skipped
-
-
 class ZeroStrategy(abc.ABC):
-    stage: int
+    stage: int  # for reports and checkpoints only; nothing branches on it
+    replicated: bool  # True when every rank holds the whole optimizer state (stage 0)
+    shards_gradients = False  # True when a rank keeps only its share of the reduced gradients (stages 2-3)
+    shards_parameters = False  # True when a rank keeps only its share of the weights (stage 3)
+    gathers_module_state = False  # True when ``module_state_dict`` is collective (stage 3)
+    _reduce_gradients = True
+
+    @property
+    def reduce_gradients(self) -> bool:
+        """Whether the coming backward passes reduce gradients across the data-parallel group.
+
+        Set it to False (stage 0 only) when the optimizer exchanges gradient information itself,
+        as 1-bit Adam does with compressed momentum after its warm-up (DeepSpeed's
+        ``engine.enable_backward_allreduce``); each rank's ``param.grad`` is then its local gradient."""
+        return self._reduce_gradients
+
+    @reduce_gradients.setter
+    def reduce_gradients(self, on: bool) -> None:
+        if not on and not self.replicated:
+            raise ValueError(f"switching off the gradient reduction needs ZeRO stage 0 (stage is {self.stage}): "
+                             "partitioned stages keep only their share of the reduced gradients")
+        self._reduce_gradients = bool(on)
 
     @abc.abstractmethod
     def prepare_backward(self, *, boundary: bool, no_sync: bool = False) -> None:
@@ -57,17 +80,10 @@ class ZeroStrategy(abc.ABC):
     def load_module_state_dict(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         module.load_state_dict(state, strict=False)
 
-    @property
-    def gathers_module_state(self) -> bool:
-        """True when ``module_state_dict`` is collective (every rank must call it)."""
-        return self.stage == 3
-
     def master_named_params(self) -> dict[str, torch.Tensor]:
         """This rank's fp32 weights by ``name`` (stage 0) or ``name@start:end`` (partitioned stages)."""
         return {name if self.replicated else f"{name}@{start}:{end}": t.detach()
                 for name, start, end, t in self.local_fragments()}
-
-    replicated: bool  # True when every rank holds the whole optimizer state (stage 0)
 
     @abc.abstractmethod
     def local_fragments(self):
@@ -107,40 +123,5 @@ class ZeroStrategy(abc.ABC):
         if out is None:
             out = torch.zeros(numel, dtype=torch.float32)
         if not self.replicated:
-            from shardwise import comm
-
             comm.all_reduce(out, group=self.dp_group)
         return out.view(shape)
-
-
-def build_strategy(zero_config, *, aio=None, **kwargs) -> ZeroStrategy:
-    """The strategy for ``zero_config.stage`` (a ``zero_optimization`` config block)."""
-    stage = int(zero_config.stage)
-    module = kwargs.pop("module")
-    opt_off = getattr(zero_config.offload_optimizer, "device", "none")
-    param_off = getattr(zero_config.offload_param, "device", "none")
-    if opt_off != "none" and stage == 0:
-        raise ValueError("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (stage is 0)")
-    if param_off != "none" and stage != 3:
-        raise ValueError(f"zero_optimization.offload_param needs ZeRO stage 3 (stage is {stage})")
-    if stage == 3:
-        from shardwise.zero.stage3 import Stage3Strategy
-
-        return Stage3Strategy(module=module, zero_config=zero_config, aio=aio, **kwargs)
-    if stage == 0:
-        from shardwise.zero.stage0 import DataParallelStrategy
-
-        return DataParallelStrategy(**kwargs)
-    if stage in (1, 2):
-        from shardwise.zero.stage12 import PartitionedStrategy
-
-        return PartitionedStrategy(
-            stage=stage,
-            allgather_bucket_elements=int(zero_config.allgather_bucket_size),
-            use_reduce_scatter=bool(zero_config.reduce_scatter),
-            offload_optimizer=zero_config.offload_optimizer,
-            sub_group_size=int(zero_config.sub_group_size),
-            aio=aio,
-            **kwargs,
-        )
-    raise ValueError(f"not implemented yet: zero_optimization.stage={stage}")

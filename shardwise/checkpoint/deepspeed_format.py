@@ -1,0 +1,530 @@
+"""DeepSpeed's own checkpoints (``save_checkpoint`` of DeepSpeed 0.1x) as shardwise checkpoints.
+
+A DeepSpeed checkpoint folder ``<dir>/<tag>/`` holds (``deepspeed/runtime/engine.py``):
+
+* ``mp_rank_00_model_states.pt`` (ZeRO 0-2) or ``zero_pp_rank_<r>_mp_rank_00_model_states.pt``
+  (ZeRO-3, one per rank): ``module`` (the state dict in the training dtype; at ZeRO-3 parameters
+  are empty placeholders), ``param_shapes`` (per param group, name -> shape in flat order),
+  ``buffer_names``, ``frozen_param_shapes``/``frozen_param_fragments`` (ZeRO 2/3), ``shared_params``,
+  ``lr_scheduler``, ``global_steps``, ``global_samples``, ``skipped_steps``, ``dp_world_size``,
+  ``mp_world_size``, ``ds_config``, ``ds_version``, the ZeRO-0 ``optimizer`` and the client's keys;
+* ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (ZeRO 1-3), ``optimizer_state_dict``:
+  ZeRO-1/2 (``stage_1_and_2.py``) and bf16 ZeRO-1 (``bf16_optimizer.py``) keep per param group one
+  flat fp32 buffer, the group's parameters end to end (plus ``param_alignment_paddings``), padded
+  at the end to a multiple of 2 x world size and cut into equal partitions: rank r's is
+  ``single_partition_of_fp32_groups`` (ZeRO-1/2 drop the padding, ``group_paddings``) and its
+  Adam moments are ``base_optimizer_state``.  ZeRO-3 (``stage3.py``) cuts every parameter on its
+  own into ``ceil(numel / world)`` pieces; rank r's pieces, end to end in ``param_shapes`` order,
+  are ``fp32_flat_groups`` (sub-groups) with moments in ``optimizer_state_dict``.
+
+Each rank's flat data is cut into (parameter name, flat range) fragments, exactly what
+shardwise's own checkpoints store, and written as a native checkpoint (``convert_deepspeed_checkpoint``);
+``load_deepspeed_checkpoint`` does that into a temporary folder and loads it with the ordinary
+loader, which reshards to any world size and ZeRO stage.  Files are read with the restricted
+unpickler of ``safe_unpickle.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardwise import __version__
+from shardwise.checkpoint.files import TMP_PREFIX, write_tensors
+from shardwise.checkpoint.fragments import index_fragments
+from shardwise.checkpoint.manifest import FORMAT, VERSION
+from shardwise.checkpoint.safe_unpickle import load_deepspeed_file
+from shardwise.checkpoint.serialize import split_state
+from shardwise.checkpoint.writer import SavePlan
+
+logger = logging.getLogger("shardwise")
+
+# Keys DeepSpeed writes into the model-states file; everything else there is the client's state.
+DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
+})
+_MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+_PIPELINE_LAYER = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")  # PipelineModule's per-layer files
+
+
+class DeepSpeedLayoutError(ValueError):
+    """A DeepSpeed checkpoint whose layout this reader does not know (the message names the field)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# finding the folder
+
+
+def find_deepspeed_folder(load_dir, tag=None) -> Path | None:
+    """The tag folder of a DeepSpeed checkpoint in ``load_dir`` (``tag`` or ``latest``), or
+    ``load_dir`` itself when it is one; None when it is not a DeepSpeed checkpoint."""
+    load_dir = Path(load_dir)
+    candidates = []
+    if tag is not None:
+        candidates.append(load_dir / str(tag))
+    elif (load_dir / "latest").is_file():
+        candidates.append(load_dir / (load_dir / "latest").read_text().strip())
+    candidates.append(load_dir)
+    for folder in candidates:
+        if folder.is_dir() and not (folder / "manifest.json").exists() and \
+                any(p.is_file() and (_MODEL_STATES.match(p.name) or _PIPELINE_LAYER.match(p.name))
+                    for p in folder.iterdir()):
+            return folder
+    return None
+
+
+def is_deepspeed_checkpoint(load_dir, tag=None) -> bool:
+    return find_deepspeed_folder(load_dir, tag) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+@dataclass
+class _Out:
+    """The native checkpoint being written into ``tmp``: fragment files (written one DeepSpeed rank at
+    a time by :meth:`flush`, so memory holds one rank's partition), their checksums, descriptors."""
+
+    tmp: Path
+    files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    written: dict[str, tuple[str, int]] = field(default_factory=dict)
+    descs: list[dict] = field(default_factory=list)
+
+    def flush(self) -> None:
+        for name, tensors in self.files.items():
+            self.written[name] = (write_tensors(self.tmp / name, tensors, copy=False), 0)
+        self.files = {}
+
+    def fragment(self, rank: int, name: str, shape, start: int, end: int, master: torch.Tensor | None,
+                 states: dict[str, torch.Tensor]) -> None:
+        key = f"{name}@{start}:{end}"
+        base = {"name": name, "shape": [int(d) for d in shape], "start": start, "end": end}
+        if master is not None:
+            mfile = f"master_rank{rank}.safetensors"
+            self.files.setdefault(mfile, {})[key] = master.detach().float().reshape(-1).clone()
+            self.descs.append({**base, "kind": "master", "file": mfile, "key": key, "dtype": "float32"})
+        ofile = f"optim_rank{rank}.safetensors"
+        for state, value in states.items():
+            skey = f"{key}/{state}"
+            self.files.setdefault(ofile, {})[skey] = value.detach().clone()
+            self.descs.append({**base, "kind": "optim", "state": state, "scalar": value.dim() == 0, "file": ofile,
+                               "key": skey, "dtype": str(value.dtype).removeprefix("torch.")})
+
+
+def _need(d: dict, key: str, where) -> object:
+    if not isinstance(d, dict) or key not in d:
+        raise DeepSpeedLayoutError(f"{where}: field '{key}' missing (this reader follows the layout of DeepSpeed "
+                                   "0.1x's save_checkpoint)")
+    return d[key]
+
+
+def _numel(shape) -> int:
+    return int(math.prod(int(d) for d in shape))
+
+
+def _split_states(state: dict, lo: int, hi: int, where: str) -> dict[str, torch.Tensor]:
+    """Elements [lo, hi) of each per-element optimizer state; scalars (Adam's step) as they are."""
+    out = {}
+    for k, v in state.items():
+        if not isinstance(v, torch.Tensor):
+            raise DeepSpeedLayoutError(f"{where}: optimizer state '{k}' is a {type(v).__name__}, not a tensor")
+        out[k] = v if v.dim() == 0 else v.reshape(-1)[lo:hi]
+    return out
+
+
+def _flat_states(opt_sd, count: int, where) -> list[dict]:
+    """Per flat group, its optimizer state: a torch state_dict ``{'state': {i: ..}, ...}`` or the
+    'elastic' list of lean states (plus ``base_optimizer_state_step``)."""
+    if isinstance(opt_sd, list):  # zero_optimization.elastic_checkpoint
+        return [dict(s) for s in opt_sd]
+    state = _need(opt_sd, "state", where)
+    return [dict(state.get(i, {})) for i in range(count)]
+
+
+class _Reader:
+    def __init__(self, folder: Path, param_names: list[str] | None, tmp: Path) -> None:
+        self.folder = folder
+        self.param_names = param_names
+        self.out = _Out(tmp)
+        names = sorted(p.name for p in folder.iterdir())
+        if any(_PIPELINE_LAYER.match(n) for n in names):
+            raise ValueError(f"{folder} is a DeepSpeed pipeline-parallel checkpoint (layer_*-model_states.pt files): "
+                             "shardwise reads data-parallel DeepSpeed checkpoints only (no pipeline stages)")
+        mp = sorted({int(m.group(2)) for n in names if (m := _MODEL_STATES.match(n))})
+        if mp != [0]:
+            raise ValueError(f"{folder} holds tensor-parallel model-states files for mp ranks {mp}: shardwise reads "
+                             "DeepSpeed checkpoints without tensor (model) parallelism only")
+        first = folder / "mp_rank_00_model_states.pt"
+        if not first.exists():
+            first = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+        self.ms_path = first
+        self.ms = load_deepspeed_file(first)
+        if not isinstance(self.ms, dict):
+            raise DeepSpeedLayoutError(f"{first}: expected a dict of DeepSpeed states, found {type(self.ms).__name__}")
+        for key in ("module", "global_steps", "dp_world_size"):
+            _need(self.ms, key, first)
+        dims = self.ms.get("checkpoint_parallel_dimensions") or {}
+        pp, tp = int(dims.get("pp_degree", 1)), int(dims.get("tp_degree", 1))
+        mpw = int(self.ms.get("mp_world_size", 1))
+        if pp > 1 or tp > 1 or mpw > 1:
+            raise ValueError(f"{first}: saved with pipeline degree {pp}, tensor-parallel degree {max(tp, mpw)}; "
+                             "shardwise reads DeepSpeed checkpoints of pure data parallelism only (the pipeline "
+                             "stage and tensor-slice mapping are missing here)")
+        self.cfg = self.ms.get("ds_config") if isinstance(self.ms.get("ds_config"), dict) else {}
+        self.world = int(self.ms["dp_world_size"])
+        self.module: dict[str, torch.Tensor] = dict(self.ms["module"])
+        # The stage from the files (ds_config may be a path, not a dict); ZeRO-1 vs 2 from 'zero_stage' later.
+        if first.name.startswith("zero_pp_rank_"):
+            self.stage = 3
+        elif any("optim_states" in n for n in names):
+            self.stage = int((self.cfg.get("zero_optimization") or {}).get("stage", 1)) or 1
+        else:
+            self.stage = 0
+        self.fp16 = bool((self.cfg.get("fp16") or {}).get("enabled", False)) or \
+            any(v.dtype == torch.float16 for v in self.module.values())
+        self.buffers = set(self.ms.get("buffer_names") or [])
+        self.aliases = dict(self.ms.get("shared_params") or {})
+        self.param_shapes = [dict(g) for g in (self.ms.get("param_shapes") or [])]
+
+    # -- file names ------------------------------------------------------------------------
+    def optim_path(self, rank: int) -> Path:
+        for prefix in ("", "bf16_"):
+            for sep in ("_", ""):  # DeepSpeed's old name lacked the underscore before optim_states
+                p = self.folder / f"{prefix}zero_pp_rank_{rank}_mp_rank_00{sep}optim_states.pt"
+                if p.exists():
+                    return p
+        raise FileNotFoundError(f"DeepSpeed checkpoint {self.folder} was saved by {self.world} data-parallel ranks "
+                                f"but rank {rank}'s optimizer file zero_pp_rank_{rank}_mp_rank_00_optim_states.pt "
+                                "(or bf16_zero_pp_rank_...) is missing")
+
+    def model_states_path(self, rank: int) -> Path:
+        p = self.folder / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        if not p.exists():
+            raise FileNotFoundError(f"DeepSpeed ZeRO-3 checkpoint {self.folder} was saved by {self.world} ranks but "
+                                    f"rank {rank}'s {p.name} is missing")
+        return p
+
+    # -- optimizer state -------------------------------------------------------------------
+    def read(self) -> None:
+        self.param_groups = None
+        self.loss_scaler = None
+        if self.stage == 0:
+            self._read_stage0(self.ms.get("optimizer"))
+        elif self.stage == 3:
+            self._read_stage3()
+        else:
+            self._read_flat_partitions()
+        self.out.flush()
+
+    def _groups_hyper(self, opt_sd, count: int = 1) -> None:
+        if isinstance(opt_sd, dict) and "param_groups" in opt_sd:
+            self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt_sd["param_groups"]]
+            return
+        # zero_optimization.elastic_checkpoint saves no param groups: the config's optimizer settings
+        params = dict((self.cfg.get("optimizer") or {}).get("params") or {})
+        hyper = {k: tuple(v) if k == "betas" else v for k, v in params.items()
+                 if k in ("lr", "betas", "eps", "weight_decay", "momentum", "amsgrad")}
+        logger.warning("%s: no optimizer param groups saved (elastic_checkpoint); using the config's %s", self.folder,
+                       hyper)
+        self.param_groups = [dict(hyper) for _ in range(count)]
+
+    def _scaler(self, obj) -> None:
+        """DeepSpeed's LossScaler/DynamicLossScaler (a stand-in) or FP16_Optimizer's keys, as shardwise's."""
+        if not self.fp16 or obj is None:
+            return
+        get = (lambda k, d=None: getattr(obj, k, d)) if not isinstance(obj, dict) else obj.get
+        dynamic = bool(get("dynamic", get("dynamic_loss_scale", False)))
+        if not dynamic:
+            self.loss_scaler = {"type": "static", "cur_scale": float(get("cur_scale", 1.0))}
+            return
+        hyst = int((self.cfg.get("fp16") or {}).get("hysteresis", 2))
+        self.loss_scaler = {"type": "dynamic", "cur_scale": float(get("cur_scale")),
+                            "cur_iter": int(get("cur_iter", 0)),
+                            "last_overflow_iter": int(get("last_overflow_iter", -1)),
+                            "cur_hysteresis": int(get("cur_hysteresis", hyst))}
+
+    def _read_flat_partitions(self) -> None:
+        """ZeRO-1/2 and bf16 ZeRO-1: per group, rank r's slice of the end-to-end flat buffer."""
+        if not self.param_shapes:
+            raise DeepSpeedLayoutError(f"{self.ms_path}: field 'param_shapes' missing or empty")
+        starts = [0] * len(self.param_shapes)  # global start of the next rank's partition, per group
+        for rank in range(self.world):
+            path = self.optim_path(rank)
+            osd = _need(load_deepspeed_file(path), "optimizer_state_dict", path)
+            parts = _need(osd, "single_partition_of_fp32_groups", path)
+            if len(parts) != len(self.param_shapes):
+                raise DeepSpeedLayoutError(f"{path}: field 'single_partition_of_fp32_groups' has {len(parts)} groups, "
+                                           f"'param_shapes' of {self.ms_path.name} {len(self.param_shapes)}")
+            if "zero_stage" in osd:
+                self.stage = int(osd["zero_stage"])
+            count = osd.get("partition_count")
+            count = max(count) if isinstance(count, list) else count
+            if count is not None and int(count) != self.world:
+                raise DeepSpeedLayoutError(f"{path}: field 'partition_count' is {count} but dp_world_size {self.world}")
+            base = _need(osd, "base_optimizer_state", path)
+            states = _flat_states(base, len(parts), path)
+            if "base_optimizer_state_step" in osd:
+                for s in states:
+                    s.setdefault("step", torch.tensor(float(osd["base_optimizer_state_step"])))
+            if rank == 0:
+                self._groups_hyper(base, len(parts))
+                self._scaler(osd.get("loss_scaler"))
+            align = osd.get("param_alignment_paddings")
+            mappings = osd.get("param_slice_mappings")
+            for g, (shapes, part) in enumerate(zip(self.param_shapes, parts)):
+                part = part.reshape(-1)
+                lo_r, hi_r = starts[g], starts[g] + part.numel()
+                off = 0
+                seen = {}
+                for j, (name, shape) in enumerate(shapes.items()):
+                    n = _numel(shape)
+                    lo, hi = max(off, lo_r), min(off + n, hi_r)
+                    if lo < hi:
+                        self.out.fragment(rank, name, shape, lo - off, hi - off, part[lo - lo_r:hi - lo_r],
+                                          _split_states(states[g], lo - lo_r, hi - lo_r, f"{path} group {g}"))
+                        seen[name] = (hi - lo, lo - lo_r)
+                    off += n + (int(align[g][j]) if align else 0)
+                if mappings is not None and g < len(mappings):
+                    saved = {k: (int(v.numel), int(v.start)) for k, v in mappings[g].items()}
+                    if saved != seen:
+                        raise DeepSpeedLayoutError(
+                            f"{path}: field 'param_slice_mappings' of group {g} does not match the layout derived from "
+                            f"'param_shapes' (saved {saved}, derived {seen})")
+                starts[g] = hi_r
+            self.out.flush()
+        for g, shapes in enumerate(self.param_shapes):
+            need = sum(_numel(s) for s in shapes.values())
+            if starts[g] < need:
+                raise DeepSpeedLayoutError(f"{self.folder}: 'single_partition_of_fp32_groups' of group {g} hold "
+                                           f"{starts[g]} elements over all ranks, 'param_shapes' need {need}")
+        self.trainable = [n for shapes in self.param_shapes for n in shapes]
+
+    def _read_stage3(self) -> None:
+        shapes = {k: v for g in self.param_shapes for k, v in g.items()}
+        if not shapes:
+            raise DeepSpeedLayoutError(f"{self.ms_path}: field 'param_shapes' missing or empty")
+        frozen_shapes = dict(self.ms.get("frozen_param_shapes") or {})
+        frozen_parts: dict[str, list[torch.Tensor]] = {n: [] for n in frozen_shapes}
+        full = {name: torch.empty(_numel(s), dtype=self.module[name].dtype if name in self.module else torch.float32)
+                for name, s in shapes.items()}  # the whole weights in the training dtype, for 'module'
+        for rank in range(self.world):
+            if frozen_shapes:
+                ms = self.ms if rank == 0 else load_deepspeed_file(self.model_states_path(rank))
+                frags = _need(ms, "frozen_param_fragments", self.model_states_path(rank))
+                for n in frozen_shapes:
+                    frozen_parts[n].append(frags[n].reshape(-1))
+            elif rank > 0:
+                self.model_states_path(rank)  # a missing file is an error even when nothing is read from it
+            path = self.optim_path(rank)
+            osd = _need(load_deepspeed_file(path), "optimizer_state_dict", path)
+            groups = [t.reshape(-1) for t in _need(osd, "fp32_flat_groups", path)]
+            flat = torch.cat(groups) if len(groups) != 1 else groups[0]
+            base = _need(osd, "optimizer_state_dict", path)
+            if rank == 0:
+                self._groups_hyper(base)
+                self._scaler(osd.get("loss_scaler"))
+            sub_states = _flat_states(base, len(groups), path)
+            merged = {}
+            for k in sub_states[0] if sub_states else {}:
+                vals = [s[k] for s in sub_states]
+                merged[k] = vals[0] if vals[0].dim() == 0 else torch.cat([v.reshape(-1) for v in vals])
+            local = 0
+            for name, shape in shapes.items():
+                n = _numel(shape)
+                pn = math.ceil(n / self.world)
+                lo, hi = min(rank * pn, n), min((rank + 1) * pn, n)
+                if local + (hi - lo) > flat.numel():
+                    raise DeepSpeedLayoutError(f"{path}: field 'fp32_flat_groups' holds {flat.numel()} elements, "
+                                               f"fewer than 'param_shapes' need at {self.world} ranks")
+                if lo < hi:
+                    piece = flat[local:local + hi - lo]
+                    full[name][lo:hi] = piece
+                    self.out.fragment(rank, name, shape, lo, hi, piece,
+                                      _split_states(merged, local, local + hi - lo, f"{path}"))
+                local += pn
+            if local != flat.numel():
+                raise DeepSpeedLayoutError(f"{path}: field 'fp32_flat_groups' holds {flat.numel()} elements, "
+                                           f"'param_shapes' at {self.world} ranks account for {local}")
+            self.out.flush()
+        for name, shape in shapes.items():  # ZeRO-3's module holds empty placeholders
+            self.module[name] = full[name].view(*[int(d) for d in shape])
+        for name, shape in frozen_shapes.items():
+            dtype = self.module[name].dtype if name in self.module else torch.float32
+            self.module[name] = torch.cat(frozen_parts[name])[:_numel(shape)].view(*[int(d) for d in shape]).to(dtype)
+        self.trainable = list(shapes)
+
+    def _read_stage0(self, opt) -> None:
+        """No ZeRO: the optimizer's state_dict is inside the model states; it names no parameters, so they
+        are matched to the module's parameters in order."""
+        self.trainable = []
+        if opt is None:
+            return
+        where = f"{self.ms_path} field 'optimizer'"
+        params = self._stage0_names()
+        if "optimizer_state_dict" in opt:  # FP16_Optimizer / FP16_UnfusedOptimizer (fp16 and bf16)
+            inner = opt["optimizer_state_dict"]
+            self._scaler(opt)
+        else:
+            inner = opt
+        groups = _need(inner, "param_groups", where)
+        state = _need(inner, "state", where)
+        self._groups_hyper(inner)
+        ids = [i for g in groups for i in g["params"]]
+        if "fp32_groups_flat" in opt:  # one flat fp32 tensor per group
+            flats = [t.reshape(-1) for t in opt["fp32_groups_flat"]]
+            names = self._match_names(params, [f.numel() for f in flats], per_group=True, where=where)
+            for g, (flat, gnames) in enumerate(zip(flats, names)):
+                off = 0
+                for name in gnames:
+                    n = self.module[name].numel()
+                    self.out.fragment(0, name, self.module[name].shape, 0, n, flat[off:off + n],
+                                      _split_states(dict(state.get(ids[g], {})), off, off + n, where))
+                    off += n
+                self.trainable += gnames
+            return
+        masters = [t for g in opt["fp32_groups"] for t in g] if "fp32_groups" in opt else None
+        names = self._match_names(params, len(ids), per_group=False, where=where)
+        for k, (i, name) in enumerate(zip(ids, names)):
+            n = self.module[name].numel()
+            master = masters[k].reshape(-1) if masters is not None else None
+            if master is not None and master.numel() != n:
+                raise DeepSpeedLayoutError(f"{where}: 'fp32_groups' entry {k} has {master.numel()} elements, "
+                                           f"parameter {name} {n}")
+            self.out.fragment(0, name, self.module[name].shape, 0, n, master,
+                              _split_states(dict(state.get(i, {})), 0, n, where))
+        self.trainable = names
+
+    def _stage0_names(self) -> list[str]:
+        """The module's parameters in order, tied names (the same tensor twice in 'module') once."""
+        first: dict[tuple, str] = {}
+        for k, v in self.module.items():
+            if k in self.buffers or v.numel() == 0:
+                continue
+            owner = first.setdefault((v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)), k)
+            if owner != k:
+                self.aliases[k] = owner
+        if self.param_names is not None:
+            return [n for n in self.param_names if n in self.module and n not in self.aliases]
+        return [k for k in first.values()]
+
+    def _match_names(self, params: list[str], sizes, *, per_group: bool, where: str):
+        if not per_group:
+            if len(params) != sizes:
+                raise DeepSpeedLayoutError(
+                    f"{where}: the optimizer holds {sizes} parameters, the module {len(params)} "
+                    f"({', '.join(params[:8])}...); DeepSpeed stores no parameter names at ZeRO-0, so they are "
+                    "matched by order. Load it with the engine of the model that trained it (its trainable "
+                    "parameters are used), or with load_optimizer_states=False")
+            return params
+        out, k = [], 0
+        for size in sizes:
+            group, total = [], 0
+            while total < size and k < len(params):
+                group.append(params[k])
+                total += self.module[params[k]].numel()
+                k += 1
+            if total != size:
+                raise DeepSpeedLayoutError(f"{where}: field 'fp32_groups_flat' has a group of {size} elements that the "
+                                           "module's parameters, taken in order, do not add up to")
+            out.append(group)
+        return out
+
+    # -- the native checkpoint ---------------------------------------------------------------
+    def manifest(self, tag: str) -> dict:
+        ms, cfg = self.ms, self.cfg
+        canonical = {k: v for k, v in self.module.items() if k not in self.aliases}
+        dtype = next((v.dtype for k, v in canonical.items() if k in self.trainable), torch.float32)
+        frozen = sorted(set(ms.get("frozen_param_shapes") or {}) |
+                        ({k for k in canonical if k not in self.buffers and k not in self.trainable}
+                         if self.stage > 0 else set()))
+        gas = int(cfg.get("gradient_accumulation_steps") or 1)
+        client = {k: v for k, v in ms.items() if k not in DEEPSPEED_KEYS}
+        self.sched_json, sched_tensors = split_state(ms.get("lr_scheduler"), "scheduler")
+        self.client_json, client_tensors = split_state(client, "client")
+        self.extra = {**sched_tensors, **client_tensors}
+        self.canonical = canonical
+        groups = None
+        if self.param_groups is not None:
+            groups = [split_state(g, f"group{i}")[0] for i, g in enumerate(self.param_groups)]
+        tensors = {"model": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
+                                 "fragments": [{"file": "model.safetensors", "key": k, "start": 0, "end": v.numel()}]}
+                             for k, v in canonical.items()}}
+        tensors.update(index_fragments(self.out.descs))
+        return {
+            "format": FORMAT, "version": VERSION, "shardwise_version": __version__, "tag": tag,
+            "tensors": tensors, "aliases": self.aliases, "module_keys": list(self.module), "frozen": frozen,
+            "topology": {"world_size": self.world, "dp_world_size": self.world, "zero_stage": self.stage},
+            "engine": {"global_steps": int(ms["global_steps"]),
+                       "global_samples": int(ms.get("global_samples", 0) or 0),
+                       "micro_steps": int(ms["global_steps"]) * gas,
+                       "skipped_steps": int(ms.get("skipped_steps", 0) or 0),
+                       "loss_scaler": self.loss_scaler,
+                       "param_dtype": str(dtype).removeprefix("torch."), "data": None},
+            "optimizer": {"param_groups": groups} if groups is not None else None,
+            "lr_scheduler": self.sched_json, "client_state": self.client_json,
+            "config": json.loads(json.dumps(cfg, default=repr)),
+            "converted_from": {"deepspeed_version": str(ms.get("ds_version", "unknown")), "folder": str(self.folder)},
+        }
+
+
+def convert_deepspeed_checkpoint(ds_dir, out_dir, *, tag=None, param_names: list[str] | None = None) -> Path:
+    """Write the DeepSpeed checkpoint ``ds_dir`` (``tag`` or ``latest``) as a native shardwise
+    checkpoint ``out_dir/<tag>`` (and ``out_dir/latest``); returns that folder.
+
+    ``param_names``: the trainable parameters in order, only needed for a ZeRO-0 checkpoint whose
+    optimizer holds fewer parameters than the module (DeepSpeed names none at stage 0)."""
+    folder = find_deepspeed_folder(ds_dir, tag)
+    if folder is None:
+        raise FileNotFoundError(f"{ds_dir}: no DeepSpeed checkpoint there (no *model_states.pt"
+                                f"{' in tag ' + str(tag) if tag is not None else ''}, and no 'latest')")
+    tag_name = folder.name
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = SavePlan(tmp=out_dir / f"{TMP_PREFIX}{tag_name}", final=out_dir / tag_name, rank=0, world=1)
+    if plan.tmp.exists():
+        shutil.rmtree(plan.tmp)
+    plan.tmp.mkdir()
+    try:
+        reader = _Reader(folder, param_names, plan.tmp)
+        try:
+            reader.read()
+        except DeepSpeedLayoutError as e:
+            raise DeepSpeedLayoutError(f"{e} [written by DeepSpeed {reader.ms.get('ds_version', '?')}]") from None
+        plan.manifest = reader.manifest(tag_name)
+        plan.written.update(reader.out.written)
+        for name, tensors in {"model.safetensors": reader.canonical, "extra.safetensors": reader.extra}.items():
+            plan.written[name] = (write_tensors(plan.tmp / name, tensors), 0)
+    except BaseException:
+        shutil.rmtree(plan.tmp, ignore_errors=True)
+        raise
+    plan.commit([plan.write_files()])
+    return plan.final
+
+
+def load_if_deepspeed(engine, load_dir, *, writer, tag=None, **options):
+    """``engine.load_checkpoint`` of a DeepSpeed checkpoint: converted into a temporary native
+    checkpoint on each rank and loaded from there; returns ``(DeepSpeed tag folder, client_state, counters)``.
+    None when ``load_dir`` is not a DeepSpeed checkpoint (the caller loads it as a native one)."""
+    from shardwise.checkpoint.engine_io import load_checkpoint
+
+    folder = find_deepspeed_folder(load_dir, tag)
+    if folder is None:
+        return None
+    names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+    with tempfile.TemporaryDirectory(prefix="shardwise-from-deepspeed-") as tmp:
+        converted = convert_deepspeed_checkpoint(load_dir, tmp, tag=tag, param_names=names)
+        _, client_state, counters = load_checkpoint(engine, converted, writer=writer, **options)
+    logger.info("loaded DeepSpeed checkpoint %s", folder)
+    return str(folder), client_state, counters

@@ -1,0 +1,37 @@
+"""The one place that maps ``zero_optimization.stage`` to a strategy class."""
+
+from __future__ import annotations
+
+from shardwise.zero.partitioned_step import offload_device
+from shardwise.zero.stage0 import DataParallelStrategy
+from shardwise.zero.stage3 import Stage3Strategy
+from shardwise.zero.stage12 import Stage1Strategy, Stage2Strategy
+from shardwise.zero.strategy import ZeroStrategy
+
+
+def build_strategy(zero_config, *, aio=None, module, dp_group=None, **kwargs) -> ZeroStrategy:
+    """The strategy for ``zero_config.stage`` (a ``zero_optimization`` config block), reducing over
+    ``dp_group`` (the data-parallel process group; ``None``: every rank)."""
+    stage = int(zero_config.stage)
+    opt_off = offload_device(zero_config.offload_optimizer)
+    param_off = offload_device(zero_config.offload_param)
+    if opt_off != "none" and stage == 0:
+        raise ValueError("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (stage is 0)")
+    if param_off != "none" and stage != 3:
+        raise ValueError(f"zero_optimization.offload_param needs ZeRO stage 3 (stage is {stage})")
+    if stage == 0:
+        return DataParallelStrategy(dp_group=dp_group, **kwargs)
+    if stage in (1, 2):
+        cls = Stage1Strategy if stage == 1 else Stage2Strategy
+        return cls(
+            allgather_bucket_elements=int(zero_config.allgather_bucket_size),
+            use_reduce_scatter=bool(zero_config.reduce_scatter),
+            offload_optimizer=zero_config.offload_optimizer,
+            sub_group_size=int(zero_config.sub_group_size),
+            aio=aio,
+            dp_group=dp_group,
+            **kwargs,
+        )
+    if stage == 3:
+        return Stage3Strategy(module=module, zero_config=zero_config, aio=aio, dp_group=dp_group, **kwargs)
+    raise ValueError(f"not implemented yet: zero_optimization.stage={stage}")
