@@ -6,7 +6,8 @@ forward/backward/step calls. One batch is ``gradient_accumulation_steps`` micro-
 schedule (``schedule.py``) says in which order this stage runs their forward and backward
 passes and where activations and gradients cross to the neighbouring stages (``p2p.py``).
 The accumulation boundary is the stage's last backward of the batch, so the ZeRO strategy
-reduces gradients while it runs, as it does for the ordinary engine.
+reduces gradients while it runs, as it does for the ordinary engine (``_begin_backward`` /
+``_end_backward`` around each backward, ``_take_model_step`` once per batch).
 
 What differs from the ordinary engine's step: the gradient norm (for clipping and the fp16
 overflow check) is taken over every stage, so all stages clip by the same coefficient and skip
@@ -309,13 +310,14 @@ class PipelineEngine(Engine):
         st.backwards_done += 1
         boundary = st.backwards_done == st.total_backwards
         self.timers.start("backward")
-        self.strategy.prepare_backward(boundary=boundary)
+        self.set_gradient_accumulation_boundary(boundary)  # the stage's last backward of the batch
+        self._begin_backward()
         if self._is_last_vs(ins.chunk):
             scaled = st.outputs.pop(key).float()
             if self.micro_batches > 1:
                 scaled = scaled / self.micro_batches
             if self.loss_scaler is not None:
-                scaled = scaled * self.loss_scaler.loss_scale
+                scaled = self.loss_scaler.scale_loss(scaled)
             scaled.backward()
         else:
             tensors, _ = st.outputs.pop(key)
@@ -323,9 +325,8 @@ class PipelineEngine(Engine):
             pairs = [(t, g) for t, g in zip([tensors[i] for i in grad_slots(tensors)], grads) if t.requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], grad_tensors=[g for _, g in pairs])
-        self.timers.start("backward_allreduce")
-        self.strategy.finish_backward()
-        self.timers.stop("backward_allreduce")
+        self._end_backward()
+        self.set_gradient_accumulation_boundary(None)
         self.timers.stop("backward")
         inputs, _ = st.inputs.pop(key)
         if self._vs(ins.chunk) > 0:
