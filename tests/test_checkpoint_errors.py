@@ -84,6 +84,7 @@ def _body(rank, world, root):
     out["missing_file"] = _error(lambda: engine().load_checkpoint(ckpt))
     os.rename(os.path.join(root, "rank0.json"), os.path.join(folder, "rank0.json"))
     out["missing_tag"] = _error(lambda: engine().load_checkpoint(ckpt, tag="t9"))
+    out.update(_edited_manifests(folder, lambda: _error(lambda: engine().load_checkpoint(ckpt))))
     out["wider"] = _error(lambda: engine(Wider()).load_checkpoint(ckpt))
     out["renamed"] = _error(lambda: engine(Renamed()).load_checkpoint(ckpt))
     out["renamed_lenient_shape"] = _error(lambda: engine(Wider()).load_checkpoint(ckpt, load_module_strict=False))
@@ -93,6 +94,40 @@ def _body(rank, world, root):
     out["saved"] = {n: p.detach().clone() for n, p in e.module.named_parameters()}
     out["ok"] = engine().load_checkpoint(ckpt)[0]
     return out
+
+
+def _edited_manifests(folder, load):
+    """Load after editing manifest.json the ways issue 18 found to pass silently."""
+    import hashlib
+    import json
+
+    path = os.path.join(folder, "manifest.json")
+    original = open(path).read()
+
+    def edit(change, *, redigest):
+        manifest = json.loads(original)
+        change(manifest)
+        if redigest:  # as a buggy writer would leave it: self-consistent, yet missing a file
+            body = {k: v for k, v in manifest.items() if k != "digest"}
+            text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+            manifest["digest"] = hashlib.sha256(text.encode()).hexdigest()
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+        try:
+            return load()
+        finally:
+            with open(path, "w") as f:
+                f.write(original)
+
+    def shape(m):
+        m["tensors"]["model"]["fc1.bias"]["shape"] = [14]
+
+    def unlist(m):
+        del m["files"]["rank0.json"], m["sizes"]["rank0.json"]
+
+    return {"edited_shape": edit(shape, redigest=False), "unlisted": edit(unlist, redigest=False),
+            "unlisted_redigested": edit(unlist, redigest=True),
+            "no_digest": edit(lambda m: m.pop("digest", None), redigest=False)}
 
 
 def test_errors_name_the_problem(tmp_path):
@@ -105,6 +140,12 @@ def test_errors_name_the_problem(tmp_path):
     assert str(folder / "manifest.json") in r["manifest"] and "corrupted or truncated" in r["manifest"]
     assert "FileNotFoundError" in r["missing_file"] and str(folder / "rank0.json") in r["missing_file"]
     assert "no checkpoint 't9'" in r["missing_tag"] and "tags there: t1" in r["missing_tag"]
+    # issue 18: the manifest checks itself, and lists every file the load needs
+    manifest = str(folder / "manifest.json")
+    for key in ("edited_shape", "unlisted"):
+        assert manifest in r[key] and "changed after it was written" in r[key], (key, r[key])
+    assert manifest in r["unlisted_redigested"] and "does not list rank0.json" in r["unlisted_redigested"]
+    assert manifest in r["no_digest"] and "has no 'digest'" in r["no_digest"]
     assert "shape mismatch: fc1.bias: checkpoint (13,) vs model (14,)" in r["wider"]
     assert "missing in checkpoint: head.bias, head.weight" in r["renamed"]
     assert "not in model: out.bias, out.weight" in r["renamed"]
@@ -123,3 +164,8 @@ def test_tag_resolution_without_an_engine(tmp_path):
     assert open_checkpoint(tmp_path) is None and list_tags(tmp_path / "nothing") == []
     with pytest.raises(FileNotFoundError, match="tags there: none"):
         open_checkpoint(tmp_path, tag="x")
+    # issue 18: a non-UTF-8 'latest' gave "'utf-8' codec can't decode byte" without the path
+    (tmp_path / "latest").write_bytes(b"global_step\xe9")
+    with pytest.raises(ValueError) as info:
+        open_checkpoint(tmp_path)
+    assert str(tmp_path / "latest") in str(info.value) and "not UTF-8" in str(info.value)

@@ -280,6 +280,70 @@ def test_bucket_sizes_written_as_floats_become_ints():
     assert zero.allgather_bucket_size == 200_000_000 and isinstance(zero.allgather_bucket_size, int)
 
 
+# One type rule (issue 18): JSON types as DeepSpeed documents them, "auto" where HF writes it.
+@pytest.mark.parametrize("config,path,expected", [
+    ({"train_batch_size": "32"}, "train_batch_size", "an integer"),
+    ({"bf16": {"enabled": "yes"}}, "bf16.enabled", "true or false"),
+    ({"bf16": {"enabled": "on"}}, "bf16.enabled", "true or false"),
+    ({"bf16": {"enabled": 1}}, "bf16.enabled", "true or false"),
+    ({"fp16": {"enabled": "true"}}, "fp16.enabled", "true or false"),
+    ({"gradient_clipping": "1.5"}, "gradient_clipping", "a number"),
+    ({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage", "an integer"),
+    ({"zero_optimization": {"offload_optimizer": {"ratio": "0.5"}}}, "zero_optimization.offload_optimizer.ratio",
+     "a number"),
+    ({"steps_per_print": "10"}, "steps_per_print", "a positive integer"),
+    ({"gradient_clipping": float("nan")}, "gradient_clipping", ""),
+])
+def test_no_silent_coercion(config, path, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    assert str(info.value).startswith(f"{path}: expected {expected}"), str(info.value)
+
+
+def _leaf_fields(model, prefix=""):
+    """(path, kind) of every bool / int / float key of the config models, recursively."""
+    from shardwise.config.loader import _members, _submodel
+    for name, field in model.model_fields.items():
+        path = f"{prefix}.{name}" if prefix else name
+        sub = _submodel(field.annotation)
+        if sub is not None:
+            yield from _leaf_fields(sub, path)
+            continue
+        members = set(_members(field.annotation))
+        for kind in (bool, int, float):
+            if kind in members:
+                yield path, kind
+                break
+
+
+def _nest(path, value):
+    out = value
+    for part in reversed(path.split(".")):
+        out = {part: out}
+    return out
+
+
+def test_every_scalar_key_refuses_strings_and_bools_as_numbers():
+    """The rule holds for every boolean and numeric key, not only the ones named in the issue."""
+    leaves = list(_leaf_fields(ShardwiseConfig))
+    assert len(leaves) > 80
+    for path, kind in leaves:
+        wrong = {bool: ["true", 1, 0, "on"], int: ["3", True], float: ["0.5", False]}[kind]
+        for value in wrong:
+            with pytest.raises(ConfigError) as info:
+                load_quiet(_nest(path, value))
+            assert path in str(info.value), (path, value, str(info.value))
+
+
+def test_auto_and_infinity_stay_accepted():
+    cfg = load_config({"train_batch_size": "auto", "bf16": {"enabled": "auto"},
+                       "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+                       "gradient_clipping": "auto", "steps_per_print": float("inf")})
+    assert cfg.train_batch_size is None and cfg.bf16.enabled is False
+    assert cfg.steps_per_print == float("inf")  # accelerate's "never print"
+    assert load_config(json.loads(json.dumps(cfg.to_dict()))).steps_per_print == float("inf")
+
+
 @pytest.mark.parametrize("spelling,expected", [
     ("fp32", "fp32"), ("float32", "fp32"), ("torch.float32", "fp32"), ("fp16", "fp16"), ("float16", "fp16"),
     ("half", "fp16"), ("bf16", "bf16"), ("bfloat16", "bf16"), ("BFloat16", "bf16"),
@@ -544,3 +608,19 @@ def test_config_package_never_imports_torch():
 
 def test_config_object_type():
     assert isinstance(load_config({}), ShardwiseConfig)
+
+
+def test_docs_not_implemented_table_matches_code():
+    """docs/config.md's "Not implemented yet" table names exactly the code's NOT_IMPLEMENTED keys (issue 18:
+    it listed tensorboard, which works)."""
+    import re
+    from shardwise.config.support import NOT_IMPLEMENTED
+    text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    section = text.split("## Not implemented yet", 1)[1].split("\n## ", 1)[0]
+    listed = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            first_column = line.split(" | ")[0]
+            listed.update(re.findall(r"`([a-z_0-9.]+)`", first_column))
+    assert listed == set(NOT_IMPLEMENTED), (listed ^ set(NOT_IMPLEMENTED))
+    load_config({"tensorboard": {"enabled": True, "output_path": "tb"}}).check_supported()

@@ -166,3 +166,25 @@ def test_dataset_reads_only_what_it_is_asked_for(setup, tmp_path):
     sampler = ShardSampler(len(fresh), num_replicas=4, rank=2, seed=0, drop_last=True)
     for i in sampler:
         assert fresh[i]["input_ids"].tolist() == ds.sample(i)[0].tolist()
+
+
+@pytest.mark.parametrize("kind", ["json", "jsonl"])
+def test_non_utf8_byte_is_named_with_file_and_line(tmp_path, kind):
+    """Issue 18: a non-UTF-8 byte in a JSON-array file gave only "'utf-8' codec can't decode byte 0xe9"."""
+    from shardwise.data.records import BadRecord, Columns, read_records
+
+    good = '{"prompt": "a", "response": "b"}'
+    bad = '{"prompt": "caf\xe9", "response": "b"}'.encode("latin-1")
+    if kind == "json":
+        raw = b"[\n" + good.encode() + b",\n" + good.encode() + b",\n" + bad + b"\n]\n"
+    else:
+        raw = good.encode() + b"\n" + good.encode() + b"\n" + bad + b"\n"
+    path = tmp_path / f"train.{kind}"
+    path.write_bytes(raw)
+    with pytest.raises(BadRecord) as info:
+        for item in read_records(str(path), Columns()):
+            if isinstance(item, BadRecord):
+                raise item
+    message = str(info.value)
+    assert message.startswith(f"train.{kind}:{4 if kind == 'json' else 3}: "), message
+    assert "not UTF-8" in message and "0xe9" in message, message

@@ -41,7 +41,9 @@ def _train_shardwise(rank: int, world: int, cfg: dict, steps: int = STEPS, globa
 def _train_ddp(rank: int, world: int, steps: int = STEPS):
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    # fused: the kernel the config's AdamW runs, so stage 0 and DDP can be compared bit for bit
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01,
+                            fused=True)
     x, y = make_data(steps, GLOBAL_BATCH)
     per_rank = GLOBAL_BATCH // world
     losses = []

@@ -228,3 +228,105 @@ def test_elastic_node_range_on_the_c10d_rendezvous(cluster) -> None:
     reports = {**_reports(outs[0]), **_reports(outs[1])}
     assert sorted(reports) == [0, 1, 2, 3]  # both nodes joined one world of 4
     assert all(r["sum"] == 10.0 and r["world_size"] == 4 for r in reports.values())
+
+
+def _netns_pids(cluster: NetnsCluster, i: int) -> list[int]:
+    res = subprocess.run(["ip", "netns", "pids", cluster.names[i]], capture_output=True, text=True)
+    return [int(p) for p in res.stdout.split()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace").replace("\0", " ")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def _ready_ranks(proc: subprocess.Popen, count: int) -> dict[str, list[int]]:
+    """host label -> pids of its ranks, from their 'ready pid=N' lines."""
+    found: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 60
+    assert proc.stdout is not None
+    while sum(map(len, found.values())) < count and time.monotonic() < deadline:
+        m = re.search(r"^\[(\S+) rank\d+\]: ready pid=(\d+)", proc.stdout.readline())
+        if m:
+            found.setdefault(m.group(1), []).append(int(m.group(2)))
+    return found
+
+
+def _gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
+                 Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def test_kill9_of_a_node_agent_or_the_launcher_leaves_no_orphans(cluster) -> None:
+    """Issue 18 item 1, multi-node: a SIGKILLed node agent takes its ranks down (and the job ends);
+    a SIGKILLed fan-out launcher takes every node down."""
+    common = [*RUN, "--hostfile", cluster.hostfile, "--skip_doctor", "tests/scripts/sleep_or_fail.py"]
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+    proc = cluster.popen(0, [*RUN[:4], "--master_port", "29619", *common[4:]], env=env, cwd=str(REPO))
+    try:
+        ranks = _ready_ranks(proc, 4)
+        assert sorted(map(len, ranks.values())) == [2, 2], ranks
+        agent = [p for p in _netns_pids(cluster, 1) if "--no_ssh" in _cmdline(p) and "sh -c" not in _cmdline(p)]
+        assert agent, "no node agent found on host 1"
+        for pid in agent:
+            os.kill(pid, signal.SIGKILL)
+        assert not _gone(ranks[cluster.hosts[1]], 10), "host 1's ranks outlived their SIGKILLed node agent"
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0 and f"to {cluster.hosts[1]} failed" in err, err  # ssh reports the kill
+        assert not _only_sshd_left(cluster, time.monotonic() + 15), "processes outlived the job"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    proc = cluster.popen(0, [*RUN[:4], "--master_port", "29620", *common[4:]], env=env, cwd=str(REPO))
+    try:
+        ranks = _ready_ranks(proc, 4)
+        assert sorted(map(len, ranks.values())) == [2, 2], ranks
+        launcher = [p for p in _netns_pids(cluster, 0)
+                    if "--hostfile" in _cmdline(p) and "sh -c" not in _cmdline(p)]
+        assert launcher
+        os.kill(launcher[0], signal.SIGKILL)
+        left = _gone([p for pids in ranks.values() for p in pids], 20)
+        assert not left, f"ranks {left} outlived the SIGKILLed launcher"
+        assert not _only_sshd_left(cluster, time.monotonic() + 15), "processes outlived the job"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_network_partition_of_one_rank_is_reported_by_its_collective(cluster) -> None:
+    """Fault injection: host 1's link goes down under a running job; host 0's rank reports the
+    collective it was in, after the collective timeout, instead of hanging."""
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [cluster.popen(i, [*RUN, "--no_ssh", "--node_rank", str(i), "--num_nodes", "2", "--num_procs", "1",
+                               "--master_addr", cluster.hosts[0], "--master_port", "29621", "--comm_timeout", "4",
+                               "tests/scripts/allreduce_loop.py"], env=env, cwd=str(REPO)) for i in range(2)]
+    try:
+        out = procs[0].stdout
+        assert out is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if "step 3" in out.readline():
+                break
+        else:
+            raise AssertionError("the job did not start")
+        started = time.monotonic()
+        subprocess.run(["ip", "-n", cluster.names[1], "link", "set", cluster.veths[1], "down"], check=True)
+        _, err = procs[0].communicate(timeout=90)
+        elapsed = time.monotonic() - started
+        assert procs[0].returncode != 0, err
+        assert re.search(r"rank 0: all_reduce #\d+ on world \(2 ranks\).*did not complete", err), err[-3000:]
+        assert elapsed < 60, elapsed
+    finally:
+        subprocess.run(["ip", "-n", cluster.names[1], "link", "set", cluster.veths[1], "up"])
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)

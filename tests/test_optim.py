@@ -100,11 +100,13 @@ def test_adamw_type_uses_deepspeed_weight_decay_default():
     ],
 )
 def test_torch_optimizers_pass_through(type_name, hp, torch_cls):
-    opt, ours, ref = _same_run(type_name, hp, lambda ps: torch_cls(ps, **hp, foreach=True))
+    # The config builds torch's fused kernel (where the class has one): same numerics as the
+    # single-tensor reference up to rounding (see test_optim_fast.py for the bounds).
+    opt, ours, ref = _same_run(type_name, hp, lambda ps: torch_cls(ps, **hp, foreach=False))
     assert type(opt) is torch_cls
     start = _params()
     for a, b, s in zip(ours, ref, start):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-6)
         assert not torch.equal(a, s)  # the parameters really moved
 
 
@@ -129,12 +131,12 @@ def test_param_groups_keep_their_own_hyperparameters():
         [{"params": [b[0]], "lr": 0.5, "weight_decay": 0.2}, {"params": [b[1]]}],
         lr=0.01,
         weight_decay=0.05,
-        foreach=True,
+        foreach=False,
     )
     _run(opt, a)
     _run(ref, b)
     for x, y in zip(a, b):
-        assert torch.equal(x, y)
+        torch.testing.assert_close(x, y, rtol=5e-5, atol=1e-6)
 
 
 def test_generator_of_parameters_and_auto_values():
@@ -270,7 +272,7 @@ def test_unknown_param_names_its_key_and_suggests():
         ("SGD", {"nesterov": 1}, "optimizer.params.nesterov"),
         ("RMSprop", {"alpha": -0.5}, "optimizer.params.alpha"),
         ("AdamW", {"adam_w_mode": False}, "optimizer.params.adam_w_mode"),
-        ("Adam", {"bias_correction": False}, "optimizer.params.bias_correction"),
+        ("Adam", {"bias_correction": False, "amsgrad": True}, "optimizer.params.amsgrad"),
         ("Lamb", {"max_grad_norm": 1.0}, "optimizer.params.max_grad_norm"),
     ],
 )

@@ -146,6 +146,12 @@ BAD = [
     ("/", b'{"prompt": "x", "history": "no"}', 422, "history"),
     ("/", b'{"prompt": "x", "temperature": "hot"}', 422, "temperature: must be a number"),
     ("/", b'{"prompt": "x", "top_p": 1.5}', 422, "top_p"),
+    ("/", b'{"prompt": "x", "temperature": NaN}', 422, "temperature: must be a finite number"),
+    ("/", b'{"prompt": "x", "top_p": NaN}', 422, "top_p: must be a finite number"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 422,
+     "temperature: must be a finite number"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_p": NaN}', 422,
+     "top_p: must be a finite number"),
     ("/", b'{"prompt": "x", "max_length": 100000}', 400, "context of 512"),
     ("/", json.dumps({"prompt": "Where is my parcel? " * 200}).encode(), 400, "leaves no room"),
     ("/v1/chat/completions", b'{"messages": []}', 422, "messages"),
@@ -196,7 +202,7 @@ def test_requests_over_the_queue_limit_get_503(model_dir):
     from shardwise.apps.generation import ChatModel
     from shardwise.apps.serve import ServeSettings, create_app
 
-    app = create_app(ChatModel.load(model_dir), ServeSettings(max_concurrency=1, max_queue=1, max_new_tokens=100))
+    app = create_app(ChatModel.load(model_dir), ServeSettings(max_batch_size=1, max_queue=1, max_new_tokens=100))
     gate = app.state.gate
     long_request = {"prompt": "Where is my parcel?", "temperature": 1.0}  # sampling: no early EOS to count on
 
@@ -222,3 +228,113 @@ def test_requests_over_the_queue_limit_get_503(model_dir):
         message = r.json()["error"]["message"]
         assert "server busy" in message and "--max_queue" in message
     assert done == [200, 200] and after == 200 and gate.active == 0
+
+
+# ---------------------------------------------------------------- issue 18: reliability and batching
+
+def test_oversized_body_gets_413_before_parsing(server):
+    body = json.dumps({"prompt": "x" * 8_000_000}).encode()  # over the default --max_body_bytes (4 MiB)
+    started = time.monotonic()
+    r = httpx.post(server, content=body, timeout=60)
+    assert r.status_code == 413, r.text
+    assert "--max_body_bytes" in r.json()["error"]["message"]
+    assert time.monotonic() - started < 30
+    assert httpx.get(server + "/health", timeout=10).json()["status"] == "ok"
+
+
+def _in_process(app):
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120)
+
+
+def test_slow_tokenising_does_not_block_the_event_loop(model_dir):
+    """Issue 18 item 2: an 8 MB prompt made GET /health wait 7.5 s, because the body was parsed and
+    tokenised on the event loop. A tokenizer slowed to 2 s per call stands in for the huge prompt."""
+    from shardwise.apps.generation import ChatModel
+    from shardwise.apps.serve import ServeSettings, create_app
+
+    chat = ChatModel.load(model_dir)
+    fast = chat.prompt_ids
+
+    def slow(messages):
+        time.sleep(2.0)
+        return fast(messages)
+
+    chat.prompt_ids = slow
+    app = create_app(chat, ServeSettings(max_new_tokens=4))
+
+    async def scenario():
+        async with _in_process(app) as client:
+            big = asyncio.create_task(client.post("/", json={"prompt": "Where is my parcel? " * 1000}))
+            started = time.monotonic()
+            await asyncio.sleep(0.3)  # the request is being tokenised now (a blocked loop wakes us late)
+            health = await client.get("/health")
+            waited = time.monotonic() - started
+            return health.status_code, waited, (await big).status_code
+
+    status, waited, big_status = asyncio.run(scenario())
+    assert status == 200 and big_status == 400  # too long for the context: refused after tokenising
+    assert waited < 1.5, f"0.3 s of sleep and /health took {waited:.2f} s beside a request being tokenised"
+
+
+def test_api_key_and_request_timeout(model_dir):
+    from shardwise.apps.generation import ChatModel
+    from shardwise.apps.serve import ServeSettings, create_app
+
+    chat = ChatModel.load(model_dir)
+    keyed = create_app(chat, ServeSettings(api_key="s3cret", max_new_tokens=4))
+    hurried = create_app(chat, ServeSettings(request_timeout=1e-4, max_new_tokens=50))
+
+    async def scenario():
+        out = {}
+        async with _in_process(keyed) as client:
+            body = {"messages": [{"role": "user", "content": "你好"}]}
+            out["none"] = await client.post("/v1/chat/completions", json=body)
+            out["wrong"] = await client.post("/v1/chat/completions", json=body,
+                                             headers={"Authorization": "Bearer nope"})
+            out["health"] = await client.get("/health")
+            out["right"] = await client.post("/v1/chat/completions", json=body,
+                                             headers={"Authorization": "Bearer s3cret"})
+        async with _in_process(hurried) as client:
+            out["late"] = await client.post("/", json={"prompt": "Where is my parcel?"})
+        return out
+
+    out = asyncio.run(scenario())
+    for key in ("none", "wrong", "health"):
+        assert out[key].status_code == 401, (key, out[key].text)
+        assert out[key].headers["www-authenticate"] == "Bearer"
+        assert "Authorization: Bearer" in out[key].json()["error"]["message"]
+    assert out["right"].status_code == 200, out["right"].text
+    assert out["late"].status_code == 504, out["late"].text
+    assert "--request_timeout" in out["late"].json()["error"]["message"]
+    assert hurried.state.gate.active == 0
+
+
+def test_requests_join_the_running_batch_and_answer_as_alone(model_dir):
+    """A request submitted while another is generating joins its batch at a step boundary; both
+    answers equal what each gets alone, and the steps are shared."""
+    from shardwise.apps.batching import BatchedGenerator
+    from shardwise.apps.generation import ChatModel, GenerationLimits
+
+    chat = ChatModel.load(model_dir)
+    lim = GenerationLimits(max_new_tokens=NEW_TOKENS * 3, temperature=0.0, top_p=1.0)
+    prompts = [chat.prompt_ids([{"role": "user", "content": p}]) for p in PROMPTS]
+    alone = BatchedGenerator(chat, max_batch_size=1)
+    solo = [alone.submit(ids, lim).result(timeout=120) for ids in prompts]
+    alone.close()
+    assert len({a.text for a in solo}) >= 4
+
+    engine = BatchedGenerator(chat, max_batch_size=4)
+    first = engine.submit(prompts[4], lim)
+    deadline = time.monotonic() + 60
+    while len(first.tokens) < 2 and not first.future.done() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not first.future.done(), "pick a prompt whose answer is longer than two tokens"
+    later = [engine.submit(ids, lim) for i, ids in enumerate(prompts) if i != 4]
+    answers = {4: first.result(timeout=120)}
+    answers.update({i: job.result(timeout=120) for i, job in zip([i for i in range(len(prompts)) if i != 4], later)})
+    engine.close()
+    for i, answer in answers.items():
+        assert answer.text == solo[i].text and answer.finish_reason == solo[i].finish_reason, i
+    total = sum(a.completion_tokens for a in answers.values())
+    assert engine.largest_batch == 4
+    assert engine.steps < total - len(answers) - 8, (engine.steps, total)  # steps were shared

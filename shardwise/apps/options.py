@@ -108,8 +108,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--trust_remote_code", action="store_true")
     parser.add_argument("--prompt_template", choices=["auto", "chat", "round"], default="auto",
                         help="must match the one used for fine-tuning (default %(default)s)")
-    parser.add_argument("--max_concurrency", type=int, default=1, metavar="N",
-                        help="generations running at once (default %(default)s)")
+    parser.add_argument("--max_batch_size", "--max_concurrency", dest="max_batch_size", type=int, default=8,
+                        metavar="N", help="requests generated together in one decoding step; 1 generates one at "
+                        "a time (default %(default)s; --max_concurrency is the older name)")
     parser.add_argument("--max_queue", type=int, default=32, metavar="N",
                         help="requests allowed to wait; more get 503 (default %(default)s)")
     parser.add_argument("--max_length", type=int, default=None, metavar="N",
@@ -119,5 +120,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="default temperature; 0 means greedy decoding (default %(default)s)")
     parser.add_argument("--top_p", type=float, default=1.0, help="default nucleus sampling mass (default %(default)s)")
+    parser.add_argument("--request_timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="a request not answered within this time gets 504 (default %(default)s)")
+    parser.add_argument("--max_body_bytes", type=int, default=4 * 1024 * 1024, metavar="N",
+                        help="larger request bodies get 413 before they are parsed (default %(default)s)")
+    parser.add_argument("--api_key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every request (401 otherwise); also read "
+                        "from $SHARDWISE_API_KEY. Set it whenever --host is not 127.0.0.1")
     parser.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser

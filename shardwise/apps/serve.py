@@ -5,15 +5,21 @@
          -d '{"prompt": "你好", "history": []}'
 
 Endpoints: ``POST /`` (prompt/history contract), ``POST /v1/chat/completions`` (OpenAI format,
-``"stream": true`` for server-sent events) and ``GET /health``. Generation runs in a pool of
-``--max_concurrency`` threads, never on the event loop; at most ``--max_queue`` more requests
-wait, the rest get 503. See docs/finetune.md.
+``"stream": true`` for server-sent events) and ``GET /health``. Concurrent requests are generated
+together (``shardwise.apps.batching``: up to ``--max_batch_size`` in one decoding step, a new
+request joining at the next step); at most ``--max_queue`` more wait, the rest get 503. Nothing
+slow runs on the event loop: reading JSON, validating and tokenising happen in a worker thread,
+generation in the batching thread. A body over ``--max_body_bytes`` gets 413 before it is parsed;
+with ``--api_key`` every request needs ``Authorization: Bearer <key>`` (401 otherwise); a request
+that outlives ``--request_timeout`` gets 504. See docs/finetune.md.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
+import os
 import sys
 import threading
 import time
@@ -28,6 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pydantic import BaseModel, ValidationError
 
+from shardwise.apps.batching import BatchedGenerator, GenerationTimeout, Job
 from shardwise.apps.generation import ChatModel, GenerationLimits
 from shardwise.apps.options import add_serve_arguments
 from shardwise.apps.serve_schemas import ChatRequest, OpenAIRequest, describe_errors
@@ -35,62 +42,96 @@ from shardwise.data.chat import history_to_messages
 
 __all__ = ["ApiError", "ServeSettings", "create_app", "main"]
 
+API_KEY_ENV = "SHARDWISE_API_KEY"
+
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers
 
 
 @dataclass(frozen=True)
 class ServeSettings:
-    max_concurrency: int = 1
+    max_batch_size: int = 8
     max_queue: int = 32
     max_length: int | None = None  # default prompt+answer limit; None: the model's context length
     max_new_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0
+    request_timeout: float | None = 300.0  # seconds from arrival to the last token; None: no limit
+    max_body_bytes: int = 4 * 1024 * 1024
+    api_key: str | None = None
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
-                                   else "server_error"}, "status": status}, status_code=status)
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = {401: "authentication_error", 413: "invalid_request_error", 504: "timeout"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind}, "status": status}, status_code=status,
+                        headers=headers)
 
 
 class _Gate:
-    """Admission control: at most ``running + waiting`` requests in the house; generation in a thread pool."""
+    """Admission control: at most ``max_batch_size + max_queue`` requests generating or waiting."""
 
     def __init__(self, settings: ServeSettings) -> None:
-        self.pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="generate")
-        self.limit = settings.max_concurrency + settings.max_queue
+        self.limit = settings.max_batch_size + settings.max_queue
         self.active = 0
+        self._lock = threading.Lock()
 
     def admit(self) -> None:
-        if self.active >= self.limit:
-            raise ApiError(503, f"server busy: {self.active} requests running or queued "
-                                f"(--max_concurrency + --max_queue = {self.limit}); retry later")
-        self.active += 1
+        with self._lock:
+            if self.active >= self.limit:
+                raise ApiError(503, f"server busy: {self.active} requests generating or queued "
+                                    f"(--max_batch_size + --max_queue = {self.limit}); retry later")
+            self.active += 1
 
-    def release(self) -> None:
-        self.active -= 1
-
-    async def run(self, fn):
-        self.admit()
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
-        finally:
-            self.release()
+    def release(self, *_) -> None:
+        with self._lock:
+            self.active -= 1
 
 
 def create_app(chat: ChatModel, settings: ServeSettings = ServeSettings()) -> FastAPI:
     app = FastAPI(title="shardwise chat server")
     gate = _Gate(settings)
-    app.state.chat, app.state.gate = chat, gate
+    engine = BatchedGenerator(chat, max_batch_size=settings.max_batch_size)
+    prepare_pool = ThreadPoolExecutor(2, thread_name_prefix="prepare")  # JSON, validation, tokenising
+    app.state.chat, app.state.gate, app.state.engine = chat, gate, engine
+    app.router.add_event_handler("shutdown", engine.close)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return _error(exc.status, exc.message)
+        return _error(exc.status, exc.message, exc.headers)
+
+    def authorise(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                                "(the server was started with --api_key)", {"WWW-Authenticate": "Bearer"})
+
+    async def read_body(request: Request) -> bytes:
+        """The raw body, refused with 413 as soon as it is known to be over --max_body_bytes."""
+        limit = settings.max_body_bytes
+        too_big = ApiError(413, f"the request body is larger than --max_body_bytes ({limit} bytes)",
+                           {"Connection": "close"})
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def off_loop(fn):
+        return await asyncio.get_running_loop().run_in_executor(prepare_pool, fn)
 
     def prompt_ids(messages) -> list[int]:
         try:
@@ -116,30 +157,61 @@ def create_app(chat: ChatModel, settings: ServeSettings = ServeSettings()) -> Fa
                                 temperature=settings.temperature if temperature is None else float(temperature),
                                 top_p=settings.top_p if top_p is None else float(top_p))
 
+    def submit(ids: list[int], lim: GenerationLimits, on_text=None) -> Job:
+        gate.admit()
+        job = engine.submit(ids, lim, on_text=on_text, timeout=settings.request_timeout)
+        job.future.add_done_callback(gate.release)
+        return job
+
+    async def answer_of(job: Job):
+        try:
+            return await asyncio.wrap_future(job.future)
+        except GenerationTimeout as exc:
+            raise ApiError(504, f"{exc} (--request_timeout); {exc.answer.completion_tokens} tokens were "
+                                "generated") from None
+        except asyncio.CancelledError:
+            job.cancel()  # the client went away: leave the batch at the next step
+            raise
+
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        authorise(request)
         return {"status": "ok", "model": chat.name, "device": str(chat.device), "template": chat.encoder.template,
-                "active_requests": gate.active}
+                "active_requests": gate.active, "generating": engine.running, "waiting": engine.waiting}
 
     @app.post("/")
     async def chat_root(request: Request):
-        req = await _parse(request, ChatRequest)
-        history = [list(pair) for pair in (req.history or [])]
-        ids = prompt_ids(history_to_messages(req.prompt, history))
-        lim = limits(len(ids), max_length=req.max_length, temperature=req.temperature, top_p=req.top_p)
-        answer = await gate.run(lambda: chat.generate(ids, lim))
+        authorise(request)
+        raw = await read_body(request)
+
+        def prepare():
+            req = _parse(raw, ChatRequest)
+            history = [list(pair) for pair in (req.history or [])]
+            ids = prompt_ids(history_to_messages(req.prompt, history))
+            lim = limits(len(ids), max_length=req.max_length, temperature=req.temperature, top_p=req.top_p)
+            return req, history, ids, lim
+
+        req, history, ids, lim = await off_loop(prepare)
+        answer = await answer_of(submit(ids, lim))
         return {"response": answer.text, "history": history + [[req.prompt, answer.text]], "status": 200,
                 "time": datetime.now().strftime("%Y-%m-%d %H:%M:%S")}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await _parse(request, OpenAIRequest)
-        ids = prompt_ids([{"role": m.role, "content": m.content} for m in req.messages])
-        lim = limits(len(ids), max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p)
+        authorise(request)
+        raw = await read_body(request)
+
+        def prepare():
+            req = _parse(raw, OpenAIRequest)
+            ids = prompt_ids([{"role": m.role, "content": m.content} for m in req.messages])
+            lim = limits(len(ids), max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p)
+            return req, ids, lim
+
+        req, ids, lim = await off_loop(prepare)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model or chat.name}
         if req.stream:  # admitted (or refused with 503) before the 200 response starts
-            return StreamingResponse(_start_stream(chat, gate, ids, lim, meta), media_type="text/event-stream")
-        answer = await gate.run(lambda: chat.generate(ids, lim))
+            return StreamingResponse(_start_stream(submit, ids, lim, meta), media_type="text/event-stream")
+        answer = await answer_of(submit(ids, lim))
         return {**meta, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
                              "finish_reason": answer.finish_reason}],
@@ -149,9 +221,8 @@ def create_app(chat: ChatModel, settings: ServeSettings = ServeSettings()) -> Fa
     return app
 
 
-async def _parse(request: Request, model: type[BaseModel]):
+def _parse(raw: bytes, model: type[BaseModel]):
     """The body as ``model``, whatever the Content-Type says (curl without -H sends a form type)."""
-    raw = await request.body()
     try:
         data = json.loads(raw)
     except ValueError as exc:
@@ -162,34 +233,29 @@ async def _parse(request: Request, model: type[BaseModel]):
         raise ApiError(422, describe_errors(exc.errors())) from None
 
 
-def _start_stream(chat: ChatModel, gate: _Gate, ids: list[int], lim: GenerationLimits, meta: dict):
+def _start_stream(submit, ids: list[int], lim: GenerationLimits, meta: dict):
     """Admit the request and start generating now; return the server-sent events: a role chunk,
     content chunks as text is generated, a finish chunk, then [DONE]."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    cancel = threading.Event()
-    gate.admit()
+    job = submit(ids, lim, on_text=lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("text", t)))
 
-    def work():
-        try:
-            answer = chat.generate(ids, lim, cancel=cancel,
-                                   on_text=lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("text", t)))
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", answer))
-        except Exception as exc:  # reported to the client as the stream's last event
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
+    def finished(future) -> None:
+        exc = future.exception()
+        item = ("error", exc) if exc is not None else ("done", future.result())
+        loop.call_soon_threadsafe(queue.put_nowait, item)
 
-    future = loop.run_in_executor(gate.pool, work)
-    future.add_done_callback(lambda _: gate.release())
+    job.future.add_done_callback(finished)
 
     def event(delta: dict, finish: str | None = None) -> str:
         chunk = {**meta, "object": "chat.completion.chunk",
                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
-    return _events(queue, cancel, event)
+    return _events(queue, job, event)
 
 
-async def _events(queue: asyncio.Queue, cancel: threading.Event, event):
+async def _events(queue: asyncio.Queue, job: Job, event):
     try:
         yield event({"role": "assistant", "content": ""})
         while True:
@@ -200,11 +266,12 @@ async def _events(queue: asyncio.Queue, cancel: threading.Event, event):
                 yield event({}, value.finish_reason)
                 break
             else:
-                yield f"data: {json.dumps({'error': {'message': str(value), 'type': 'server_error'}})}\n\n"
+                kind = "timeout" if isinstance(value, GenerationTimeout) else "server_error"
+                yield f"data: {json.dumps({'error': {'message': str(value), 'type': kind}})}\n\n"
                 break
         yield "data: [DONE]\n\n"
     finally:
-        cancel.set()  # the client went away (or we are done): stop generating
+        job.cancel()  # the client went away (or we are done): stop generating
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,27 +283,37 @@ def build_parser() -> argparse.ArgumentParser:
 def check_serve_arguments(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    for name, low in (("max_concurrency", 1), ("max_queue", 0), ("max_new_tokens", 1)):
+    for name, low in (("max_batch_size", 1), ("max_queue", 0), ("max_new_tokens", 1), ("max_body_bytes", 1)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name} must be at least {low}, got {getattr(args, name)}")
     if args.max_length is not None and args.max_length < 2:
         raise ValueError(f"--max_length must be at least 2, got {args.max_length}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ValueError("--temperature must be >= 0 and --top_p in (0, 1]")
+    if not args.request_timeout > 0:
+        raise ValueError(f"--request_timeout must be a positive number of seconds, got {args.request_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api_key must not be empty")
 
 
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
+    if args.api_key is None and os.environ.get(API_KEY_ENV):
+        args.api_key = os.environ[API_KEY_ENV]  # keeps the key out of the process list
     check_serve_arguments(args)
     chat = ChatModel.load(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                           template=args.prompt_template)
-    settings = ServeSettings(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+    settings = ServeSettings(max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                              max_length=args.max_length, max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, top_p=args.top_p)
+                             temperature=args.temperature, top_p=args.top_p, request_timeout=args.request_timeout,
+                             max_body_bytes=args.max_body_bytes, api_key=args.api_key)
     app = create_app(chat, settings)
     print(f"shardwise serve: {args.model} ({chat.encoder.template} template, {chat.device}) on "
-          f"http://{args.host}:{args.port}", flush=True)
+          f"http://{args.host}:{args.port}, batches of up to {settings.max_batch_size}", flush=True)
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"shardwise serve: warning: listening on {args.host} without --api_key: anyone who can reach "
+              "this port can use the model", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -5,6 +5,7 @@ unknown fields are ignored, as OpenAI-style clients send extras.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
@@ -17,6 +18,8 @@ def _number(value: Any, *, low: float, high: float, low_open: bool = False) -> A
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError("must be a number")
+    if not math.isfinite(value):  # json.loads reads NaN and Infinity; NaN compares false with any bound
+        raise ValueError(f"must be a finite number, got {value}")
     if value < low or (low_open and value == low) or value > high:
         bracket = "(" if low_open else "["
         raise ValueError(f"must be in {bracket}{low}, {high}], got {value}")

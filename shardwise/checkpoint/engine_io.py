@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
 
@@ -29,11 +28,11 @@ import torch
 from shardwise import comm
 from shardwise.version import __version__
 from shardwise.checkpoint import state as st
-from shardwise.checkpoint.files import TMP_PREFIX, recover_interrupted, write_tensors
+from shardwise.checkpoint.files import TMP_PREFIX
 from shardwise.checkpoint.fragments import FragmentReader, index_fragments, load_fragments, rank_fragment_files
 from shardwise.checkpoint.manifest import FORMAT, VERSION, list_tags, open_checkpoint
 from shardwise.checkpoint.serialize import join_state, split_state
-from shardwise.checkpoint.writer import CheckpointWriter, SavePlan, snapshot
+from shardwise.checkpoint.writer import CheckpointWriter, SavePlan, raise_if_failed, snapshot, try_prepare
 from shardwise.training_state import StepCounters
 from shardwise.zero.partitioned_param import full_shape
 
@@ -73,13 +72,8 @@ def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, cli
     asynchronous = _is_async(engine)
     plan = SavePlan(tmp=save_dir / f"{TMP_PREFIX}{tag}", final=save_dir / tag, rank=rank, world=world,
                     save_latest=save_latest, copied=asynchronous)
-    if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        recover_interrupted(save_dir)  # debris of interrupted saves
-        if plan.tmp.exists():
-            shutil.rmtree(plan.tmp)
-        plan.tmp.mkdir()
-    comm.barrier()
+    # rank 0 clears debris of interrupted saves and makes .tmp.<tag>; every rank learns if it could not
+    raise_if_failed(_all_gather_object(try_prepare(save_dir, plan.tmp) if rank == 0 else None), f"saving {tag}")
 
     descs = []
     for name, tensors, file_descs in rank_fragment_files(engine, rank):
@@ -87,7 +81,7 @@ def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, cli
         if asynchronous:
             plan.tensors[name] = snapshot(tensors)
         else:  # written now: with NVMe offload only this batch is resident
-            plan.written[name] = (write_tensors(plan.tmp / name, tensors), 0)
+            plan.write_now(name, tensors)
     rng_meta, rng_tensors = st.rng_state()
     plan.tensors[f"rank{rank}.safetensors"] = rng_tensors
     plan.json_files[f"rank{rank}.json"] = {"rng": rng_meta}
@@ -103,10 +97,9 @@ def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, cli
     if asynchronous:
         writer.start(plan)
         return True
-    reports = _all_gather_object(plan.write_files())
-    if rank == 0:
-        plan.commit(reports)
-    comm.barrier()
+    reports = _all_gather_object(plan.try_write_files())
+    raise_if_failed(reports, f"saving {tag}")  # e.g. a full disk on one rank: an error on every rank
+    raise_if_failed(_all_gather_object(plan.try_commit(reports) if rank == 0 else None), f"saving {tag}")
     _log_statistics(engine, plan, reports, started)
     return True
 

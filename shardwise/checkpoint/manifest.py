@@ -4,10 +4,15 @@
     ckpt = open_checkpoint("checkpoints", tag="global_step100")
     ckpt.verify()                                  # every file against its size and sha256
     ckpt.manifest["engine"]["global_steps"]
+
+The manifest checks itself: ``digest`` is the sha256 of the rest of it (canonical JSON), so an
+edited shape or a file dropped from ``files`` is refused on open; and every file the manifest
+refers to (fragments, the shared files, each saving rank's RNG files) must be listed in ``files``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -20,7 +25,58 @@ from shardwise.checkpoint.files import OLD_PREFIX, TMP_PREFIX, read_tensors, ver
 logger = logging.getLogger("shardwise")
 
 FORMAT = "shardwise-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the manifest carries its own digest
+SHARED_FILES = ("model.safetensors", "extra.safetensors")
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest without its ``digest`` field, as canonical JSON."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _fragment_files(node) -> set[str]:
+    if isinstance(node, dict):
+        found = {node["file"]} if isinstance(node.get("file"), str) else set()
+        for value in node.values():
+            found |= _fragment_files(value)
+        return found
+    if isinstance(node, list):
+        return set().union(*(_fragment_files(v) for v in node)) if node else set()
+    return set()
+
+
+def expected_files(manifest: dict) -> set[str]:
+    """Every file a load reads: the shared files, each fragment's file, and rank<r>.json/.safetensors
+    for every rank of the job that saved."""
+    world = int(manifest.get("topology", {}).get("world_size", 0))
+    names = set(SHARED_FILES) | _fragment_files(manifest.get("tensors", {}))
+    for r in range(world):
+        names |= {f"rank{r}.json", f"rank{r}.safetensors"}
+    return names
+
+
+def check_manifest(manifest: dict, where: Path) -> None:
+    """Refuse a manifest that was changed after it was written, or that does not list a file it needs."""
+    digest = manifest.get("digest")
+    if digest is None:
+        if manifest.get("version", 0) >= 2:
+            raise ValueError(f"checkpoint manifest {where} has no 'digest' (its own checksum); it was edited or "
+                             "damaged, and nothing in it can be trusted")
+        logger.warning("checkpoint manifest %s was written before manifests carried their own checksum; "
+                       "it is not verified", where)
+    elif digest != manifest_digest(manifest):
+        raise ValueError(f"checkpoint manifest {where} was changed after it was written: its digest {digest} does "
+                         f"not match its content (sha256 {manifest_digest(manifest)}); a shape, a tensor entry or "
+                         "the file list differs from what the save wrote")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f"checkpoint manifest {where} has no 'files' list")
+    unlisted = sorted(expected_files(manifest) - set(files))
+    if unlisted:
+        raise ValueError(f"checkpoint manifest {where} does not list {', '.join(unlisted)} among its files, "
+                         "though the checkpoint needs them (a rank's state would silently not be restored)")
 
 
 def list_tags(save_dir: Path) -> list[str]:
@@ -43,7 +99,17 @@ def resolve_tag(load_dir: Path, tag=None) -> str | None:
     latest = Path(load_dir) / "latest"
     if not latest.exists():
         return None
-    return latest.read_text().strip()
+    raw = latest.read_bytes()
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{latest} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); it should "
+                         f"hold one checkpoint tag such as 'global_step100'; tags in {load_dir}: "
+                         f"{', '.join(list_tags(Path(load_dir))) or 'none'}") from None
+    if not tag or "/" in tag or "\0" in tag:
+        raise ValueError(f"{latest} does not hold a checkpoint tag (got {tag!r}); tags in {load_dir}: "
+                         f"{', '.join(list_tags(Path(load_dir))) or 'none'}")
+    return tag
 
 
 def checkpoint_folder(load_dir: Path, tag: str) -> Path:
@@ -112,4 +178,5 @@ def open_checkpoint(load_dir, tag=None) -> Checkpoint | None:
         raise ValueError(f"{where} is not a shardwise checkpoint manifest")
     if manifest.get("version", 0) > VERSION:
         raise ValueError(f"{where} has format version {manifest['version']}; this shardwise reads up to {VERSION}")
+    check_manifest(manifest, where)
     return Checkpoint(folder=folder, tag=tag, manifest=manifest)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.checkpoint.manifest import manifest_digest
 from shardwise.checkpoint.files import publish_dir, replace_text_atomically, write_json, write_tensors
 
 logger = logging.getLogger("shardwise")
@@ -48,6 +49,18 @@ class SavePlan:
     save_latest: bool = True
     copied: bool = False  # tensors are private CPU copies (asynchronous snapshot)
 
+    failed: str | None = None  # the first error of write_now, reported by try_write_files
+
+    def write_now(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Write one file at once (a synchronous save streaming NVMe-offloaded state); an error is kept
+        for :meth:`try_write_files`, so this rank still joins the collectives that follow."""
+        if self.failed is not None:
+            return
+        try:
+            self.written[name] = (write_tensors(self.tmp / name, tensors), 0)
+        except Exception as e:
+            self.failed = f"rank {self.rank} could not write {self.tmp / name}: {type(e).__name__}: {e}"
+
     def write_files(self) -> dict[str, tuple[str, int]]:
         shas = {name: sha for name, (sha, _) in self.written.items()}
         for name, tensors in self.tensors.items():
@@ -56,6 +69,25 @@ class SavePlan:
             shas[name] = write_json(self.tmp / name, obj)
         return {name: (sha, (self.tmp / name).stat().st_size) for name, sha in shas.items()}
 
+    def try_write_files(self) -> dict | str:
+        """:meth:`write_files`, or the error that stopped it as text (a full disk, read-only storage),
+        so every rank learns of it through the gather that follows instead of waiting for a rank
+        that has left the save."""
+        if self.failed is not None:
+            return self.failed
+        try:
+            return self.write_files()
+        except Exception as e:  # safetensors reports ENOSPC as its own error type
+            return f"rank {self.rank} could not write its files into {self.tmp}: {type(e).__name__}: {e}"
+
+    def try_commit(self, reports: list) -> str | None:
+        """Rank 0: :meth:`commit`, or its error as text; ``latest`` is only moved once everything is on disk."""
+        try:
+            self.commit(reports)
+            return None
+        except Exception as e:
+            return f"rank 0 could not commit {self.final}: {type(e).__name__}: {e}"
+
     def commit(self, reports: list[dict[str, tuple[str, int]]]) -> None:
         """Rank 0: write the manifest with every rank's checksums, publish, point ``latest`` here."""
         assert self.rank == 0 and self.manifest is not None
@@ -63,10 +95,41 @@ class SavePlan:
         for report in reports:
             for name, (sha, size) in report.items():
                 files[name], sizes[name] = sha, size
-        write_json(self.tmp / "manifest.json", {**self.manifest, "files": files, "sizes": sizes})
+        manifest = {**self.manifest, "files": files, "sizes": sizes}
+        manifest["digest"] = manifest_digest(manifest)
+        write_json(self.tmp / "manifest.json", manifest)
         publish_dir(self.tmp, self.final)
         if self.save_latest:
             replace_text_atomically(self.final.parent / "latest", self.final.name)
+
+
+class SaveFailed(OSError):
+    """A checkpoint save failed on some rank; raised on every rank, naming each failure. The previous
+    checkpoint and ``latest`` are untouched."""
+
+
+def raise_if_failed(outcomes: list, what: str) -> None:
+    """Every rank, after gathering each rank's outcome: raise :class:`SaveFailed` if any is an error text."""
+    errors = [o for o in outcomes if isinstance(o, str)]
+    if errors:
+        raise SaveFailed(f"{what} failed; 'latest' still names the previous checkpoint:\n  " + "\n  ".join(errors))
+
+
+def try_prepare(save_dir: Path, tmp: Path) -> str | None:
+    """Rank 0: create ``save_dir`` and an empty ``tmp`` (after clearing debris of interrupted saves), or
+    the error as text (read-only storage, a full disk, no permission)."""
+    import shutil
+
+    from shardwise.checkpoint.files import recover_interrupted
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        recover_interrupted(save_dir)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        return None
+    except OSError as e:
+        return f"rank 0 could not prepare {tmp}: {type(e).__name__}: {e}"
 
 
 def snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import AllowInfNan, BaseModel, BeforeValidator, ConfigDict
 from pydantic_core import PydanticCustomError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -14,7 +14,13 @@ __all__ = ["ConfigModel", "Int", "Float", "DType", "OptDType", "case_insensitive
 
 
 class ConfigModel(BaseModel):
-    """Base of every config block: unknown keys are rejected.
+    """Base of every config block: unknown keys are rejected, and values must have their JSON type.
+
+    The one type rule (strict mode): booleans are JSON ``true``/``false``, numbers are JSON
+    numbers, strings are strings. ``"32"``, ``"yes"``, ``1`` for a boolean or ``"1.5"`` for a
+    number are errors naming the key, never quietly converted. The single exception is the
+    string ``"auto"`` (Hugging Face templates), which the loader's pre-pass treats as "not set"
+    before validation. Integer keys still take integral floats (``5e8``), as in DeepSpeed.
 
     Two class-level hooks are used by the loader's pre-pass (``loader.normalise``):
     ``renamed`` maps a deprecated key to its replacement, and ``upgrade`` may
@@ -22,7 +28,7 @@ class ConfigModel(BaseModel):
     need more than a rename).
     """
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
 
     renamed: ClassVar[dict[str, str]] = {}
 
@@ -47,10 +53,17 @@ def _reject_bool(kind: str):
     return check
 
 
-# JSON true/false are not numbers here (pydantic would quietly turn true into 1).
-# Integers accept integral floats, so 5e8 written in JSON is fine.
-Int = Annotated[int, BeforeValidator(_reject_bool("an integer"))]
-Float = Annotated[float, BeforeValidator(_reject_bool("a number"))]
+def _integral(value: Any) -> Any:
+    value = _reject_bool("an integer")(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # 5e8 written in JSON is an integer
+    return value
+
+
+# JSON true/false are not numbers here (pydantic would quietly turn true into 1); strings are
+# not numbers either (strict mode). Integers accept integral floats, so 5e8 is fine.
+Int = Annotated[int, BeforeValidator(_integral)]
+Float = Annotated[float, BeforeValidator(_reject_bool("a number")), AllowInfNan(False)]
 
 
 _DTYPE_SPELLINGS = {

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PlainValidator, model_validator
 from pydantic_core import PydanticCustomError
 
+from .errors import describe_value
 from .base import ConfigModel, Float, Int, OptDType, case_insensitive
 from .monitors import (AutotuningConfig, CometConfig, CommsLoggerConfig, CSVMonitorConfig,
                        ElasticityConfig, FlopsProfilerConfig, TensorBoardConfig, WandbConfig)
@@ -22,6 +24,21 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ShardwiseConfig", "OTHER_BLOCKS"]
 
 PositiveInt = Annotated[Int, Field(gt=0)]
+
+
+def _steps_per_print(value: Any) -> int | float:
+    if isinstance(value, float) and value == math.inf:
+        return value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PydanticCustomError("shardwise_type",
+                                  f"expected a positive integer (or Infinity for never), got {describe_value(value)}")
+    return value
+
+
+# a positive integer, or infinity: accelerate writes float("inf") for "never print"
+StepsPerPrint = Annotated[int | float, PlainValidator(_steps_per_print)]
 AllreduceOp = Annotated[Literal["mean", "sum"], case_insensitive("mean", "sum")]
 
 # Blocks of features we accept as keys but do not model yet: free-form, and an
@@ -44,7 +61,7 @@ class ShardwiseConfig(ConfigModel):
     train_batch_size: PositiveInt | None = None
     train_micro_batch_size_per_gpu: PositiveInt | None = None
     gradient_accumulation_steps: PositiveInt | None = None
-    steps_per_print: PositiveInt | None = None
+    steps_per_print: StepsPerPrint | None = None
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     dump_state: bool = False

@@ -128,8 +128,15 @@ def _jsonl_lines(path: str, part: int, parts: int) -> Iterator[tuple[int, bytes]
 
 
 def _json_array_items(path: str, name: str, part: int, parts: int) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise BadRecord(f"{name}:{line}", f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {column}); "
+                        "save the file as UTF-8", skippable=False) from None
     decoder = json.JSONDecoder()
     items: list[tuple[int, Any]] = []
     pos = text.index("[") + 1
@@ -167,6 +174,8 @@ def _skip_ws(text: str, pos: int) -> int:
 
 
 def _short(exc: Exception) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at column {exc.start + 1}"
     return exc.msg if isinstance(exc, json.JSONDecodeError) else type(exc).__name__
 
 

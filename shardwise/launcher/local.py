@@ -58,6 +58,14 @@ def worker_command(opts: LaunchOptions, *, bind_nprocs: int | None = None) -> tu
     return program, args
 
 
+def guarded(program: str, args: list[str], *, launcher_pid: int) -> tuple[str, list[str]]:
+    """Run ``program`` through guard.py, which makes the worker die with this launcher (no orphans
+    when the launcher or node agent is killed with SIGKILL; see guard.py)."""
+    guard = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guard.py")
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    return python, [guard, str(launcher_pid), "--", program, *args]
+
+
 @dataclass
 class NodePlan:
     """What this node's agent runs: its processes and how it meets the other nodes."""
@@ -250,6 +258,7 @@ def run(opts: LaunchOptions, *, out: TextIO | None = None,
     program, args = worker_command(opts, bind_nprocs=plan.nprocs if opts.bind_cores_to_rank else None)
     shown = " ".join("--local_rank=<n>" if a == f"--local_rank={_LOCAL_RANK_MACRO}"
                      else shlex.quote(a.replace("$$", "$")) for a in [program, *args])
+    program, args = guarded(program, args, launcher_pid=os.getpid())
     where = (f"node {plan.node_rank} of {plan.max_nodes}, " if plan.max_nodes > 1 else "")
     if plan.min_nodes != plan.max_nodes:
         where = f"{plan.min_nodes}-{plan.max_nodes} nodes (elastic), "

@@ -25,6 +25,18 @@ from .options import DEFAULT_MASTER_PORT, LaunchOptions
 STOP_GRACE = 10.0  # seconds the nodes get to stop their workers before their ssh is killed
 
 
+def _stop_with_launcher_hook():
+    """A ``preexec_fn`` giving each ssh (pdsh, srun, mpirun) SIGTERM when this launcher dies, even by
+    SIGKILL: the remote session then ends and its agent (``--stop_with_parent``) stops its workers.
+    The libc function is looked up here, before any fork; the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 class _Node:
     def __init__(self, label: str, cmd: list[str], env: dict[str, str]) -> None:
         self.label = label
@@ -32,6 +44,7 @@ class _Node:
         # A session of its own: Ctrl-C reaches only the launcher, which stops nodes in order.
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      env={**os.environ, **env}, start_new_session=True,
+                                     preexec_fn=_stop_with_launcher_hook(),
                                      text=True, errors="replace", bufsize=1)
         self.ended_at: float | None = None
         self._pump = threading.Thread(target=self._copy_stderr, daemon=True)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .adam import Adam as ShardwiseAdam
 from .lamb import Lamb
 from .lion import Lion
 from .lr_schedules import (
@@ -151,13 +152,30 @@ def _param_tensors(groups: list[Any]) -> list[torch.Tensor]:
     return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
+_FUSED_DEVICES = ("cpu", "cuda")
+_FUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
 def _pick_implementation(cls: type, params: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
-    """Prefer torch's fused kernels on CUDA and the foreach (multi-tensor) path elsewhere."""
-    if "foreach" in params or "fused" in params:
+    """Take torch's fused kernel where the class has one for these tensors, else the foreach path.
+
+    torch 2.13 has fused Adam, AdamW, SGD and Adagrad kernels on CPU and CUDA: one
+    pass over memory per tensor, against one per elementary op for ``foreach``
+    (about 5x faster for AdamW on CPU).  Our own classes (Lamb, Lion) choose
+    their path per tensor themselves.  An explicit ``foreach`` or ``fused`` wins.
+    """
+    if "foreach" in params or "fused" in params or not cls.__module__.startswith("torch."):
         return params
     accepted = inspect.signature(cls.__init__).parameters
-    floating = tensors and all(t.is_floating_point() for t in tensors)
-    if "fused" in accepted and floating and all(t.device.type == "cuda" for t in tensors):
+    devices = {t.device.type for t in tensors}
+    fusable = (
+        tensors
+        and len(devices) == 1
+        and devices <= set(_FUSED_DEVICES)
+        and all(t.dtype in _FUSED_DTYPES for t in tensors)
+        and not params.get("differentiable", False)
+    )
+    if "fused" in accepted and fusable:
         return {**params, "fused": True}
     if "foreach" in accepted:
         return {**params, "foreach": True}
@@ -201,8 +219,7 @@ def build_optimizer(type_name: str, params: dict[str, Any] | None, model_paramet
                 raise ValueError(f"optimizer.params.{flag}: must be true or false, got {params[flag]!r}")
         params.pop("torch_adam", None)  # always torch's implementation here
         params.pop("set_grad_none", None)  # torch's zero_grad sets grads to None by default
-        if params.pop("bias_correction", True) is False:
-            raise ValueError("optimizer.params.bias_correction: false is not supported (Adam always bias-corrects)")
+        bias_correction = params.pop("bias_correction", True)
         adam_w_mode = params.pop("adam_w_mode", True)
         if canonical == "AdamW" and not adam_w_mode:
             raise ValueError(
@@ -211,6 +228,13 @@ def build_optimizer(type_name: str, params: dict[str, Any] | None, model_paramet
             )
         cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
         kwargs = {**_ADAM_DEFAULTS, **_check_optimizer_values(params, accepted)}
+        if not bias_correction:  # torch's Adam always bias-corrects: ours runs the same ops without it
+            for name in ("foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad"):
+                if kwargs.get(name):
+                    raise ValueError(f"optimizer.params.{name}: not supported together with bias_correction false")
+                kwargs.pop(name, None)
+            cls = ShardwiseAdam
+            kwargs.update(bias_correction=False, adamw_mode=adam_w_mode)
     elif key in _OWN_OPTIMIZERS:
         canonical, cls = _OWN_OPTIMIZERS[key]
         accepted = _accepted_params(cls.__init__, skip=("self", "params"))

@@ -12,6 +12,12 @@ For each parameter tensor ``p`` (gradient ``g``, step ``t``)::
 As in DeepSpeed, bias correction is folded into ``step_size`` and the trust
 ratio is measured on the uncorrected update. ``get_lamb_coeffs()`` returns the
 trust ratios of the last step, one per updated tensor.
+
+CPU tensors are updated chunk by chunk (``shardwise.optim.chunked``: two
+passes, no temporary the size of the parameters); elsewhere, or with
+``foreach=True`` (the reference the tests compare against), with
+``torch._foreach_*`` ops.  The two agree to rounding: the chunked norms are
+sums of per-chunk partial sums.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from . import chunked
 
 
 class Lamb(torch.optim.Optimizer):
@@ -38,6 +46,8 @@ class Lamb(torch.optim.Optimizer):
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
         amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
     ) -> None:
         if amsgrad:
             raise ValueError("amsgrad: Lamb has no AMSGrad variant; remove the parameter or set it to false")
@@ -62,7 +72,12 @@ class Lamb(torch.optim.Optimizer):
             min_coeff=min_coeff,
         )
         super().__init__(params, defaults)
+        self.foreach = foreach  # None: chunked for CPU tensors, foreach elsewhere; True: foreach everywhere
+        self._scratch = chunked.Scratch()
         self._last_coeffs: list[torch.Tensor] = []
+
+    def _grad_divisor(self, group: dict[str, Any], p: torch.Tensor) -> float:
+        return 1.0
 
     def get_lamb_coeffs(self) -> list[float]:
         """Trust ratios applied in the last ``step()``, in parameter order."""
@@ -90,16 +105,37 @@ class Lamb(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if not self.foreach and p.device.type == "cpu" and chunked.can_chunk(
+                        p, p.grad, state["exp_avg"], state["exp_avg_sq"]):
+                    self._update_chunked(group, p)
+                    continue
                 buckets.setdefault((p.device, p.dtype), []).append(p)
             for (device, _), params in buckets.items():
                 self._update(group, params, device)
         return loss
+
+    def _update_chunked(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        state = self.state[p]
+        beta1, beta2 = group["betas"]
+        lr = float(group["lr"])
+        state["step"] += 1
+        t = state["step"].item()
+        step_size = lr * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t) if group["bias_correction"] else lr
+        coeff = chunked.lamb_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step_size=step_size, beta1=beta1,
+                              beta2=beta2, eps=group["eps"], eps_inside_sqrt=group["eps_inside_sqrt"],
+                              weight_decay=group["weight_decay"], max_coeff=group["max_coeff"],
+                              min_coeff=group["min_coeff"], grad_divisor=self._grad_divisor(group, p),
+                              scratch=self._scratch)
+        self._last_coeffs.append(coeff.reshape(1))
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> None:
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])
         eps, wd = group["eps"], group["weight_decay"]
         grads = [p.grad for p in params]
+        divisors = [self._grad_divisor(group, p) for p in params]
+        if any(d != 1.0 for d in divisors):
+            grads = torch._foreach_div(grads, divisors)
         exp_avgs = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
 
@@ -130,8 +166,9 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_add_(updates, params, alpha=wd)
 
         # Norms in fp32 so a 16-bit tensor's norm cannot overflow.
-        w_norm = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
-        u_norm = torch.stack(torch._foreach_norm(updates, 2, dtype=torch.float32))
+        norm_dtype = torch.promote_types(params[0].dtype, torch.float32)
+        w_norm = torch.stack(torch._foreach_norm(params, 2, dtype=norm_dtype))
+        u_norm = torch.stack(torch._foreach_norm(updates, 2, dtype=norm_dtype))
         ratio = (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"])
         coeffs = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
         self._last_coeffs.append(coeffs)

@@ -7,8 +7,13 @@ For every parameter ``p`` with gradient ``g`` and momentum ``m``::
     m = beta2 * m + (1 - beta2) * g
 
 Defaults follow DeepSpeed's ``FusedLion`` (lr 1e-3, betas (0.9, 0.999),
-weight_decay 0). The update is written with ``torch._foreach_*`` ops so a
-parameter group costs a handful of kernel launches, not one per tensor per op.
+weight_decay 0). Two implementations give the same result to rounding:
+
+- chunked (the default for CPU tensors): each parameter is walked in cache-sized
+  chunks (``shardwise.optim.chunked``), with no temporary the size of the
+  parameters and one pass over memory;
+- ``foreach`` (the default elsewhere, and the reference the tests compare
+  against): ``torch._foreach_*`` ops, a handful of kernel launches per group.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from . import chunked
 
 
 class Lion(torch.optim.Optimizer):
@@ -28,6 +35,8 @@ class Lion(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
+        *,
+        foreach: bool | None = None,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -37,6 +46,11 @@ class Lion(torch.optim.Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         super().__init__(params, defaults)
+        self.foreach = foreach  # None: chunked for CPU tensors, foreach elsewhere; True: foreach everywhere
+        self._scratch = chunked.Scratch()
+
+    def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return p.dtype
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -56,7 +70,14 @@ class Lion(torch.optim.Optimizer):
                     raise RuntimeError("Lion does not support sparse gradients")
                 state = self.state[p]
                 if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self._state_dtype(p),
+                                                        memory_format=torch.preserve_format)
+                if (not self.foreach and p.device.type == "cpu" or state["exp_avg"].dtype != p.dtype) \
+                        and chunked.can_chunk(p, p.grad, state["exp_avg"]):
+                    beta1, beta2 = group["betas"]
+                    chunked.lion_(p, p.grad, state["exp_avg"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                                  weight_decay=group["weight_decay"], scratch=self._scratch)
+                    continue
                 params.append(p)
                 grads.append(p.grad)
                 moms.append(state["exp_avg"])

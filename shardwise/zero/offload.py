@@ -1,9 +1,9 @@
 """ZeRO-Offload to NVMe: optimizer state and fp32 master weights kept in files.
 
-``NvmeStore`` owns a private folder under ``nvme_path`` and reads/writes
-tensors with ``os.preadv``/``os.pwritev`` on a thread pool (``aio.thread_count``
-threads, ``aio.block_size`` per call), so I/O overlaps compute.  The folder is
-removed when the engine is garbage-collected or the process exits.
+``NvmeStore`` (``shardwise.zero.nvme_io``) owns a private folder under ``nvme_path``
+and reads/writes tensors with O_DIRECT on a thread pool (``aio`` block size, queue
+depth, threads), so I/O overlaps compute.  The folder is removed when the engine is
+garbage-collected or the process exits.
 
 ``OptimizerSwapper`` cuts this rank's optimizer fragments into sub-groups of
 at most ``sub_group_size`` elements.  Outside the optimizer step nothing of
@@ -15,74 +15,11 @@ resident), yields each, then writes it back and frees it.
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
+from concurrent.futures import Future
 
 import torch
 
-from shardwise.malloc import return_large_frees_to_the_os
-
-
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-
-class NvmeStore:
-    def __init__(self, root: str, *, rank: int, threads: int = 1, block_size: int = 1 << 20) -> None:
-        if not root:
-            raise ValueError("offload to nvme needs 'nvme_path' (a folder on a fast local disk)")
-        return_large_frees_to_the_os()
-        base = Path(root)
-        base.mkdir(parents=True, exist_ok=True)
-        self.dir = base / f"shardwise-{os.getpid()}-rank{rank}"
-        self.dir.mkdir(exist_ok=True)
-        self.block = block_size
-        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardwise-nvme")
-        self._fds: dict[str, int] = {}
-        self._closer = weakref.finalize(self, NvmeStore._cleanup, self.pool, self._fds, self.dir)
-        atexit.register(self._closer)
-
-    @staticmethod
-    def _cleanup(pool, fds, folder) -> None:
-        pool.shutdown(wait=True)
-        for fd in fds.values():
-            os.close(fd)
-        fds.clear()
-        shutil.rmtree(folder, ignore_errors=True)
-
-    def close(self) -> None:
-        self._closer()
-
-    def _fd(self, name: str) -> int:
-        if name not in self._fds:
-            self._fds[name] = os.open(self.dir / name, os.O_RDWR | os.O_CREAT, 0o600)
-        return self._fds[name]
-
-    def _write(self, name: str, tensor: torch.Tensor, offset: int) -> None:
-        fd, view, done = self._fd(name), _bytes_view(tensor), 0
-        while done < len(view):
-            done += os.pwritev(fd, [view[done : done + self.block]], offset + done)
-
-    def _read(self, name: str, out: torch.Tensor, offset: int) -> None:
-        fd, view, done = self._fd(name), _bytes_view(out), 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done : done + self.block]], offset + done)
-            if n == 0:
-                raise OSError(f"{self.dir / name}: file ends at byte {offset + done}, expected {offset + len(view)}")
-            done += n
-
-    def write_async(self, name: str, tensor: torch.Tensor, offset: int = 0) -> Future:
-        return self.pool.submit(self._write, name, tensor, offset)  # the closure keeps ``tensor`` alive
-
-    def read_async(self, name: str, out: torch.Tensor, offset: int = 0) -> Future:
-        return self.pool.submit(self._read, name, out, offset)
-
-    def disk_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.dir.iterdir()) if self.dir.exists() else 0
+from shardwise.zero.nvme_io import ALIGN, NvmeStore  # noqa: F401  (NvmeStore: imported from here by the stages)
 
 
 class _SubGroup:
@@ -118,16 +55,16 @@ class OptimizerSwapper:
 
     def _layout(self, sg: _SubGroup):
         """(key, dtype, byte offset) of each per-element array in the sub-group's file."""
-        out, offset = [("master", torch.float32, 0)], sg.numel * 4
-        for key, dtype in sg.state_keys:
+        out, offset = [("master", torch.float32, 0)], -(-sg.numel * 4 // ALIGN) * ALIGN
+        for key, dtype in sg.state_keys:  # each array starts on an ALIGN boundary (O_DIRECT)
             out.append((key, dtype, offset))
-            offset += sg.numel * torch.tensor([], dtype=dtype).element_size()
+            offset += -(-sg.numel * torch.tensor([], dtype=dtype).element_size() // ALIGN) * ALIGN
         return out
 
     def _swap_in(self, sg: _SubGroup) -> tuple[dict, list[Future]]:
         bufs, futures = {}, []
         for key, dtype, offset in self._layout(sg):
-            bufs[key] = torch.empty(sg.numel, dtype=dtype)
+            bufs[key] = self.store.empty(sg.numel, dtype)
             futures.append(self.store.read_async(sg.file, bufs[key], offset))
         return bufs, futures
 

@@ -104,7 +104,8 @@ class PartitionedOptimizer:
 
             store = NvmeStore(offload.nvme_path, rank=comm.get_rank(),
                               threads=aio.thread_count if aio is not None else 1,
-                              block_size=aio.block_size if aio is not None else 1 << 20)
+                              block_size=aio.block_size if aio is not None else 1 << 20,
+                              queue_depth=aio.queue_depth if aio is not None else 8)
             self.swapper = OptimizerSwapper(store, optimizer, [f for fr in fragments for f in fr],
                                             sub_group_size=sub_group_size, buffer_count=offload.buffer_count,
                                             initial_value=lambda f: f.tensor.detach())

@@ -196,7 +196,8 @@ class Stage3Strategy(ZeroStrategy):
 
             self.param_store = NvmeStore(block.nvme_path, rank=comm.get_rank(),
                                          threads=aio.thread_count if aio is not None else 1,
-                                         block_size=aio.block_size if aio is not None else 1 << 20)
+                                         block_size=aio.block_size if aio is not None else 1 << 20,
+                                         queue_depth=aio.queue_depth if aio is not None else 8)
             for u in self.units:
                 u.offload_to_nvme(self.param_store)
 

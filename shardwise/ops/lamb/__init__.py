@@ -1,0 +1,5 @@
+"""``deepspeed.ops.lamb``: FusedLamb."""
+
+from .fused_lamb import FusedLamb
+
+__all__ = ["FusedLamb"]
