@@ -52,6 +52,21 @@ def initialize(
     init_distributed(dist_init_required=dist_init_required)
     cfg = _client_objects_win(cfg, optimizer, lr_scheduler)
     comm.configure(comms_logger=cfg.comms_logger, timeout=cfg.comm_timeout)
+    from shardwise.pipe.module import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        if mpu is not None:
+            raise ValueError("initialize(mpu=...) cannot be combined with a PipelineModule: its topology "
+                             "defines the process groups")
+        from shardwise.pipe.engine import PipelineEngine
+
+        engine = PipelineEngine(model=model, config=cfg, optimizer=optimizer, model_parameters=model_parameters,
+                                lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+        return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    if cfg.pipeline != type(cfg.pipeline)():
+        raise ValueError("the config has a 'pipeline' block but the model is not a shardwise.pipe.PipelineModule "
+                         f"({type(model).__name__}); pipeline parallelism needs one (and one process per stage), "
+                         "else remove the block")
     grid = MpuGrid(mpu) if mpu is not None else ParallelGrid.data_parallel_only()
     engine = Engine(
         model=model,
@@ -126,6 +141,9 @@ _LAZY = {
     "accelerator": ("shardwise.accelerator", None),
     "utils": ("shardwise.utils", None),
     "elasticity": ("shardwise.elasticity", None),
+    "PipelineEngine": ("shardwise.pipe.engine", "PipelineEngine"),
+    "PipelineModule": ("shardwise.pipe.module", "PipelineModule"),
+    "pipe": ("shardwise.pipe", None),
     "zero": ("shardwise.zero", None),
     "runtime": ("shardwise.runtime", None),
     "checkpoint": ("shardwise.checkpoint", None),

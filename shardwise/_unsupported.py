@@ -22,8 +22,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "compile": "DeepCompile is not implemented; torch.compile the model yourself",
     "nvme": "the NVMe benchmark tools are not provided (ZeRO's NVMe offload is: zero_optimization.offload_*)",
     "io": "DeepNVMe's public I/O handles are not provided",
-    "pipe": "pipeline parallelism (PipelineModule) is not implemented in this build",
-    "runtime.pipe": "pipeline parallelism is not implemented in this build",
     "runtime.config": "DeepSpeedConfig is not provided: shardwise.config.load_config reads the same JSON",
     "runtime.zero.config": "the ZeRO config classes are not provided: shardwise.config.load_config reads the block",
     "runtime.checkpoint_engine": "checkpoints are written by shardwise.checkpoint (safetensors + manifest)",
@@ -60,8 +58,6 @@ NOT_SUPPORTED_ATTRS: dict[str, str] = {
     "replace_transformer_layer": NOT_SUPPORTED["module_inject"],
     "revert_transformer_layer": NOT_SUPPORTED["module_inject"],
     "DeepSpeedHybridEngine": NOT_SUPPORTED["runtime.hybrid_engine"],
-    "PipelineEngine": NOT_SUPPORTED["runtime.pipe"],
-    "PipelineModule": NOT_SUPPORTED["pipe"],
     "DeepSpeedConfig": NOT_SUPPORTED["runtime.config"],
     "tp_model_init": "automatic tensor parallelism (tp_model_init) is not implemented",
 }

@@ -82,7 +82,9 @@ class ParallelGrid:
                 self._groups[axis] = None  # the default group: no new communicator needed
                 continue
             for ranks in groups:  # every rank creates every group, in the same order
-                g = comm.new_group(ranks) if topology.get_dim(axis) > 1 else None
+                # A size-1 data axis still needs its own group: None would mean the whole world to the
+                # ZeRO strategy reducing over it (a pipeline with one replica per stage).
+                g = comm.new_group(ranks) if topology.get_dim(axis) > 1 or axis == "data" else None
                 if self.rank in ranks:
                     self._groups[axis] = g
         self.coord = topology.get_coord(self.rank)
@@ -92,13 +94,48 @@ class ParallelGrid:
         return cls(ProcessTopology.for_world(comm.get_world_size()))
 
     def group(self, axis: str):
-        return self._groups[axis]
+        return self._groups.get(axis)  # an axis the topology lacks has size 1: no group
 
     def size(self, axis: str) -> int:
-        return self.topology.get_dim(axis)
+        return self.topology.get_dim(axis) if axis in self.topology.axes else 1
 
     def axis_rank(self, axis: str) -> int:
-        return self.coord[axis]
+        return self.coord.get(axis, 0)
+
+    # -- pipeline stages ------------------------------------------------------------------------
+    @property
+    def stage_id(self) -> int:
+        return self.axis_rank("pipe")
+
+    def get_stage_id(self) -> int:
+        return self.stage_id
+
+    def stage_to_global(self, stage_id: int, **coord: int) -> int:
+        """The global rank of ``stage_id`` at this rank's other coordinates (or those given)."""
+        base = {a: self.coord[a] for a in self.topology.axes if a != "pipe"}
+        base.update(coord)
+        return self.topology.get_rank(**base, pipe=stage_id % self.size("pipe"))
+
+    @property
+    def prev_stage_rank(self) -> int:
+        """The rank one stage back (stage 0's is the last stage: interleaved schedules wrap)."""
+        return self.stage_to_global(self.stage_id - 1)
+
+    @property
+    def next_stage_rank(self) -> int:
+        return self.stage_to_global(self.stage_id + 1)
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.size("pipe") - 1
+
+    def get_pipe_parallel_group(self):
+        return self.group("pipe")
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.stage_id
 
     # Megatron/DeepSpeed "mpu" names, so a grid can be passed where an mpu is expected.
     def get_data_parallel_group(self):
@@ -118,6 +155,15 @@ class ParallelGrid:
 
     def get_pipe_parallel_world_size(self) -> int:
         return self.size("pipe")
+
+
+def PipeDataParallelTopology(num_pp: int, num_dp: int) -> ProcessTopology:  # noqa: N802 (DeepSpeed's name)
+    """Pipeline stages outermost, data-parallel replicas adjacent (DeepSpeed's class of the same name)."""
+    return ProcessTopology(("pipe", "data"), (num_pp, num_dp))
+
+
+def PipeModelDataParallelTopology(num_pp: int, num_mp: int, num_dp: int) -> ProcessTopology:  # noqa: N802
+    return ProcessTopology(("pipe", "data", "model"), (num_pp, num_dp, num_mp))
 
 
 class MpuGrid:

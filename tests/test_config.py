@@ -540,7 +540,6 @@ NOT_YET = [  # (config snippet, key path that must be named), from the task's li
     ({"sparse_gradients": True}, "sparse_gradients"),
     ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
      "activation_checkpointing.contiguous_memory_optimization"),
-    ({"pipeline": {"activation_checkpoint_interval": 1}}, "pipeline"),
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
     ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),
     ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage"),

@@ -124,6 +124,14 @@ def test_module_paths_resolve():
     assert VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
     assert deepspeed.utils.RepeatingLoader is deepspeed.RepeatingLoader
     assert isinstance(logger, logging.Logger) and logger.name == "shardwise"
+    # Megatron-DeepSpeed's pipeline imports: the same classes under DeepSpeed's paths
+    from shardwise.runtime.pipe import LayerSpec, PipelineModule, ProcessTopology  # noqa: F401
+    from shardwise.runtime.pipe.engine import PipelineEngine
+    from shardwise.runtime.pipe.schedule import TrainSchedule  # noqa: F401
+    from shardwise.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: F401
+
+    assert PipelineEngine is deepspeed.PipelineEngine and PipelineModule is deepspeed.pipe.PipelineModule
+    assert issubclass(PipelineEngine, DeepSpeedEngine)
 
 
 def test_unsupported_paths_say_so():

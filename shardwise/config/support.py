@@ -36,7 +36,6 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     "sparse_gradients": lambda c: c.sparse_gradients,
     "activation_checkpointing.contiguous_memory_optimization":
         lambda c: c.activation_checkpointing.contiguous_memory_optimization,
-    "pipeline": lambda c: _changed(c.pipeline),
     "data_types.grad_accum_dtype": lambda c: c.data_types.grad_accum_dtype not in (None, "fp32"),
     "checkpoint.load_universal": lambda c: c.checkpoint.load_universal,
     "checkpoint.use_node_local_storage": lambda c: c.checkpoint.use_node_local_storage,

@@ -1,0 +1,422 @@
+"""``PipelineEngine``: trains a ``PipelineModule`` one batch at a time with ``train_batch()``.
+
+It is the ordinary ``Engine`` (ZeRO strategy over this stage's data-parallel group, loss scaling,
+optimizer, scheduler, checkpoints) driven by a pipeline schedule instead of the user's
+forward/backward/step calls. One batch is ``gradient_accumulation_steps`` micro-batches; the
+schedule (``schedule.py``) says in which order this stage runs their forward and backward
+passes and where activations and gradients cross to the neighbouring stages (``p2p.py``).
+The accumulation boundary is the stage's last backward of the batch, so the ZeRO strategy
+reduces gradients while it runs, as it does for the ordinary engine (``_begin_backward`` /
+``_end_backward`` around each backward, ``_take_model_step`` once per batch).
+
+What differs from the ordinary engine's step: the gradient norm (for clipping and the fp16
+overflow check) is taken over every stage, so all stages clip by the same coefficient and skip
+together; tied layers' gradients are summed over the stages holding them first.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from shardwise import comm
+from shardwise.pipe import schedule as sched
+from shardwise.pipe.module import PipelineError, PipelineModule
+from shardwise.pipe.p2p import ActivationReceiver, ActivationSender, GradSender, as_tensors, grad_slots, recv_grads
+from shardwise.runtime.dataloader import RepeatingLoader
+from shardwise.runtime.engine import Engine
+from shardwise.zero.strategy import StepResult
+
+logger = logging.getLogger("shardwise")
+
+_ONLY_TRAIN_BATCH = ("engine.{}() is not available on a pipeline engine: the pipeline runs forward, backward "
+                     "and step itself. Call loss = engine.train_batch(data_iter) once per batch "
+                     "(engine.eval_batch(data_iter) to evaluate)")
+
+
+class PipelineEngine(Engine):
+    """DeepSpeed's ``PipelineEngine``: what ``initialize`` returns for a ``PipelineModule``."""
+
+    def __init__(self, *, model: PipelineModule, config, **kwargs) -> None:
+        if not isinstance(model, PipelineModule):
+            raise TypeError(f"PipelineEngine needs a shardwise.pipe.PipelineModule, got {type(model).__name__}")
+        self._pipe_grid = model.mpu()
+        stage = int(config.zero_optimization.stage)
+        if model.tied_comms and stage > 0:
+            raise PipelineError(f"tied layers ({', '.join(map(str, model.tied_comms))}) across pipeline stages "
+                                f"need zero_optimization.stage 0 (it is {stage}): their gradients are summed "
+                                "over the stages holding them, which partitioned gradients do not allow yet")
+        if stage == 3 and model.virtual_stages > 1:
+            raise PipelineError("the interleaved schedule (virtual_stages > 1) does not run with ZeRO stage 3")
+        super().__init__(model=model, config=config, grid=self._pipe_grid, **kwargs)
+        interval = int(config.pipeline.activation_checkpoint_interval)
+        if interval > 0:  # as DeepSpeed: the config's interval, when set, replaces the module's
+            model.activation_checkpoint_interval = interval
+        self.num_stages = model.num_stages
+        self.stage_id = model.stage_id
+        self.micro_batches = self.gradient_accumulation_steps()
+        self.is_pipe_parallel = self.num_stages > 1
+        self.is_data_parallel = self.dp_world_size > 1
+        self.data_iterator = None
+        if self.training_dataloader is not None and self._needs_data():
+            self.data_iterator = iter(RepeatingLoader(self.training_dataloader))
+        grid = self._pipe_grid
+        self._act_out = ActivationSender(grid.next_stage_rank)
+        self._act_in = ActivationReceiver(grid.prev_stage_rank, self.device)
+        self._grad_out = GradSender(grid.prev_stage_rank)
+        self.agg_train_loss = None
+
+    # -- DeepSpeed accessors ----------------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def _needs_data(self) -> bool:
+        return self.is_first_stage() or self.is_last_stage()
+
+    def set_dataiterator(self, iterator) -> None:
+        self.data_iterator = iterator
+
+    def set_dataloader(self, loader) -> None:
+        if self._needs_data():
+            self.data_iterator = iter(loader)
+
+    def reset_activation_shape(self) -> None:
+        """Kept for DeepSpeed scripts: shapes are re-sent whenever they change."""
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False):
+        """Every stage's layers in one checkpoint, named by global layer index (loads at any number of
+        stages, or into the same layers without a pipeline). Collective; written synchronously."""
+        from shardwise.pipe.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """The ordinary load (names are layer-indexed, so any stage count works); ``load_module_strict``
+        judges the layers this stage holds, as the checkpoint holds every stage's."""
+        from shardwise.pipe.checkpoint import check_stage_layers
+
+        if load_module_strict:
+            check_stage_layers(self, load_dir, tag)
+        return super().load_checkpoint(load_dir, tag=tag, load_module_strict=False,
+                                       load_optimizer_states=load_optimizer_states,
+                                       load_lr_scheduler_states=load_lr_scheduler_states,
+                                       load_module_only=load_module_only)
+
+    # -- the calls a pipeline does not take -------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        raise PipelineError(_ONLY_TRAIN_BATCH.format("forward"))
+
+    def backward(self, *args, **kwargs):
+        raise PipelineError(_ONLY_TRAIN_BATCH.format("backward"))
+
+    def step(self, *args, **kwargs):
+        raise PipelineError(_ONLY_TRAIN_BATCH.format("step"))
+
+    # -- one batch --------------------------------------------------------------------------------
+    def train_batch(self, data_iter=None):
+        """Train on the next ``gradient_accumulation_steps`` micro-batches; return the batch's mean loss
+        (averaged over data-parallel replicas), the same tensor on every rank."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() needs gradients enabled; use eval_batch() to evaluate")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        batches = self._load_batches(self.micro_batches)
+        schedule = sched.make_schedule(self.module.schedule, micro_batches=self.micro_batches,
+                                       stages=self.num_stages, stage_id=self.stage_id,
+                                       virtual_stages=self.module.virtual_stages)
+        self._run(schedule, batches)
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg",
+                   bcast_loss=True, num_micro_batches=None):
+        """Forward passes over the next micro-batches; the loss (mean over micro-batches and replicas with
+        ``reduce_output='avg'``, the list of per-micro-batch losses with ``None``) on every rank, and with
+        ``return_logits`` also the last stage's outputs (``None`` on other stages)."""
+        if reduce_output not in ("avg", None):
+            raise NotImplementedError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        m = num_micro_batches or self.micro_batches
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.eval()
+        batches = self._load_batches(m)
+        schedule = sched.InferenceSchedule(m, self.num_stages, self.stage_id, self.module.virtual_stages)
+        with torch.no_grad():
+            state = self._run(schedule, batches, compute_loss=compute_loss, keep_logits=return_logits)
+        losses = state.losses
+        if not compute_loss:
+            out = state.logits if self.is_last_stage() else None
+            return (out, out) if return_logits else out
+        if reduce_output == "avg":
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
+            if self.is_last_stage():
+                total += sum(losses) / m / self.dp_world_size
+            comm.all_reduce(total)
+            result = total
+        else:
+            vec = torch.zeros(m, dtype=torch.float32, device=self.device)
+            if self.is_last_stage():
+                vec += torch.stack([l.float() for l in losses]) / self.dp_world_size
+            comm.all_reduce(vec)
+            result = list(vec)
+        self.module.train()
+        if return_logits:
+            return result, (state.logits if self.is_last_stage() else None)
+        return result
+
+    # -- data -------------------------------------------------------------------------------------
+    def _load_batches(self, m: int) -> list:
+        """The micro-batches of this batch (first and last stage); every rank learns if any ran out,
+        so an exhausted iterator stops every stage with the same error instead of hanging them."""
+        batches, problem = [], ""
+        if self._needs_data():
+            if self.data_iterator is None:
+                problem = "no data: pass train_batch(data_iter=...) or initialize(training_data=...)"
+            else:
+                try:
+                    for _ in range(m):
+                        batches.append(next(self.data_iterator))
+                except StopIteration:
+                    problem = (f"the data iterator ran out after {len(batches)} of the {m} micro-batches of this "
+                               "batch (gradient_accumulation_steps): wrap the loader in "
+                               "shardwise.utils.RepeatingLoader or stop calling train_batch() earlier")
+        failed = torch.tensor([1.0 if problem else 0.0])
+        if comm.get_world_size() > 1:
+            flags = torch.zeros(comm.get_world_size())
+            flags[comm.get_rank()] = failed
+            comm.all_reduce(flags)
+        else:
+            flags = failed
+        bad = [int(r) for r in torch.nonzero(flags).flatten().tolist()]
+        if bad:
+            raise PipelineError(problem if problem else f"rank(s) {bad} (stage {self.stage_id} waits on them): "
+                                "their data iterator ran out or is missing; no stage trained on this batch")
+        return batches
+
+    def _stage_inputs(self, batch):
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        tensors, single = as_tensors(inputs, "the data loader (first element of a batch)")
+        out = []
+        for t in tensors:
+            t = t.to(self.device)
+            if t.is_floating_point() and self.precision.param_dtype != torch.float32:
+                t = t.to(self.precision.param_dtype)
+            out.append(t.detach())
+        return tuple(out), single
+
+    def _labels(self, batch):
+        labels = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
+        if isinstance(labels, torch.Tensor):
+            return labels.to(self.device)
+        if isinstance(labels, (tuple, list)):
+            return type(labels)(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in labels)
+        return labels
+
+    # -- running a schedule -----------------------------------------------------------------------
+    def _run(self, schedule, batches, compute_loss: bool = True, keep_logits: bool = False) -> "_BatchState":
+        st = _BatchState(schedule, batches)
+        st.compute_loss = compute_loss
+        st.keep_logits = keep_logits or not compute_loss
+        handlers = {
+            sched.LoadMicroBatch: self._exec_load,
+            sched.RecvActivation: self._exec_recv_activation,
+            sched.ForwardPass: self._exec_forward,
+            sched.SendActivation: self._exec_send_activation,
+            sched.RecvGrad: self._exec_recv_grad,
+            sched.BackwardPass: self._exec_backward,
+            sched.SendGrad: self._exec_send_grad,
+            sched.ReduceTiedGrads: self._exec_reduce_tied,
+            sched.ReduceGrads: self._exec_reduce_grads,
+            sched.OptimizerStep: self._exec_optimizer_step,
+        }
+        for ins in schedule:
+            handlers[type(ins)](ins, st)
+        self._act_out.wait()
+        self._grad_out.wait()
+        return st
+
+    def _vs(self, chunk: int) -> int:
+        return chunk * self.num_stages + self.stage_id
+
+    def _is_last_vs(self, chunk: int) -> bool:
+        return self._vs(chunk) == self.num_stages * self.module.virtual_stages - 1
+
+    def _exec_load(self, ins, st) -> None:
+        batch = st.batches[ins.micro_batch_id]
+        if self._vs(ins.chunk) == 0:
+            st.inputs[(ins.micro_batch_id, ins.chunk)] = self._stage_inputs(batch)
+        if self._is_last_vs(ins.chunk):
+            st.labels[ins.micro_batch_id] = self._labels(batch)
+
+    def _exec_recv_activation(self, ins, st) -> None:
+        tensors, single = self._act_in.recv()
+        if torch.is_grad_enabled():
+            for t in tensors:
+                if t.is_floating_point():
+                    t.requires_grad_()
+        st.inputs[(ins.micro_batch_id, ins.chunk)] = (tensors, single)
+
+    def _exec_forward(self, ins, st) -> None:
+        key = (ins.micro_batch_id, ins.chunk)
+        tensors, single = st.inputs[key]
+        self.timers.start("forward")
+        out = self.module(tensors[0] if single else tensors, chunk=ins.chunk)
+        self.timers.stop("forward")
+        if self._is_last_vs(ins.chunk):
+            if st.keep_logits:
+                st.logits.append(out.detach() if isinstance(out, torch.Tensor) else out)
+            if not st.compute_loss:
+                return
+            loss_fn = self.module.loss_fn
+            loss = loss_fn(out, st.labels[ins.micro_batch_id]) if loss_fn is not None else out
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise PipelineError(f"the loss of the last stage must be a scalar tensor, got "
+                                    f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+                                    " (give PipelineModule a loss_fn, or make the last layer return the loss)")
+            st.losses.append(loss.detach().float())
+            st.outputs[key] = loss
+            if not torch.is_grad_enabled():
+                st.inputs.pop(key, None)
+                st.outputs.pop(key, None)
+            return
+        out_tensors, out_single = as_tensors(out, f"pipeline stage {self.stage_id}'s "
+                                             f"{self.module.stage_output_layer(ins.chunk)}")
+        st.outputs[key] = (out_tensors, out_single)
+
+    def _exec_send_activation(self, ins, st) -> None:
+        key = (ins.micro_batch_id, ins.chunk)
+        tensors, single = st.outputs[key]
+        self._act_out.send(tensors, single)
+        if not torch.is_grad_enabled():  # inference: nothing to keep for a backward
+            st.outputs.pop(key)
+            st.inputs.pop(key, None)
+
+    def _exec_recv_grad(self, ins, st) -> None:
+        key = (ins.micro_batch_id, ins.chunk)
+        tensors, _ = st.outputs[key]
+        st.grads[key] = recv_grads(self._act_out.peer, [tensors[i] for i in grad_slots(tensors)])
+
+    def _exec_backward(self, ins, st) -> None:
+        key = (ins.micro_batch_id, ins.chunk)
+        st.backwards_done += 1
+        boundary = st.backwards_done == st.total_backwards
+        self.timers.start("backward")
+        self.set_gradient_accumulation_boundary(boundary)  # the stage's last backward of the batch
+        self._begin_backward()
+        if self._is_last_vs(ins.chunk):
+            scaled = st.outputs.pop(key).float()
+            if self.micro_batches > 1:
+                scaled = scaled / self.micro_batches
+            if self.loss_scaler is not None:
+                scaled = self.loss_scaler.scale_loss(scaled)
+            scaled.backward()
+        else:
+            tensors, _ = st.outputs.pop(key)
+            grads = st.grads.pop(key)
+            pairs = [(t, g) for t, g in zip([tensors[i] for i in grad_slots(tensors)], grads) if t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], grad_tensors=[g for _, g in pairs])
+        self._end_backward()
+        self.set_gradient_accumulation_boundary(None)
+        self.timers.stop("backward")
+        inputs, _ = st.inputs.pop(key)
+        if self._vs(ins.chunk) > 0:
+            st.input_grads[key] = [t.grad if t.grad is not None else torch.zeros_like(t)
+                                   for t in (inputs[i] for i in grad_slots(inputs))]
+
+    def _exec_send_grad(self, ins, st) -> None:
+        self._grad_out.send(st.input_grads.pop((ins.micro_batch_id, ins.chunk)))
+
+    def _exec_reduce_tied(self, ins, st) -> None:
+        self.module.allreduce_tied_weight_gradients()
+
+    def _exec_reduce_grads(self, ins, st) -> None:
+        pass  # the ZeRO strategy reduced them during this stage's last backward (the boundary)
+
+    def _exec_optimizer_step(self, ins, st) -> None:
+        self.agg_train_loss = self._aggregate_loss(st.losses)
+        self._loss_sum = self.agg_train_loss.detach().clone().reshape(())
+        self._loss_count = 1
+        self.micro_steps += self.micro_batches - 1  # _take_model_step's caller counts the last one
+        inner = self.strategy
+        self.strategy = _PipelineStep(inner, self)
+        try:
+            self._take_model_step({})
+        finally:
+            self.strategy = inner
+        self.micro_steps += 1
+
+    def _aggregate_loss(self, losses) -> torch.Tensor:
+        """Mean loss of the batch over micro-batches and data-parallel replicas, on every rank."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last_stage():
+            total += torch.stack(losses).sum() / len(losses) / self.dp_world_size
+        if comm.get_world_size() > 1:
+            comm.all_reduce(total)  # only the last stage's ranks contribute
+        return total
+
+    # -- gradient norm over every stage -----------------------------------------------------------
+    def global_grad_norm_sq(self, loss_scale: float) -> float:
+        """Squared L2 norm of this batch's reduced, unscaled gradients over all stages (tied ones once)."""
+        strategy = self.strategy
+        skip = self.module.tied_duplicate_names()
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        if not (strategy.replicated and self.grid.get_data_parallel_rank() != 0):
+            for batch in strategy.fragment_batches():
+                for name, start, end, _ in batch:
+                    if name not in skip:
+                        g = strategy.local_grad(name, start, end).float()
+                        sq += torch.dot(g.reshape(-1), g.reshape(-1))
+        if comm.get_world_size() > 1:
+            comm.all_reduce(sq)
+        return float(sq) / (loss_scale * loss_scale)
+
+
+class _PipelineStep:
+    """The engine's ZeRO strategy, with ``step`` taking the norm and overflow over every stage: the
+    strategy then steps with the unscale and clip folded into one coefficient."""
+
+    def __init__(self, inner, engine: PipelineEngine) -> None:
+        self._inner = inner
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def step(self, *, loss_scale: float, clip: float) -> StepResult:
+        sq = self._engine.global_grad_norm_sq(loss_scale)
+        norm = math.sqrt(sq) if math.isfinite(sq) else float("inf")
+        if not math.isfinite(norm) and self._inner.precision.check_overflow:
+            return StepResult(grad_norm=float("inf"), overflow=True)
+        coef = 1.0
+        if clip > 0 and clip / (norm + 1e-6) < 1.0:
+            coef = clip / (norm + 1e-6)
+        self._inner.step(loss_scale=loss_scale / coef, clip=0.0)
+        return StepResult(grad_norm=norm, overflow=False)
+
+
+class _BatchState:
+    """Buffers of one batch, keyed by (micro-batch, chunk)."""
+
+    def __init__(self, schedule, batches) -> None:
+        self.batches = batches
+        self.inputs: dict = {}
+        self.outputs: dict = {}
+        self.labels: dict = {}
+        self.grads: dict = {}
+        self.input_grads: dict = {}
+        self.losses: list = []
+        self.logits: list = []
+        self.compute_loss = True
+        self.keep_logits = False
+        self.backwards_done = 0
+        self.total_backwards = sum(1 for k, _, _ in schedule.compute_order() if k == "B")

@@ -1,0 +1,294 @@
+"""Pipeline parallelism: parity with one-process training of the same layers (fp32, rtol 1e-6 per
+step), errors, and the seed example. Many cases share one spawn (``run_subtests``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import DistributedTestError, run_distributed, run_subtests
+from pipe_models import batch, layer_specs, reference
+
+STEPS, ROWS = 3, 2  # rows of one micro-batch per data-parallel rank
+
+
+def _config(*, micro: int, dp: int, stage: int = 0, clip: float = 0.0, extra=None, rows: int = ROWS) -> dict:
+    cfg = {
+        "train_batch_size": rows * micro * dp, "train_micro_batch_size_per_gpu": rows,
+        "gradient_accumulation_steps": micro, "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 64},
+    }
+    cfg.update(extra or {})
+    return cfg
+
+
+def _train(case: dict):
+    import shardwise
+    from shardwise.pipe import PipelineModule
+
+    stages, micro = case["stages"], case.get("micro", 4)
+    model = PipelineModule(layer_specs(case.get("tied", False)), num_stages=stages,
+                           loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True,
+                           partition_method=case.get("partition", "parameters"),
+                           schedule=case.get("schedule"), virtual_stages=case.get("virtual", 1))
+    dp = torch.distributed.get_world_size() // stages
+    extra = {"pipeline": {"activation_checkpoint_interval": case["ckpt"]}} if case.get("ckpt") else {}
+    extra.update(case.get("config", {}))
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                      config=_config(micro=micro, dp=dp, stage=case.get("zero", 0),
+                                                     clip=case.get("clip", 0.0), extra=extra))
+    assert isinstance(engine, shardwise.PipelineEngine)
+    d = engine.grid.get_data_parallel_rank()
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(step, micro, ROWS * dp)
+        rows = slice(d * ROWS, (d + 1) * ROWS)
+        loss = engine.train_batch(iter([(x[i, rows], y[i, rows]) for i in range(micro)]))
+        losses.append(float(loss))
+        norms.append(engine.get_global_grad_norm())
+    out = {"losses": losses, "norms": norms, "meta": engine._act_in.metadata_received,
+           "skipped": engine.skipped_steps, "scale": engine.cur_scale,
+           "ckpt_interval": model.activation_checkpoint_interval}
+    if case.get("eval"):
+        x, y = batch(99, micro, ROWS * dp)
+        loss, logits = engine.eval_batch(iter([(x[i, rows], y[i, rows]) for i in range(micro)]), return_logits=True)
+        out["eval"] = float(loss)
+        out["logits"] = logits
+    return out
+
+
+CASES_2 = [
+    {"name": "2 stages 1F1B", "stages": 2, "eval": True},
+    {"name": "2 stages GPipe", "stages": 2, "schedule": "gpipe"},
+    {"name": "2 stages clipped", "stages": 2, "clip": 0.05},
+    {"name": "2 stages activation checkpointing", "stages": 2, "ckpt": 1},
+    {"name": "accumulation 8", "stages": 2, "micro": 8},
+    {"name": "tied", "stages": 2, "tied": True, "partition": "uniform", "clip": 0.05},
+    {"name": "interleaved 2x2 virtual", "stages": 2, "virtual": 2, "partition": "uniform"},
+    # 16-bit: not bitwise, so compared loosely; an fp16 overflow on any stage skips the step on all.
+    {"name": "bf16", "stages": 2, "config": {"bf16": {"enabled": True}}, "rtol": 2e-2},
+    {"name": "fp16 overflow", "stages": 2, "config": {"fp16": {"enabled": True, "initial_scale_power": 40}},
+     "rtol": 2e-2, "skipped": True},
+]
+CASES_4 = [
+    {"name": "4 stages", "stages": 4, "micro": 8},
+    {"name": "pipe 2 x data 2", "stages": 2},
+    {"name": "pipe 2 x data 2 ZeRO 1", "stages": 2, "zero": 1, "clip": 0.05},
+    {"name": "pipe 2 x data 2 ZeRO 2", "stages": 2, "zero": 2},
+    {"name": "pipe 2 x data 2 ZeRO 3", "stages": 2, "zero": 3, "clip": 0.05},
+]
+
+
+def _steps(engine, first: int, count: int, *, micro: int, rows_total: int, pipeline: bool = True):
+    dp = engine.dp_world_size
+    d = engine.grid.get_data_parallel_rank()
+    per = rows_total // dp
+    sl = slice(d * per, (d + 1) * per)
+    losses = []
+    for step in range(first, first + count):
+        x, y = batch(step, micro, rows_total)
+        if pipeline:
+            losses.append(float(engine.train_batch(iter([(x[i, sl], y[i, sl]) for i in range(micro)]))))
+        else:
+            total = 0.0
+            for i in range(micro):
+                loss = torch.nn.functional.cross_entropy(engine(x[i, sl]), y[i, sl])
+                engine.backward(loss)
+                engine.step()
+                total += float(loss)
+            mean = torch.tensor([total / micro / dp], dtype=torch.float64)
+            if dp > 1:
+                torch.distributed.all_reduce(mean, group=engine.dp_group)
+            losses.append(float(mean))
+    return losses
+
+
+def _pipe_engine(stages: int, rows: int, micro: int = 4, zero: int = 0):
+    import shardwise
+    from shardwise.pipe import PipelineModule
+
+    model = PipelineModule(layer_specs(), num_stages=stages, loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True)
+    dp = torch.distributed.get_world_size() // stages
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                      config=_config(micro=micro, dp=dp, rows=rows, stage=zero))
+    return engine
+
+
+def _ckpt_save_and_reload(ckpt_dir: str):
+    """Save at 2 stages x 2 replicas (ZeRO 1), then load at 4 stages x 1 replica: the same losses follow."""
+    a = _pipe_engine(2, rows=2, zero=1)
+    before = _steps(a, 0, 2, micro=4, rows_total=4)
+    a.save_checkpoint(ckpt_dir, tag="t")
+    after = _steps(a, 2, 2, micro=4, rows_total=4)
+    b = _pipe_engine(4, rows=4)
+    b.load_checkpoint(ckpt_dir, tag="t")
+    resumed = _steps(b, 2, 2, micro=4, rows_total=4)
+    # Into a non-pipelined model (plain nn.Sequential, 4 data-parallel ranks), and back from it.
+    import shardwise
+    from shardwise.pipe.module import build_sequential
+
+    c, *_ = shardwise.initialize(model=build_sequential(layer_specs(), seed_layers=True, base_seed=0),
+                                 config=_config(micro=4, dp=4, rows=1))
+    c.load_checkpoint(ckpt_dir, tag="t")
+    c.save_checkpoint(ckpt_dir, tag="plain")
+    plain = _steps(c, 2, 2, micro=4, rows_total=4, pipeline=False)
+    d = _pipe_engine(2, rows=2)
+    d.load_checkpoint(ckpt_dir, tag="plain")
+    back = _steps(d, 2, 2, micro=4, rows_total=4)
+    return {"before": before, "after": after, "resumed": resumed, "global_steps": b.global_steps,
+            "plain": plain, "back": back}
+
+
+def _plain_load(rank, world, ckpt_dir):
+    import shardwise
+    from shardwise.pipe.module import build_sequential
+
+    model = build_sequential(layer_specs(), seed_layers=True, base_seed=0)  # other weights: the load replaces them
+    engine, *_ = shardwise.initialize(model=model, config=_config(micro=4, dp=1, rows=4))
+    engine.load_checkpoint(ckpt_dir, tag="t")
+    return {"resumed": _steps(engine, 2, 2, micro=4, rows_total=4, pipeline=False), "steps": engine.global_steps}
+
+
+def _body(rank, world, cases, ckpt_dir=None):
+    out = run_subtests(lambda c: (c["name"], _train(c)), cases)
+    if ckpt_dir:
+        out.append(("checkpoint", _ckpt_save_and_reload(ckpt_dir)))
+    if world == 4:  # an exhausted iterator on the first and last stage stops the middle ones too
+        import shardwise
+        from shardwise.pipe import PipelineError, PipelineModule
+
+        model = PipelineModule(layer_specs(), num_stages=4, loss_fn=torch.nn.CrossEntropyLoss())
+        engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                          config=_config(micro=4, dp=1))
+        x, y = batch(0, 4, ROWS)
+        try:
+            engine.train_batch(iter([(x[i], y[i]) for i in range(3)]))
+        except PipelineError as e:
+            out.append(("exhausted", str(e)))
+    return out
+
+
+def _check(results, cases, dp_of):
+    for case in cases:
+        per_rank = [dict(r)[case["name"]] for r in results]
+        micro = case.get("micro", 4)
+        dp = dp_of(case)
+        ref, model = reference(steps=STEPS, micro=micro, rows=ROWS * dp, clip=case.get("clip", 0.0),
+                               tied=case.get("tied", False))
+        for r, got in enumerate(per_rank):
+            if case.get("skipped"):  # every step overflows at this scale: all stages skip it together
+                assert got["skipped"] == STEPS and got["scale"] < 2.0 ** 40, got
+                untrained, _ = reference(steps=STEPS, micro=micro, rows=ROWS * dp, lr=0.0)
+                torch.testing.assert_close(got["losses"], untrained, rtol=case["rtol"], atol=0)
+                continue
+            torch.testing.assert_close(got["losses"], ref, rtol=case.get("rtol", 1e-6), atol=0,
+                                       msg=lambda m: f"{case['name']} rank {r}: {m}")
+            assert got["norms"] == per_rank[0]["norms"], (case["name"], "every rank reports the global norm")
+        if case.get("ckpt"):
+            assert per_rank[0]["ckpt_interval"] == case["ckpt"]
+        # Shapes are described once per channel (they never change here).
+        assert max(r["meta"] for r in per_rank) == 1 or case.get("virtual"), (case["name"], per_rank)
+        if case.get("eval"):
+            x, y = batch(99, micro, ROWS * dp)
+            with torch.no_grad():
+                want = sum(float(torch.nn.functional.cross_entropy(model(x[i]), y[i])) for i in range(micro)) / micro
+            for r, got in enumerate(per_rank):
+                assert got["eval"] == pytest.approx(want, rel=1e-6)
+                if r == len(per_rank) - 1:  # the last stage returns its outputs
+                    with torch.no_grad():
+                        torch.testing.assert_close(torch.stack(got["logits"]), torch.stack([model(x[i]) for i in range(micro)]),
+                                                   rtol=1e-5, atol=1e-6)
+                else:
+                    assert got["logits"] is None
+
+
+def _two_rank_body(rank, world):
+    return _body(rank, world, CASES_2) + [("errors", _errors(rank, world))]
+
+
+def test_pipeline_parity_two_ranks_and_errors():
+    results = run_distributed(_two_rank_body, 2, timeout=240)
+    _check(results, CASES_2, lambda c: 2 // c["stages"])
+    _check_errors([dict(r)["errors"] for r in results])
+
+
+def test_pipeline_parity_four_ranks(tmp_path):
+    results = run_distributed(_body, 4, args=(CASES_4, str(tmp_path)), timeout=300)
+    _check(results, CASES_4, lambda c: 4 // c["stages"])
+    ref, _ = reference(steps=4, micro=4, rows=4)
+    for r in results:
+        ck = dict(r)["checkpoint"]
+        torch.testing.assert_close(ck["before"] + ck["after"], ref, rtol=1e-6, atol=0)
+        # Saved at 2 stages, loaded at 4: the losses continue as without the interruption.
+        torch.testing.assert_close(ck["resumed"], ck["after"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(ck["plain"], ck["after"], rtol=1e-6, atol=0)  # plain model, 4 replicas
+        torch.testing.assert_close(ck["back"], ck["after"], rtol=1e-6, atol=0)  # plain checkpoint -> pipeline
+        assert ck["global_steps"] == 4
+    # ... and into the same layers as a plain nn.Sequential in one process (no pipeline).
+    plain = run_distributed(_plain_load, 1, args=(str(tmp_path),), timeout=120)[0]
+    torch.testing.assert_close(plain["resumed"], dict(results[0])["checkpoint"]["after"], rtol=1e-6, atol=0)
+    assert plain["steps"] == 4
+    for rank, r in enumerate(results):
+        msg = dict(r)["exhausted"]
+        want = "ran out after 3 of the 4 micro-batches" if rank in (0, 3) else "rank(s) [0, 3]"
+        assert want in msg, (rank, msg)
+
+
+class _Dict(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return {"h": self.fc(x)}
+
+
+def _errors(rank, world):
+    """Each misuse raises a clear error on every rank that takes part, without hanging the others."""
+    import shardwise
+    from shardwise.pipe import LayerSpec, PipelineError, PipelineModule
+
+    got = {}
+
+    def expect(name, fn, exc=PipelineError):
+        try:
+            fn()
+        except exc as e:
+            got[name] = str(e)
+        else:
+            got[name] = None
+
+    expect("more stages than layers", lambda: PipelineModule([LayerSpec(torch.nn.Linear, 8, 8)], num_stages=2))
+    expect("not divisible", lambda: PipelineModule(layer_specs(), num_stages=3))
+    expect("plain model with pipeline config", lambda: shardwise.initialize(
+        model=torch.nn.Linear(2, 2), config={**_config(micro=1, dp=2), "pipeline": {"activation_checkpoint_interval": 1}}),
+        ValueError)
+    model = PipelineModule([LayerSpec(_Dict), LayerSpec(torch.nn.Linear, 8, 4)], num_stages=2,
+                           loss_fn=torch.nn.CrossEntropyLoss(), partition_method="uniform")
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=_config(micro=4, dp=1))
+    x, y = batch(0, 4, ROWS)
+    data = [(x[i], y[i]) for i in range(4)]
+    expect("exhausted", lambda: engine.train_batch(iter(data[:2])))
+    expect("forward", lambda: engine(x[0]))
+    expect("backward", lambda: engine.backward(torch.ones(())))
+    expect("step", lambda: engine.step())
+    if rank == 0:  # stage 0 refuses the dict before sending anything; stage 1 only joins the data check
+        expect("non-tensor output", lambda: engine.train_batch(iter(data)))
+    else:
+        engine.set_dataiterator(iter(data))
+        engine._load_batches(4)
+    return got
+
+
+def _check_errors(results):
+    for rank, got in enumerate(results):
+        assert "1 layers cannot fill 2 pipeline stages" in got["more stages than layers"]
+        assert "num_stages (3) must divide the world size (2)" in got["not divisible"]
+        assert "'pipeline' block but the model is not a shardwise.pipe.PipelineModule" in \
+            got["plain model with pipeline config"]
+        assert "ran out" in got["exhausted"], got  # every stage, not only those reading data
+        for call in ("forward", "backward", "step"):
+            assert f"engine.{call}() is not available on a pipeline engine" in got[call]
+            assert "train_batch" in got[call]
+    msg = results[0]["non-tensor output"]
+    assert "layer 0 (_Dict) returned a dict" in msg and "tensor or a tuple of tensors" in msg, msg
