@@ -127,6 +127,23 @@ class PartitionedOptimizer:
         else:
             yield list(self.all_fragments())
 
+    # -- what a checkpoint asks, the same for every partitioned stage --------------------------
+    def fragment_at(self, name: str, start: int, end: int) -> Fragment:
+        for f in self.all_fragments():
+            if f.name == name and f.param_start == start:
+                return f
+        raise KeyError(f"{name}[{start}:{end}] is not owned by this rank")
+
+    def fragment_batches(self):
+        """Per resident batch: (name, param_start, param_end, optimizer tensor) of each fragment."""
+        for frags in self.batches():
+            yield [(f.name, f.param_start, f.param_end, f.tensor) for f in frags]
+
+    def local_fragments(self):
+        """(name, param_start, param_end, optimizer tensor = fp32 weights) for every owned fragment."""
+        for f in self.all_fragments():
+            yield f.name, f.param_start, f.param_end, f.tensor
+
     # -- the step ---------------------------------------------------------------------------
     def step(self, source: FragmentSource, *, precision, loss_scale: float, clip: float) -> StepResult:
         """Global norm over every rank's partition (one all-reduce, which also spreads an overflow),

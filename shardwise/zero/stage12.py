@@ -172,19 +172,13 @@ class PartitionedStrategy(ZeroStrategy):
         }
 
     def local_grad(self, name: str, start: int, end: int) -> torch.Tensor:
-        for f in self.partition.all_fragments():
-            if f.name == name and f.param_start == start:
-                return self.gradients.grad_of(f)
-        raise KeyError(f"{name}[{start}:{end}] is not owned by this rank")
+        return self.gradients.grad_of(self.partition.fragment_at(name, start, end))
 
     def fragment_batches(self):
-        for frags in self.partition.batches():
-            yield [(f.name, f.param_start, f.param_end, f.tensor) for f in frags]
+        return self.partition.fragment_batches()
 
     def local_fragments(self):
-        """(name, param_start, param_end, optimizer tensor = fp32 weights) for every owned fragment."""
-        for f in self.partition.all_fragments():
-            yield f.name, f.param_start, f.param_end, f.tensor
+        return self.partition.local_fragments()
 
 
 class Stage1Strategy(PartitionedStrategy):
