@@ -76,5 +76,5 @@ def test_async_save_snapshots_state_writes_in_background_and_exit_waits(tmp_path
     assert ckpt.tag == "c"
     ckpt.verify()
     assert ckpt.manifest["engine"]["global_steps"] == 6
-    assert sorted(os.listdir(root)) == ["a", "b", "c", "latest"]
+    assert sorted(os.listdir(root)) == ["a", "b", "c", "latest", "zero_to_fp32.py"]
     assert not [f for f in os.listdir(ckpt.folder) if f.startswith(".")]

@@ -155,7 +155,7 @@ def test_errors_name_the_problem(tmp_path):
     assert torch.equal(r["lenient"]["extra"], torch.ones(4))
     assert r["ok"] == str(folder)
     # The refused save left nothing behind but debris the next save clears.
-    assert sorted(p for p in os.listdir(tmp_path / "ckpt") if not p.startswith(".")) == ["latest", "t1"]
+    assert sorted(p for p in os.listdir(tmp_path / "ckpt") if not p.startswith(".")) == ["latest", "t1", "zero_to_fp32.py"]
 
 
 def test_tag_resolution_without_an_engine(tmp_path):

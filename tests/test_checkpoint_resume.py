@@ -101,4 +101,4 @@ def test_resume_in_new_processes_is_bitwise_for_stages_0_to_3(tmp_path):
         written = {f for f in manifest["files"] if f.startswith("optim_rank")}
         assert written == ({"optim_rank0.safetensors"} if stage == 0 else {"optim_rank0.safetensors",
                                                                             "optim_rank1.safetensors"})
-        assert sorted(os.listdir(tmp_path / f"stage{stage}")) == [f"global_step{K}", "latest"]
+        assert sorted(os.listdir(tmp_path / f"stage{stage}")) == [f"global_step{K}", "latest", "zero_to_fp32.py"]
