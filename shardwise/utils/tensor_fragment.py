@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.runtime.dataloader import RepeatingLoader  # noqa: F401  (deepspeed.utils.RepeatingLoader)
 from shardwise.zero.partitioned_param import full_shape, is_partitioned
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"]
