@@ -36,12 +36,28 @@ def _train(engine, rank, steps):
 
 
 def _body(rank, world, root):
+    import threading
+
     import shardwise
+    from shardwise.checkpoint import writer
+
+    # A slow disk, made deterministic: the first save's file writing waits until save_checkpoint
+    # has returned (or 30 s, if save_checkpoint itself waits for the writing: then "busy" is False).
+    returned = threading.Event()
+    real_write_files = writer.SavePlan.write_files
+
+    def slow_write_files(plan):
+        returned.wait(timeout=30)
+        return real_write_files(plan)
+
+    writer.SavePlan.write_files = slow_write_files
     engine, *_ = shardwise.initialize(model=_model(0), config=CONFIG)
     _train(engine, rank, 2)
     at_a = snapshot(engine)
     engine.save_checkpoint(root, tag="a")
     busy_after_return = engine.checkpoint_writer.busy
+    returned.set()
+    writer.SavePlan.write_files = real_write_files
     _train(engine, rank, 3)  # changes every weight and optimizer state while "a" is being written
     at_b = snapshot(engine)
     engine.save_checkpoint(root, tag="b")  # waits for "a" first
