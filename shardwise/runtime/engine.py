@@ -447,7 +447,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             module=self.module, strategy=self.strategy, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             loss_scaler=self.loss_scaler, precision=self.precision, config=self.config, dp_group=self.dp_group,
             dp_world_size=self.dp_world_size, global_rank=self.global_rank, device=self.device,
-            training_dataloader=self.training_dataloader,
+            training_dataloader=self.training_dataloader, grid=self.grid,
             counters=StepCounters(global_steps=self.global_steps, global_samples=self.global_samples,
                                   micro_steps=self.micro_steps, skipped_steps=self.skipped_steps))
 
@@ -485,8 +485,13 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             logger.warning("save_16bit_model: not saved, because ZeRO-3 weights are partitioned and "
                            "zero_optimization.stage3_gather_16bit_weights_on_model_save is false")
             return False
+        from shardwise.checkpoint import tensor_parallel as tpc
+
+        tp = tpc.view_of(self)
         state = self.strategy.module_state_dict(self.module) \
-            if (self.global_rank == 0 or self.strategy.gathers_module_state) else None
+            if (self.global_rank == 0 or self.strategy.gathers_module_state or tp.active) else None
+        if tp.active:  # whole tensors: every tensor rank takes part
+            state = tpc.gather_state_dict(state, tp)
         if self.global_rank == 0:
             if exclude_frozen_parameters:
                 frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
