@@ -120,7 +120,7 @@ def main() -> None:
         return
     results = {}
     for name, pp, tp, dp in GRIDS:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "0",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                os.path.abspath(__file__), "--worker", "--pp", str(pp), "--tp", str(tp), "--dp", str(dp),
                "--steps", str(args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden),
                "--seq", str(args.seq), "--rows", str(args.rows)]
