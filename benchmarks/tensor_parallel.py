@@ -62,7 +62,8 @@ def worker(args) -> None:
         engine, *_ = shardwise.initialize(model=gpt_pipeline_module(cfg, topology=topo, partition_method="uniform"),
                                           config=ds)
     else:
-        engine, *_ = shardwise.initialize(model=GPT(cfg), mpu=ParallelGrid(topo), config=ds)
+        grid = ParallelGrid(topo)  # before the model: its layers shard over the current grid
+        engine, *_ = shardwise.initialize(model=GPT(cfg), mpu=grid, config=ds)
     grid = engine.grid
     d = grid.get_data_parallel_rank()
     per = args.rows // dp // 2
