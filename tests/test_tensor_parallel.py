@@ -47,6 +47,10 @@ def test_layers_without_a_grid_are_plain_layers():
     from shardwise.topology import _set_current_grid
 
     _set_current_grid(None)
+    import shardwise.utils.groups as groups  # deepspeed.utils.groups: no grid, no tensor parallelism
+    from shardwise.runtime.pipe.topology import PipelineParallelGrid  # noqa: F401 (DeepSpeed's path)
+
+    assert groups.get_tensor_model_parallel_world_size() == 1 and groups.get_model_parallel_rank() == 0
     torch.manual_seed(0)
     ref = nn.Linear(6, 4)
     torch.manual_seed(0)
