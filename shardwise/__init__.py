@@ -86,7 +86,9 @@ def initialize(
 
 
 def _autotp_size(cfg) -> int:
-    return int((cfg.tensor_parallel or {}).get("autotp_size", 1) or 1)
+    block = cfg.tensor_parallel  # a dict, or the tensor_parallel config model
+    value = block.get("autotp_size", 1) if isinstance(block, dict) else getattr(block, "autotp_size", 1)
+    return int(value or 1)
 
 
 def _grid_for(cfg, mpu):
