@@ -161,6 +161,37 @@ def _check_layers(tp, rank, world):
     return tp
 
 
+def test_checkpoint_layout_of_strided_and_plain_pieces():
+    """Pieces saved at one (tensor size, partition_stride, partition_dim) read back at any other."""
+    from shardwise.checkpoint.tensor_parallel import (TensorParallelView, assemble, piece_of, piece_runs,
+                                                      read_local, to_canonical)
+
+    class Reader:  # the saved layout, as the fragments of every rank describe it
+        def __init__(self, flat):
+            self.flat = flat
+
+        def read_range(self, entry, start, end, *, what):
+            return self.flat[start:end]
+
+    full = torch.arange(12 * 6, dtype=torch.float32).view(12, 6)
+    for dim in (0, 1):
+        saved = torch.full((full.numel(),), float("nan"))
+        pieces = [piece_of(full, dim, 3 if dim == 0 else 1, 2, r) for r in range(2)]  # fused-qkv-like at tp 2
+        torch.testing.assert_close(assemble(pieces, dim, 3 if dim == 0 else 1), full)
+        for r, piece in enumerate(pieces):
+            for start, end, data in piece_runs(piece, dim, 3 if dim == 0 else 1, 2, r):
+                saved[start:end] = data
+        torch.testing.assert_close(saved, to_canonical(full, dim))  # the runs tile the layout exactly
+        entry = {"shape": [12, 6], "partition_dim": dim}
+        for size, stride in ((1, 1), (3, 1), (2, 3) if dim == 0 else (2, 1)):
+            for r in range(size):
+                tp = TensorParallelView(size=size, rank=r, partition_dims={"w": dim} if size > 1 else {},
+                                        strides={"w": stride} if stride > 1 else {})
+                want = piece_of(full, dim, stride, size, r)
+                got = read_local(Reader(saved), entry, "w", list(want.shape), 3, want.numel() - 1, tp, what="w")
+                torch.testing.assert_close(got, want.reshape(-1)[3:-1], msg=f"dim {dim} size {size} stride {stride}")
+
+
 def test_rng_tracker_streams_and_recompute():
     from shardwise import checkpointing
     from shardwise.runtime.activation_checkpointing.checkpointing import (get_cuda_rng_tracker,
