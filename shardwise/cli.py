@@ -234,5 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def deepspeed_command(argv: Sequence[str] | None = None) -> int:
+    """The ``deepspeed`` console script of the compatibility package (compat/deepspeed):
+    ``deepspeed ARGS`` is ``shardwise run ARGS``, as DeepSpeed's launcher takes the same flags."""
+    return main(["run", *(sys.argv[1:] if argv is None else argv)])
+
+
 if __name__ == "__main__":
     sys.exit(main())
