@@ -8,6 +8,8 @@ In a venv where ``deepspeed`` is that package (tests/compat_venv.py; no real Dee
   2 processes, gradient accumulation 2) gives DDP's losses at ZeRO-2 and at ZeRO-3 with
   ``zero.Init``, saves models ``from_pretrained`` loads with DDP's trained weights, and resumes from its
   checkpoint folder continuing identically;
+* accelerate's own path, ``Accelerator(deepspeed_plugin=DeepSpeedPlugin(...))`` with a client
+  optimizer, matches one-process training at ZeRO-2 and ZeRO-3;
 * the example's seed-style command (``deepspeed --num_gpus 2 main.py --deepspeed ds_config.json
   --do_train ... --use_cpu``) trains, and ``shardwise serve`` answers with the trained weights.
 """
@@ -209,6 +211,17 @@ def test_trainer_zero2_and_zero3_match_ddp_save_and_resume(venv, tmp_path):
         assert set(got) == set(trained), folder
         for k, v in trained.items():
             torch.testing.assert_close(got[k], v, atol=TOL, rtol=0, msg=f"{folder}: {k}")
+
+
+def test_accelerate_deepspeed_plugin_zero2_zero3_match_one_process(venv, tmp_path):
+    report = tmp_path / "report.json"
+    _run([str(venv / "bin" / "deepspeed"), "--num_gpus", "2", str(REPO / "tests" / "scripts" / "accelerate_loop.py"),
+          "--report", str(report)], venv_env(venv), tmp_path, timeout=600)
+    for name, run in json.loads(report.read_text()).items():
+        assert run["engine"] == "shardwise.runtime.engine.Engine" and run["stage"] == int(name[-1]), name
+        assert run["steps"] == 4, name  # 8 micro-batches, accumulation 2
+        assert run["losses"] == pytest.approx(run["ref_rank0_losses"], abs=TOL), name
+        assert run["max_weight_diff"] < TOL, name  # accelerator.get_state_dict() vs one-process training
 
 
 # ------------------------------------------------------------------------------- the example
