@@ -79,7 +79,8 @@ def __getattr__(name: str):
         return importlib.import_module(f"deepspeed.{name}")
     except ModuleNotFoundError as exc:
         if exc.name in (f"shardwise.{name}", f"deepspeed.{name}"):
-            raise AttributeError(str(missing if type(exc) is ModuleNotFoundError else exc)) from None
+            text = str(missing if type(exc) is ModuleNotFoundError else exc)
+            raise AttributeError(text.replace("module 'shardwise'", "module 'deepspeed' (shardwise)")) from None
         raise
 
 
