@@ -9,6 +9,7 @@ keyed by the compat package's files and the base interpreter, so CI builds it on
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -40,6 +41,15 @@ def compat_venv() -> Path:
     root = cache_root() / f"venv-deepspeed-compat-{_key()}"
     if (root / ".ready").exists():
         return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{root}.lock", "w") as lock:  # another test run may be building the same venv
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / ".ready").exists():
+            _build(root)
+    return root
+
+
+def _build(root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
     python = root / "bin" / "python"
@@ -55,7 +65,6 @@ def compat_venv() -> Path:
                     str(build)], check=True, env=env, timeout=600)
     shutil.rmtree(build)
     (root / ".ready").touch()
-    return root
 
 
 def venv_env(root: Path, **extra: str) -> dict[str, str]:
