@@ -42,7 +42,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "ops.op_builder": "there are no C++/CUDA extensions to build: optimizers use torch's fused kernels",
     "ops.aio": "use zero_optimization.offload_* with device nvme; the raw aio handle is not public",
     "autotuning.autotuner": "use `shardwise autotune` (or `shardwise run --autotuning tune`)",
-    "launcher.runner": "use `shardwise run`, which accepts the flags of `deepspeed`",
     "launcher.launch": "use `shardwise run`",
     "elasticity.elastic_agent": "use `shardwise run --elastic MIN:MAX` (torch's elastic agent)",
     "env_report": "use `shardwise doctor`",

@@ -8,8 +8,8 @@ In a venv where ``deepspeed`` is that package (tests/compat_venv.py; no real Dee
   2 processes, gradient accumulation 2) gives DDP's losses at ZeRO-2 and at ZeRO-3 with
   ``zero.Init``, saves models ``from_pretrained`` loads with DDP's trained weights, and resumes from its
   checkpoint folder continuing identically;
-* accelerate's own path, ``Accelerator(deepspeed_plugin=DeepSpeedPlugin(...))`` with a client
-  optimizer, matches one-process training at ZeRO-2 and ZeRO-3;
+* accelerate's own path, ``accelerate launch --use_deepspeed`` and ``Accelerator(deepspeed_plugin=
+  DeepSpeedPlugin(...))`` with a client optimizer, matches one-process training at ZeRO-2 and ZeRO-3;
 * the example's seed-style command (``deepspeed --num_gpus 2 main.py --deepspeed ds_config.json
   --do_train ... --use_cpu``) trains, and ``shardwise serve`` answers with the trained weights.
 """
@@ -215,8 +215,11 @@ def test_trainer_zero2_and_zero3_match_ddp_save_and_resume(venv, tmp_path):
 
 def test_accelerate_deepspeed_plugin_zero2_zero3_match_one_process(venv, tmp_path):
     report = tmp_path / "report.json"
-    _run([str(venv / "bin" / "deepspeed"), "--num_gpus", "2", str(REPO / "tests" / "scripts" / "accelerate_loop.py"),
-          "--report", str(report)], venv_env(venv), tmp_path, timeout=600)
+    # launched by `accelerate launch --use_deepspeed` (it reads deepspeed.launcher.runner, then torch's launcher)
+    _run([str(venv / "bin" / "python"), "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--zero_stage", "2",
+          str(REPO / "tests" / "scripts" / "accelerate_loop.py"), "--report", str(report)],
+         venv_env(venv), tmp_path, timeout=600)
     for name, run in json.loads(report.read_text()).items():
         assert run["engine"] == "shardwise.runtime.engine.Engine" and run["stage"] == int(name[-1]), name
         assert run["steps"] == 4, name  # 8 micro-batches, accumulation 2
