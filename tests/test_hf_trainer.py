@@ -15,6 +15,7 @@ In a venv where ``deepspeed`` is that package (tests/compat_venv.py; no real Dee
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -230,14 +231,12 @@ def test_accelerate_deepspeed_plugin_zero2_zero3_match_one_process(venv, tmp_pat
 # ------------------------------------------------------------------------------- the example
 
 def test_example_seed_command_trains_and_serves(venv, tmp_path):
-    sys.path.insert(0, str(REPO / "examples" / "chat"))
-    sys.path.insert(0, str(REPO / "examples" / "hf_trainer"))
-    try:
-        from main import build_prompt
-        from make_tiny_model import make_tiny_model, texts_from_files
-        from test_serve import reference_answer, running_server
-    finally:
-        sys.path[:2] = []
+    from test_serve import reference_answer, running_server  # (puts examples/chat on sys.path)
+    from make_tiny_model import make_tiny_model, texts_from_files
+
+    spec = importlib.util.spec_from_file_location("hf_trainer_example_main", EXAMPLE / "main.py")
+    example = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (its dataclasses need it there)
+    spec.loader.exec_module(example)
     data = REPO / "examples" / "chat" / "train.json"
     model = make_tiny_model(str(tmp_path / "tiny"), texts_from_files([str(data)]), vocab_size=400, init_std=0.3,
                             seed=3)
@@ -258,4 +257,4 @@ def test_example_seed_command_trains_and_serves(venv, tmp_path):
 
         r = httpx.post(url, json={"prompt": "什么事。", "history": history}, timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json()["response"] == reference_answer(str(out), build_prompt("什么事。", history))
+    assert r.json()["response"] == reference_answer(str(out), example.build_prompt("什么事。", history))
