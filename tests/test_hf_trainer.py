@@ -3,7 +3,8 @@
 In a venv where ``deepspeed`` is that package (tests/compat_venv.py; no real DeepSpeed anywhere):
 * the package is what transformers and accelerate see as DeepSpeed, and every ``deepspeed.X`` is
   shardwise's module; ``shardwise doctor`` says which deepspeed is active;
-* building it over a real DeepSpeed is refused unless pip is given --force-reinstall;
+* building it over a real DeepSpeed is refused unless pip is given --force-reinstall (the doctor names
+  that DeepSpeed);
 * an unchanged Trainer script (``TrainingArguments(deepspeed=cfg, use_cpu=True)``, tiny random Llama,
   2 processes, gradient accumulation 2) gives DDP's losses at ZeRO-2 and at ZeRO-3 with
   ``zero.Init``, saves models ``from_pretrained`` loads with DDP's trained weights, and resumes from its
@@ -144,6 +145,8 @@ def test_refuses_to_replace_a_real_deepspeed_without_force_reinstall(tmp_path):
     assert "refusing to install" in refused.stdout + refused.stderr
     assert "real DeepSpeed 0.19.8" in refused.stdout + refused.stderr
     assert (site / "deepspeed" / "__init__.py").read_text() == "REAL = True\n"  # untouched
+    doctor = _run([python, "-m", "shardwise", "doctor"], {**env, "PYTHONPATH": str(REPO)}, tmp_path).stdout
+    assert "deepspeed: DeepSpeed 0.19.8" in doctor and "run DeepSpeed, not shardwise" in doctor
 
     _run([*pip, "--force-reinstall"], env, tmp_path)
     check = "import deepspeed, importlib.metadata as m; print(deepspeed.__shardwise__, m.version('deepspeed'))"
