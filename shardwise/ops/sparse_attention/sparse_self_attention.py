@@ -282,6 +282,7 @@ class SparseSelfAttention(nn.Module):
                                             mask_mod=mods.mask_mod, seq_lengths=(L, L))
         # every layout block is computed whole ("full" blocks); mask_mod is still right everywhere
         # (the unfused reference evaluates it on every score)
-        return BlockMask.from_kv_blocks(torch.zeros_like(counts), indices, counts, indices,
+        # (distinct index tensors: inductor's CPU template breaks when one buffer is passed as both)
+        return BlockMask.from_kv_blocks(torch.zeros_like(counts), indices.clone(), counts, indices,
                                         BLOCK_SIZE=self.sparsity_config.block, mask_mod=mods.mask_mod,
                                         seq_lengths=(L, L))
