@@ -84,3 +84,36 @@ def test_offload_arguments_checked_and_no_reentry():
     with ctx:
         with pytest.raises(RuntimeError, match="not re-entrant"):
             ctx.__enter__()
+
+
+def test_cpu_checkpointing_keeps_saved_inputs_as_host_copies(monkeypatch):
+    """``activation_checkpointing.cpu_checkpointing`` (shardwise.checkpointing): the saved input of
+    every checkpointed block is a host copy, the device tensor is dropped, gradients are bitwise equal."""
+    from shardwise import checkpointing
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(3))
+    x = torch.randn(4, 32, 16)
+
+    def run(cpu):
+        checkpointing.configure(None, checkpoint_in_cpu=cpu)
+        blocks.zero_grad(set_to_none=True)
+        seen = []
+        h = x.clone().requires_grad_()
+        for b in blocks:
+            h = b(h) * 1.0  # a fresh activation each block
+            seen.append(weakref.ref(h.untyped_storage()))
+            h = checkpointing.checkpoint(b, h)
+        gc.collect()
+        alive = [r() is not None for r in seen]
+        h.sum().backward()
+        return alive, [p.grad.clone() for p in blocks.parameters()], checkpointing.get_profile()["kept_bytes"]
+
+    for name in ("_settings", "_configured"):  # restored after the test
+        monkeypatch.setattr(checkpointing, name, getattr(checkpointing, name))
+    monkeypatch.setattr(checkpointing, "_COPY_CPU_TENSORS", True)
+    alive_ref, ref, kept_ref = run(False)
+    alive, got, kept = run(True)
+    assert all(alive_ref) and kept_ref == 0
+    assert not any(alive) and kept == 3 * x.numel() * 4
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
