@@ -8,9 +8,9 @@ layout lets each query see, then times ``v``; a mask in ``"mul"`` mode is 1 (kee
 in ``"add"`` mode it is added to the scores.
 
 Backward: on CUDA (and other devices flex_attention trains on) flex_attention's own.  torch's
-flex_attention has no backward on CPU, so there the forward runs flex_attention (which returns
-the log-sum-exp) and the backward is computed here, block row by block row, on the same layout
-blocks only (``_BlockSparseAttention``).  The masks and ``rpe`` get no gradient.
+flex_attention has no backward on CPU, so there the forward runs flex_attention and the backward
+is computed here, a chunk of block rows at a time, on the same layout blocks only
+(``_BlockSparseAttention``).  The masks and ``rpe`` get no gradient.
 
 ``torch.compile`` of flex_attention gives the fused kernels (a C++ compiler is needed on CPU);
 without it flex_attention runs an unfused reference that computes every score.  It is on by
@@ -110,15 +110,17 @@ class _BlockSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, block_mask, mods, blocks, scale, compiled):
-        out, lse = _flex(compiled)(q.detach(), k.detach(), v.detach(), score_mod=mods.score_mod if mods.has_score_mod else None,
-                                   block_mask=block_mask, scale=scale, return_lse=True)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # (compiled flex_attention on CPU cannot return the log-sum-exp: backward recomputes it per row)
+        out = _flex(compiled)(q.detach(), k.detach(), v.detach(),
+                              score_mod=mods.score_mod if mods.has_score_mod else None, block_mask=block_mask,
+                              scale=scale)
+        ctx.save_for_backward(q, k, v, out)
         ctx.mods, ctx.blocks, ctx.scale = mods, blocks, scale
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out = ctx.saved_tensors
         mods, blocks, scale = ctx.mods, ctx.blocks, ctx.scale
         B, H, L, D = q.shape
         blk = mods.block
@@ -132,34 +134,48 @@ class _BlockSparseAttention(torch.autograd.Function):
         cols_all = blocks.cols.to(q.device)
         valid_all = blocks.valid.to(q.device)
         offs = torch.arange(blk, device=q.device)
+        hl = cols_all.shape[0]
+        head_base = (torch.arange(H, device=q.device) * L).view(H, 1, 1)
+        padded = not bool(valid_all.all())
+        elementwise = mods.kp_keep is not None or mods.am_keep is not None
         for r0 in range(0, nb, rows_per_chunk):
             r1 = min(nb, r0 + rows_per_chunk)
-            R = r1 - r0
-            cols = cols_all[:, r0:r1]  # [Hl, R, W]
-            tok = (cols[..., None] * blk + offs).reshape(cols.shape[0], R, width * blk)  # key positions
-            tok_valid = valid_all[:, r0:r1, :, None].expand(-1, -1, -1, blk).reshape(cols.shape[0], R, width * blk)
-            hsel = h_idx.view(H, 1, 1) if not mods.shared else torch.zeros(1, 1, 1, dtype=torch.long,
-                                                                          device=q.device)
-            kg = k[:, hsel, tok] if not mods.shared else k[:, :, tok[0]]  # [B, H, R, W*blk, D]
-            vg = v[:, hsel, tok] if not mods.shared else v[:, :, tok[0]]
-            qc = q[:, :, r0 * blk:r1 * blk].reshape(B, H, R, blk, D)
-            doc = d_out[:, :, r0 * blk:r1 * blk].reshape(B, H, R, blk, D)
-            q_pos = (torch.arange(r0 * blk, r1 * blk, device=q.device)).view(1, 1, R, blk, 1)
-            kv_pos = tok.view(1, tok.shape[0], R, 1, width * blk)
-            s = torch.matmul(qc, kg.transpose(-1, -2)) * scale  # [B, H, R, blk, W*blk]
+            R, span = r1 - r0, slice(r0 * blk, r1 * blk)
+            tok = (cols_all[:, r0:r1, :, None] * blk + offs).reshape(hl, R, width * blk)  # the rows' key positions
+            if mods.shared:
+                kg, vg = k[:, :, tok[0]], v[:, :, tok[0]]  # [B, H, R, W*blk, D]
+            else:
+                kg, vg = k[:, h_idx.view(H, 1, 1), tok], v[:, h_idx.view(H, 1, 1), tok]
+            qc = q[:, :, span].reshape(B, H, R, blk, D) * scale
+            doc = d_out[:, :, span].reshape(B, H, R, blk, D)
+            s = torch.matmul(qc, kg.transpose(-1, -2))  # [B, H, R, blk, W*blk]
+            kv_pos = tok.view(1, hl, R, 1, width * blk)
             if mods.has_score_mod:
+                q_pos = torch.arange(r0 * blk, r1 * blk, device=q.device).view(1, 1, R, blk, 1)
                 s = mods.score_mod(s, b_idx, h_idx, q_pos, kv_pos)
-            keep = mods.mask_mod(b_idx, h_idx, q_pos, kv_pos) & tok_valid.view(1, -1, R, 1, width * blk)
-            lse_c = lse[:, :, r0 * blk:r1 * blk].reshape(B, H, R, blk, 1)
-            p = torch.where(keep, torch.exp(s.float() - lse_c.float()), 0.0).to(q.dtype)
-            p = torch.nan_to_num(p, nan=0.0)  # rows with no key at all (lse = -inf)
-            dp = torch.matmul(doc, vg.transpose(-1, -2))
-            ds = p * (dp - delta[:, :, r0 * blk:r1 * blk].reshape(B, H, R, blk, 1).to(dp.dtype))
-            dq[:, :, r0 * blk:r1 * blk] = (torch.matmul(ds, kg) * scale).reshape(B, H, R * blk, D)
-            dk_part = torch.matmul(ds.transpose(-1, -2), qc) * scale  # [B, H, R, W*blk, D]
+            # the gathered blocks are the layout's: only the row padding and element masks remain
+            keep = valid_all[:, r0:r1, :, None].expand(-1, -1, -1, blk).reshape(1, hl, R, 1, width * blk) \
+                if padded else None
+            if mods.kp_keep is not None:
+                k_keep = mods.kp_keep[b_idx, kv_pos]
+                keep = k_keep if keep is None else keep & k_keep
+            if mods.am_keep is not None:
+                a_keep = mods.am_keep[torch.arange(r0 * blk, r1 * blk, device=q.device).view(1, 1, R, blk, 1),
+                                      kv_pos]
+                keep = a_keep if keep is None else keep & a_keep
+            if keep is not None:
+                s = s.masked_fill(~keep, float("-inf"))
+            # a chunk holds every key block of its rows, so the softmax is recomputed exactly here
+            p = torch.softmax(s.float(), dim=-1)
+            if elementwise:
+                p = torch.nan_to_num(p, nan=0.0)  # rows whose keys are all masked
+            p = p.to(q.dtype)
+            ds = torch.matmul(doc, vg.transpose(-1, -2))  # dP, then dS in place
+            ds.sub_(delta[:, :, span].reshape(B, H, R, blk, 1).to(ds.dtype)).mul_(p)
+            dq[:, :, span] = (torch.matmul(ds, kg) * scale).reshape(B, H, R * blk, D)
+            dk_part = torch.matmul(ds.transpose(-1, -2), qc)  # [B, H, R, W*blk, D] (qc carries the scale)
             dv_part = torch.matmul(p.transpose(-1, -2), doc)
-            flat = (torch.arange(H, device=q.device).view(H, 1, 1) * L + tok).reshape(-1) if not mods.shared \
-                else (torch.arange(H, device=q.device).view(H, 1) * L + tok.reshape(1, -1)).reshape(-1)
+            flat = (head_base + (tok.reshape(1, 1, -1) if mods.shared else tok.reshape(H, 1, -1))).reshape(-1)
             dk.view(B, H * L, D).index_add_(1, flat, dk_part.reshape(B, -1, D))
             dv.view(B, H * L, D).index_add_(1, flat, dv_part.reshape(B, -1, D))
         return dq, dk, dv, None, None, None, None, None
