@@ -209,3 +209,19 @@ def test_deepspeed_module_path():
     assert mod.SparseSelfAttention is SparseSelfAttention and mod.FixedSparsityConfig is FixedSparsityConfig
     with pytest.raises(ModuleNotFoundError, match="not supported by shardwise"):
         importlib.import_module("shardwise.ops.sparse_attention.bert_sparse_self_attention")
+
+
+def test_config_block_builds_the_layout():
+    from shardwise.config import load_config
+    from shardwise.ops.sparse_attention import sparsity_config_from_dict
+
+    block = {"mode": "fixed", "block": 16, "num_local_blocks": 2, "attention": "unidirectional"}
+    cfg = load_config({"train_batch_size": 1, "sparse_attention": block})
+    cfg.check_supported()  # the block is accepted; the model builds its attention from it
+    sc = sparsity_config_from_dict(cfg.sparse_attention, num_heads=2)
+    assert isinstance(sc, FixedSparsityConfig)
+    assert torch.equal(sc.make_layout(64)[1], _rows("1000", "1100", "0110", "0111"))
+    with pytest.raises(ValueError, match="sparse_attention.mode = 'sparse'"):
+        sparsity_config_from_dict({"mode": "sparse"}, 2)
+    with pytest.raises(ValueError, match="sparse_attention.num_local_blocks is not a setting of mode 'bigbird'"):
+        sparsity_config_from_dict({"mode": "bigbird", "num_local_blocks": 4}, 2)

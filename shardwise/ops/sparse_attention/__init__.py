@@ -9,8 +9,8 @@ from shardwise.ops.sparse_attention.sparse_self_attention import SparseSelfAtten
 from shardwise.ops.sparse_attention.sparsity_config import (BigBirdSparsityConfig, BSLongformerSparsityConfig,
                                                             DenseSparsityConfig, FixedSparsityConfig,
                                                             LocalSlidingWindowSparsityConfig, SparsityConfig,
-                                                            VariableSparsityConfig)
+                                                            VariableSparsityConfig, sparsity_config_from_dict)
 
 __all__ = ["SparsityConfig", "DenseSparsityConfig", "FixedSparsityConfig", "VariableSparsityConfig",
            "BigBirdSparsityConfig", "BSLongformerSparsityConfig", "LocalSlidingWindowSparsityConfig",
-           "SparseSelfAttention"]
+           "SparseSelfAttention", "sparsity_config_from_dict"]

@@ -15,7 +15,8 @@ import random
 import torch
 
 __all__ = ["SparsityConfig", "DenseSparsityConfig", "FixedSparsityConfig", "VariableSparsityConfig",
-           "BigBirdSparsityConfig", "BSLongformerSparsityConfig", "LocalSlidingWindowSparsityConfig"]
+           "BigBirdSparsityConfig", "BSLongformerSparsityConfig", "LocalSlidingWindowSparsityConfig",
+           "sparsity_config_from_dict"]
 
 _DIRECTIONS = ("unidirectional", "bidirectional")
 
@@ -331,3 +332,33 @@ class LocalSlidingWindowSparsityConfig(SparsityConfig):
         for h in range(self.num_layout_heads):
             self.set_sliding_window_layout(h, layout)
         return self.check_and_propagate_first_head_layout(layout)
+
+
+# -- the DeepSpeed config's "sparse_attention" block -----------------------------------------
+_MODES = {  # mode -> (class, the keys DeepSpeed read for it besides "mode")
+    "dense": (DenseSparsityConfig, ("block",)),
+    "fixed": (FixedSparsityConfig, ("block", "different_layout_per_head", "num_local_blocks", "num_global_blocks",
+                                    "attention", "horizontal_global_attention", "num_different_global_patterns")),
+    "variable": (VariableSparsityConfig, ("block", "different_layout_per_head", "num_random_blocks",
+                                          "local_window_blocks", "global_block_indices", "global_block_end_indices",
+                                          "attention", "horizontal_global_attention")),
+    "bigbird": (BigBirdSparsityConfig, ("block", "different_layout_per_head", "num_random_blocks",
+                                        "num_sliding_window_blocks", "num_global_blocks")),
+    "bslongformer": (BSLongformerSparsityConfig, ("block", "different_layout_per_head", "num_sliding_window_blocks",
+                                                  "global_block_indices", "global_block_end_indices")),
+}
+
+
+def sparsity_config_from_dict(block: dict, num_heads: int) -> SparsityConfig:
+    """The ``SparsityConfig`` a DeepSpeed config's ``"sparse_attention"`` block describes (``mode``:
+    dense, fixed (the default), variable, bigbird or bslongformer, plus that class's arguments)."""
+    block = dict(block)
+    mode = block.pop("mode", "fixed")
+    if mode not in _MODES:
+        raise ValueError(f"sparse_attention.mode = {mode!r} is not one of {', '.join(_MODES)}")
+    cls, keys = _MODES[mode]
+    unknown = sorted(set(block) - set(keys))
+    if unknown:
+        raise ValueError(f"sparse_attention.{unknown[0]} is not a setting of mode {mode!r} (its settings: "
+                         f"{', '.join(keys)})")
+    return cls(num_heads=num_heads, **block)
