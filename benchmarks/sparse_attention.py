@@ -69,6 +69,17 @@ def run(seq: int, args) -> dict:
     for name, fn in (("sparse_fwd_s", sparse_fwd), ("dense_fwd_s", dense_fwd), ("sparse_fwd_bwd_s", sparse_train),
                      ("dense_fwd_bwd_s", dense_train)):
         row[name] = round(_median_time(fn, args.repeat), 4)
+    if seq <= 4096:  # the compiled kernels against SDPA with the layout as a dense boolean mask
+        block_mask = attn.master_layout[0].bool().repeat_interleave(args.block, 0).repeat_interleave(args.block, 1)
+        with torch.no_grad():
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask)
+            row["max_abs_diff_fwd"] = float((attn(q, k, v) - ref).abs().max())
+        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*ref_leaves, attn_mask=block_mask).backward(grad)
+        for t in leaves:
+            t.grad = None
+        sparse_train()
+        row["max_abs_diff_grad"] = max(float((a.grad - b.grad).abs().max()) for a, b in zip(leaves, ref_leaves))
     row["fwd_speedup"] = round(row["dense_fwd_s"] / row["sparse_fwd_s"], 2)
     row["fwd_bwd_speedup"] = round(row["dense_fwd_bwd_s"] / row["sparse_fwd_bwd_s"], 2)
     return row

@@ -277,16 +277,16 @@ class SparseSelfAttention(nn.Module):
         if rpe is not None:
             rpe = rpe.to(query.dtype).expand(B, H, L, L)
         mods = _Mods(layout, self.sparsity_config.block, kp_add, kp_keep, am_add, am_keep, rpe)
-        block_mask = self._block_mask(layout, blocks, mods, L, query.device)
-        scale = float(D) ** -0.5
         compiled = self._use_compile(query.device)
+        block_mask = self._block_mask(layout, blocks, mods, L, query.device, compiled)
+        scale = float(D) ** -0.5
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         if query.device.type == "cpu" and needs_grad:
             return _BlockSparseAttention.apply(query, key, value, block_mask, mods, blocks, scale, compiled)
         return _flex(compiled)(query, key, value, score_mod=mods.score_mod if mods.has_score_mod else None,
                                block_mask=block_mask, scale=scale)
 
-    def _block_mask(self, layout, blocks, mods, L, device):
+    def _block_mask(self, layout, blocks, mods, L, device, compiled):
         from torch.nn.attention.flex_attention import BlockMask
 
         hl = layout.shape[0]
@@ -296,9 +296,11 @@ class SparseSelfAttention(nn.Module):
         if elementwise:  # the layout's blocks need the element masks: "partial" blocks
             return BlockMask.from_kv_blocks(counts, indices, None, None, BLOCK_SIZE=self.sparsity_config.block,
                                             mask_mod=mods.mask_mod, seq_lengths=(L, L))
-        # every layout block is computed whole ("full" blocks); mask_mod is still right everywhere
-        # (the unfused reference evaluates it on every score)
-        # (distinct index tensors: inductor's CPU template breaks when one buffer is passed as both)
+        # every layout block is computed whole ("full" blocks).  The fused kernels need no mask_mod
+        # then (evaluating the layout look-up per score made the CPU kernel ~4x slower); the unfused
+        # reference ignores the block structure and evaluates mask_mod on every score, so it gets
+        # the layout as mask_mod.  (Distinct index tensors: inductor's CPU template breaks when one
+        # buffer is passed as both.)
         return BlockMask.from_kv_blocks(torch.zeros_like(counts), indices.clone(), counts, indices,
-                                        BLOCK_SIZE=self.sparsity_config.block, mask_mod=mods.mask_mod,
-                                        seq_lengths=(L, L))
+                                        BLOCK_SIZE=self.sparsity_config.block,
+                                        mask_mod=None if compiled else mods.mask_mod, seq_lengths=(L, L))
