@@ -182,6 +182,11 @@ def test_tiled_logits_loss_lowers_peak_memory_and_checks_shapes():
     assert full.largest >= logits
     assert tiled.largest < logits / 4, (tiled.largest, logits)
     assert tiled.peak < full.peak / 3, (tiled.peak, full.peak)
+    head.zero_grad(set_to_none=True)
+    with torch.no_grad():  # evaluation: the same loss, no gradient work
+        loss = TiledFusedLogitsLoss.apply(loss_fn, head, x.requires_grad_(), y, None, 16, [head.lm_head.weight], "sum")
+        torch.testing.assert_close(loss, loss_fn(head, x, y), **TIGHT)
+    assert head.lm_head.weight.grad is None and x.grad is None
     with pytest.raises(ValueError, match="output_reduction"):
         TiledFusedLogitsLoss.apply(loss_fn, head, x, y, None, 2, [], "max")
     with pytest.raises(ValueError, match="mask must be"):

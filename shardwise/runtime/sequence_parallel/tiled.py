@@ -206,8 +206,20 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     autograd in backward, scaled by the gradient that arrives for the loss.
     """
 
+    @classmethod
+    def apply(cls, fn, self, x, y, mask, shards, compute_params, output_reduction):
+        if torch.is_grad_enabled():
+            return super().apply(fn, self, x, y, mask, shards, compute_params, output_reduction)
+        # evaluation: no gradients to prepare, just the tiles' losses
+        cls._check(x, y, mask, output_reduction)
+        x2, y2 = x.reshape(-1, *x.shape[2:]), y.reshape(-1, *y.shape[2:])
+        m2 = mask.reshape(-1) if mask is not None else None
+        losses = torch.stack([fn(self, x2[a:b], y2[a:b], *((m2[a:b],) if m2 is not None else ())).reshape(())
+                              for a, b in _row_ranges(x2.shape[0], shards)])
+        return losses.mean() if output_reduction == "mean" else losses.sum()
+
     @staticmethod
-    def forward(ctx, fn, self, x, y, mask, shards, compute_params, output_reduction):
+    def _check(x, y, mask, output_reduction):
         if output_reduction not in ("mean", "sum"):
             raise ValueError(f'TiledFusedLogitsLoss: unknown output_reduction {output_reduction!r}: valid values '
                              'are "mean" and "sum"')
@@ -220,6 +232,10 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         if mask is not None and tuple(mask.shape) != tuple(x.shape[:2]):
             raise ValueError(f"TiledFusedLogitsLoss: mask must be [batch, seqlen] = {tuple(x.shape[:2])}, "
                              f"got {tuple(mask.shape)}")
+
+    @staticmethod
+    def forward(ctx, fn, self, x, y, mask, shards, compute_params, output_reduction):
+        TiledFusedLogitsLoss._check(x, y, mask, output_reduction)
         needs_x = ctx.needs_input_grad[2]
         params = _trainable(compute_params)
         if isinstance(self, torch.nn.Module):  # also any other trainable weight of the module fn is given
