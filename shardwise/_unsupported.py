@@ -36,13 +36,18 @@ NOT_SUPPORTED: dict[str, str] = {
     "runtime.zero.stage_1_and_2": "ZeRO-1/2's internals differ; the engine builds them from the config",
     "runtime.zero.tiling": "TiledLinear is not implemented",
     "ops.transformer": "DeepSpeed's fused transformer kernels are not implemented",
-    "ops.sparse_attention": "sparse attention was removed from DeepSpeed too",
+    "ops.sparse_attention.bert_sparse_self_attention": "BertSparseSelfAttention is not provided; use "
+                                                       "shardwise.ops.sparse_attention.SparseSelfAttention",
+    "ops.sparse_attention.sparse_attention_utils": "SparseAttentionUtils (Hugging Face model surgery) is not provided",
+    "ops.sparse_attention.matmul": "the Triton block-sparse kernels are not provided: SparseSelfAttention uses "
+                                   "torch's flex_attention",
+    "ops.sparse_attention.softmax": "the Triton block-sparse kernels are not provided: SparseSelfAttention uses "
+                                    "torch's flex_attention",
     "ops.quantizer": "quantization kernels are not implemented",
     "ops.deepspeed4science": "DeepSpeed4Science kernels are not implemented",
     "ops.op_builder": "there are no C++/CUDA extensions to build: optimizers use torch's fused kernels",
     "ops.aio": "use zero_optimization.offload_* with device nvme; the raw aio handle is not public",
     "autotuning.autotuner": "use `shardwise autotune` (or `shardwise run --autotuning tune`)",
-    "launcher.runner": "use `shardwise run`, which accepts the flags of `deepspeed`",
     "launcher.launch": "use `shardwise run`",
     "elasticity.elastic_agent": "use `shardwise run --elastic MIN:MAX` (torch's elastic agent)",
     "env_report": "use `shardwise doctor`",

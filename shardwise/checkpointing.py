@@ -54,6 +54,7 @@ class Settings:
 
 _settings = Settings()
 _configured = False
+_COPY_CPU_TENSORS = False  # tests: make cpu_checkpointing copy host tensors too (a CPU-only machine)
 _profile = {"calls": 0, "forward_ms": 0.0, "recompute_ms": 0.0, "kept_bytes": 0}
 
 
@@ -153,8 +154,8 @@ def _pack(t: torch.Tensor):
         shard[:piece.numel()].copy_(piece)
         _profile["kept_bytes"] += shard.nbytes
         return ("slice", shard, t.shape, t.device, chunk)
-    if s.cpu_checkpointing and t.device.type != "cpu":
-        host = t.detach().to("cpu")
+    if s.cpu_checkpointing and (t.device.type != "cpu" or _COPY_CPU_TENSORS):
+        host = t.detach().to("cpu", copy=True)
         _profile["kept_bytes"] += host.nbytes
         return ("host", host, t.device)
     return ("kept", t)

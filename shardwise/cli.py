@@ -42,8 +42,10 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     from shardwise.launcher.doctor import add_doctor_arguments
 
     parser = sub.add_parser(
-        "doctor", allow_abbrev=False, help="check the hosts of a hostfile before a multi-node launch",
-        description="Over ssh, check every host of the hostfile: reachable, same python/torch/"
+        "doctor", allow_abbrev=False, help="say which deepspeed package is active; check the hosts of a hostfile "
+        "before a multi-node launch",
+        description="Print which 'deepspeed' this Python imports (none, shardwise's compatibility "
+        "package or a real DeepSpeed). Then, over ssh, check every host of the hostfile: reachable, same python/torch/"
         "shardwise versions and training script (sha256) as this machine, and the master port "
         "free on node 0 and reachable from every node. Prints a table; exits 1 if anything failed.")
     add_doctor_arguments(parser)
@@ -232,6 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"shardwise {ns.command}: error: {exc}\n")
     except KeyboardInterrupt:
         return 130
+
+
+def deepspeed_command(argv: Sequence[str] | None = None) -> int:
+    """The ``deepspeed`` console script of the compatibility package (compat/deepspeed):
+    ``deepspeed ARGS`` is ``shardwise run ARGS``, as DeepSpeed's launcher takes the same flags."""
+    return main(["run", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -159,3 +159,32 @@ def test_import_is_light():
             "'wandb', 'fastapi', 'pydantic') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+_PRINTING_SCRIPT = """
+import logging, sys, torch, shardwise
+if sys.argv[1] == "configured":
+    logging.basicConfig(level=logging.INFO, format="APP %(message)s", stream=sys.stdout)
+torch.manual_seed(0)
+engine, *_ = shardwise.initialize(model=torch.nn.Linear(4, 1), config={
+    "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
+    "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+for _ in range(2):
+    engine.backward(engine(torch.ones(2, 4)).pow(2).mean())
+    engine.step()
+"""
+
+
+def test_steps_per_print_is_seen_in_a_plain_script_and_once_when_the_app_configures_logging():
+    """DeepSpeed's logger prints INFO on stdout: a user's ``steps_per_print`` must show up without
+    any logging set-up, and exactly once (through the app's handler) when the app configured logging."""
+    for mode in ("plain", "configured"):
+        out = subprocess.run([sys.executable, "-c", _PRINTING_SCRIPT, mode], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        lines = [line for line in out.stdout.splitlines() if "step=2," in line]
+        assert len(lines) == 1, (mode, out.stdout)
+        if mode == "plain":
+            assert "[INFO]" in lines[0] and "engine.py" in lines[0], lines[0]
+        else:
+            assert lines[0].startswith("APP step=2,"), lines[0]

@@ -33,7 +33,7 @@ def _fp16_overflow(rank: int, stage: int):
         engine.step()
         changed = any(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
         log.append(
-            {"skipped": engine.was_step_skipped(), "scale_before": scale_before, "scale_after": engine.cur_scale,
+            {"skipped": engine.was_step_skipped(), "overflow": engine.optimizer.overflow, "scale_before": scale_before, "scale_after": engine.cur_scale,
              "changed": changed, "loss": float(loss.detach()) if s != 3 else None}
         )
     dtypes = {str(p.dtype) for p in engine.module.parameters()}
@@ -49,6 +49,7 @@ def test_fp16_injected_overflow_skips_step_lowers_scale_and_continues_stages_0_1
         assert r["dtypes"] == {"torch.float16"} and r["masters"] == {"torch.float32"}
         # Step 3 overflowed on rank 1 only, yet every rank skipped it together.
         assert [e["skipped"] for e in log] == [False, False, False, True, False, False, False, False]
+        assert [e["overflow"] for e in log] == [e["skipped"] for e in log]  # DeepSpeed's optimizer.overflow
         assert log[3]["changed"] is False, "weights moved on a skipped step"
         assert log[3]["scale_after"] == log[3]["scale_before"] / 2 == 2.0 ** 7
         assert all(e["changed"] for i, e in enumerate(log) if i != 3)

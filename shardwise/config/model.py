@@ -157,6 +157,14 @@ class ShardwiseConfig(ConfigModel):
         from .support import check_supported
         check_supported(self)
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """Dict-style read in the JSON layout, as code written for DeepSpeed reads ``engine.config``
+        (Hugging Face's Trainer: ``engine.config.get("zero_optimization", {}).get("stage")``)."""
+        if key not in type(self).model_fields:
+            return default
+        value = getattr(self, key)
+        return value.model_dump() if isinstance(value, ConfigModel) else value
+
     def to_dict(self) -> dict[str, Any]:
         """The effective config as plain JSON-able data (loadable again with load_config)."""
         return self.model_dump(mode="json")

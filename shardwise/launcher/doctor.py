@@ -225,9 +225,15 @@ def main(ns) -> int:
     from . import hostfile
     from .options import DEFAULT_MASTER_PORT
 
+    from .ds_package import deepspeed_package
+
+    print(f"deepspeed: {deepspeed_package()[1]}")  # which one `import deepspeed` gives here
     hosts = hostfile.resolve(hostfile=ns.hostfile, include=ns.include, exclude=ns.exclude,
                              num_nodes=ns.num_nodes)
     if hosts is None:
+        if ns.hostfile is None and ns.script is None:
+            print(f"no hostfile ({hostfile.DEFAULT_HOSTFILE} does not exist): host checks skipped")
+            return 0
         raise ValueError(f"--hostfile is required ({hostfile.DEFAULT_HOSTFILE} does not exist)")
     if ns.script is not None and not os.path.isfile(ns.script):
         raise ValueError(f"script not found: {ns.script!r}")

@@ -89,6 +89,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             reduce=self._reduce_settings(),
         )
         self.lr_scheduler = self._configure_scheduler(lr_scheduler)
+        self._publish_overflow(False)
         self.loss_scaler = create_loss_scaler(config.fp16) if self.precision.loss_scaling else None
         owner = weakref.ref(self)
         for name, p in self.module.named_parameters():  # for shardwise.utils.safe_get_full_*
@@ -320,6 +321,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self._step_skipped = result.overflow
         self._step_applied = not result.overflow
         self._grad_norm = result.grad_norm
+        self._publish_overflow(result.overflow)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(result.overflow)
         if result.overflow:

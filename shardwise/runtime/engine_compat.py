@@ -188,6 +188,20 @@ class EngineCompatMixin:
         """True if the last ``step()`` updated the weights (a boundary without overflow)."""
         return bool(getattr(self, "_step_applied", False))
 
+    def _publish_overflow(self, overflow: bool) -> None:
+        """``optimizer.overflow``: DeepSpeed's optimizer wrappers carry it, and accelerate reads it (when
+        the attribute exists) to skip its own LR-scheduler step after a step skipped for an fp16 overflow."""
+        if self.optimizer is not None:
+            self.optimizer.overflow = bool(overflow)
+
+    def compile(self, backend=None, compile_kwargs=None, schedule=None) -> None:
+        """DeepSpeed's ``engine.compile`` (torch.compile / DeepCompile of the engine, which accelerate calls
+        when a dynamo backend is set) is not supported: refused by name instead of torch's own
+        ``Module.compile`` running with DeepSpeed's arguments."""
+        raise NotImplementedError("engine.compile() (DeepSpeed's compile of the engine) is not supported by "
+                                  "shardwise: torch.compile the model's forward before initialize(), or "
+                                  "leave the dynamo backend unset")
+
     # -- throughput ---------------------------------------------------------------------------------
     @property
     def tput_timer(self) -> ThroughputTimer:

@@ -6,11 +6,47 @@ import functools
 import json
 import logging
 import os
+import sys
 
 logger = logging.getLogger("shardwise")
 
+_FORMAT = "[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s"
+
+
+class _DefaultHandler(logging.StreamHandler):
+    """Prints shardwise's records on standard output (as DeepSpeed's logger does, so that
+    ``steps_per_print`` and ``log_dist`` are seen in a plain script) only while the application has
+    not configured logging itself: once the root logger has a handler, records go there alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter(_FORMAT))
+
+    @property
+    def stream(self):  # the current sys.stdout, even if it was replaced after import
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def _install_default_handler() -> None:
+    if not any(isinstance(h, _DefaultHandler) for h in logger.handlers):
+        logger.addHandler(_DefaultHandler())
+    if logger.level == logging.NOTSET:
+        level = os.environ.get("SHARDWISE_LOG_LEVEL", "info")
+        logger.setLevel(_LEVELS.get(level.lower(), logging.INFO))
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR, "critical": logging.CRITICAL}
+
+
+_install_default_handler()
 
 
 def _rank() -> int:
@@ -31,7 +67,7 @@ def log_dist(message, ranks=None, level=logging.INFO):
     """Log ``message`` on the ranks listed in ``ranks`` (``[-1]``: all ranks)."""
     text = get_dist_msg(message, ranks)
     if text is not None:
-        logger.log(level, text)
+        logger.log(level, text, stacklevel=2)
 
 
 @functools.lru_cache(None)

@@ -131,6 +131,8 @@ class BucketReducer:
 
     def _make_hook(self, gi: int, i: int):
         def hook(p: torch.Tensor) -> None:
+            if not getattr(p, "ds_grad_is_ready", True):
+                return  # a tiled computation (sequence_parallel.tiled) adds more of this gradient first
             bucket = self._bucket_of[id(p)]
             if self.active:
                 if (gi, i) in self._arrived:

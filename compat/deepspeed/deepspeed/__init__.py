@@ -1,0 +1,88 @@
+"""``deepspeed`` as a name for shardwise (the opt-in compatibility distribution, compat/deepspeed).
+
+Nothing here trains: ``deepspeed.<name>`` is ``shardwise.<name>``, and importing ``deepspeed.X.Y``
+imports ``shardwise.X.Y`` and registers that same module object under the DeepSpeed name, so
+``deepspeed.runtime.engine.DeepSpeedEngine is shardwise.runtime.engine.DeepSpeedEngine``. Paths
+shardwise does not provide fail with shardwise's message saying why. See docs/hf-trainer.md.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from importlib import metadata as _metadata
+
+import shardwise as _shardwise
+
+__shardwise__ = True
+DEEPSPEED_API_VERSION = "0.19.8"  # the DeepSpeed release whose names and behaviour shardwise follows
+try:
+    __version__ = _metadata.version("deepspeed")
+except _metadata.PackageNotFoundError:  # imported from a source tree rather than installed
+    __version__ = f"{DEEPSPEED_API_VERSION}+shardwise.{_shardwise.__version__}"
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPSPEED_API_VERSION.split("."))
+__git_hash__ = None
+__git_branch__ = None
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Hands back the already-imported ``shardwise.X.Y`` module for ``deepspeed.X.Y``."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec):
+        module = importlib.import_module(self.target)
+        self._own_spec = module.__spec__
+        return module
+
+    def exec_module(self, module) -> None:
+        # Already executed as shardwise.X.Y. The import system has just set the alias spec on it:
+        # give the module back its own, so it stays shardwise.X.Y to importlib (reload, find_spec).
+        module.__spec__ = self._own_spec
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.startswith("deepspeed."):
+            return None
+        real = "shardwise." + fullname.removeprefix("deepspeed.")
+        spec = importlib.util.find_spec(real)  # raises shardwise's "not supported" error for known gaps
+        if spec is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real),
+                                              is_package=spec.submodule_search_locations is not None)
+
+
+if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AliasFinder())
+
+# DeepSpeed's own __init__ imports these, so code may reach them as attributes without importing
+# them (accelerate reads `deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`).
+for _name in ("runtime.engine", "runtime.lr_schedules", "runtime.zero.partition_parameters", "runtime.utils",
+              "runtime.activation_checkpointing.checkpointing", "checkpoint.utils", "comm.comm", "accelerator",
+              "utils", "ops"):
+    importlib.import_module("deepspeed." + _name)
+del _name
+
+
+def __getattr__(name: str):
+    try:
+        return getattr(_shardwise, name)
+    except AttributeError as exc:
+        missing = exc
+    if name.startswith("__"):
+        raise missing
+    try:  # DeepSpeed's __init__ imports its subpackages (deepspeed.ops, ...): answer the same way
+        return importlib.import_module(f"deepspeed.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name in (f"shardwise.{name}", f"deepspeed.{name}"):
+            text = str(missing if type(exc) is ModuleNotFoundError else exc)
+            raise AttributeError(text.replace("module 'shardwise'", "module 'deepspeed' (shardwise)")) from None
+        raise
+
+
+def __dir__():
+    return sorted(set(globals()) | set(dir(_shardwise)))

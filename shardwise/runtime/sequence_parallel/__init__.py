@@ -1,0 +1,1 @@
+"""Sequence parallelism and long-sequence training (``deepspeed.runtime.sequence_parallel``)."""
