@@ -49,6 +49,9 @@ def initialize(
         raise ValueError("initialize() needs model=...")
     source = _config_source(args, config, config_params)
     cfg = load_config(source)
+    from shardwise.tensor_parallel.autotp import merge_tp_model_init
+
+    cfg = merge_tp_model_init(cfg)  # a tp_model_init() call before initialize() sets tensor_parallel
     init_distributed(dist_init_required=dist_init_required)
     cfg = _client_objects_win(cfg, optimizer, lr_scheduler)
     comm.configure(comms_logger=cfg.comms_logger, timeout=cfg.comm_timeout)
@@ -150,6 +153,11 @@ _LAZY = {
     "checkpointing": ("shardwise.checkpointing", None),  # activation checkpointing (deepspeed.checkpointing)
     "profiling": ("shardwise.profiling", None),
     "monitor": ("shardwise.monitor", None),
+    "init_inference": ("shardwise.inference", "init_inference"),
+    "InferenceEngine": ("shardwise.inference", "InferenceEngine"),
+    "inference": ("shardwise.inference", None),
+    "tp_model_init": ("shardwise.tensor_parallel.autotp", "tp_model_init"),
+    "tensor_parallel": ("shardwise.tensor_parallel", None),
 }
 
 

@@ -12,8 +12,11 @@ import sys
 
 NOT_SUPPORTED: dict[str, str] = {
     "moe": "mixture-of-experts layers and expert parallelism are not implemented",
-    "inference": "DeepSpeed-Inference (kernel injection, init_inference) is not implemented; "
-                 "use `shardwise serve` or plain torch for inference",
+    "inference.v2": "DeepSpeed-FastGen (inference v2, ragged batching kernels) is not implemented; "
+                    "use shardwise.init_inference (AutoTP) or `shardwise serve`",
+    "inference.quantization": "DeepSpeed-Inference quantisation is not implemented",
+    "inference.config": "DeepSpeedInferenceConfig is not provided: shardwise.init_inference takes the same keys "
+                        "as a dict or keyword arguments",
     "module_inject": "kernel injection / automatic tensor-parallel replacement is not implemented",
     "model_implementations": "DeepSpeed's fused inference model implementations are not implemented",
     "compression": "the compression library was removed from DeepSpeed too",
@@ -49,17 +52,16 @@ NOT_SUPPORTED: dict[str, str] = {
 }
 
 NOT_SUPPORTED_ATTRS: dict[str, str] = {
-    "init_inference": NOT_SUPPORTED["inference"],
-    "InferenceEngine": NOT_SUPPORTED["inference"],
-    "DeepSpeedInferenceConfig": NOT_SUPPORTED["inference"],
-    "default_inference_config": NOT_SUPPORTED["inference"],
+    "DeepSpeedInferenceConfig": "the inference config class is not provided: init_inference takes the same "
+                                "keys as a dict or keyword arguments",
+    "default_inference_config": "the inference config class is not provided: init_inference takes the same "
+                                "keys as a dict or keyword arguments",
     "DeepSpeedTransformerLayer": NOT_SUPPORTED["ops.transformer"],
     "DeepSpeedTransformerConfig": NOT_SUPPORTED["ops.transformer"],
     "replace_transformer_layer": NOT_SUPPORTED["module_inject"],
     "revert_transformer_layer": NOT_SUPPORTED["module_inject"],
     "DeepSpeedHybridEngine": NOT_SUPPORTED["runtime.hybrid_engine"],
     "DeepSpeedConfig": NOT_SUPPORTED["runtime.config"],
-    "tp_model_init": "automatic tensor parallelism (tp_model_init) is not implemented",
 }
 
 
