@@ -4,7 +4,13 @@ replica or a tensor-parallel shard.
 Ranks are laid out by reshaping ``arange(world_size)`` into the grid with the
 last axis varying fastest (``pipe, data, model`` by default, as DeepSpeed's
 ``PipeModelDataParallelTopology``), so tensor-parallel peers are neighbours.
-Process groups are created once per axis, on every rank, in a fixed order.
+Process groups are created once per axis, on every rank, in a fixed order,
+plus one "model-parallel" group per data coordinate (pipe x model, DeepSpeed's
+meaning of ``get_model_parallel_*``). The tensor-parallel ("model" axis) group is
+``get_tensor_model_parallel_*``, as Megatron and DeepSpeed name it.
+
+The last grid built is the *current* grid (``get_current_grid``): tensor-parallel
+layers built afterwards shard over its model axis unless given a group.
 """
 
 from __future__ import annotations
@@ -57,6 +63,13 @@ class ProcessTopology:
             rank = rank * dim + coord.get(axis, 0)
         return rank
 
+    def get_axis_names(self) -> list[str]:
+        return list(self.axes)
+
+    def get_axis_comm_lists(self, axis: str) -> list[list[int]]:
+        """DeepSpeed's name for ``axis_groups`` (empty for an axis the topology lacks)."""
+        return self.axis_groups(axis) if axis in self.axes else []
+
     def axis_groups(self, axis: str) -> list[list[int]]:
         """Lists of ranks that differ only in their coordinate along ``axis``."""
         others = [a for a in self.axes if a != axis]
@@ -88,10 +101,36 @@ class ParallelGrid:
                 if self.rank in ranks:
                     self._groups[axis] = g
         self.coord = topology.get_coord(self.rank)
+        self._model_parallel_group = self._build_model_parallel_group(whole_world)
+        _set_current_grid(self)
+
+    def _build_model_parallel_group(self, whole_world: bool):
+        """The ranks sharing this rank's data coordinate (every pipe and model coordinate)."""
+        if self.size("pipe") * self.size("model") == 1:
+            return None
+        if self.size("data") == 1 and whole_world:
+            return None  # the whole world
+        mine = None
+        topo = self.topology
+        for d in range(self.size("data")):
+            ranks = [r for r in range(topo.world_size) if topo.get_coord(r).get("data", 0) == d]
+            g = comm.new_group(ranks)
+            if self.rank in ranks:
+                mine = g
+        return mine
 
     @classmethod
     def data_parallel_only(cls) -> "ParallelGrid":
         return cls(ProcessTopology.for_world(comm.get_world_size()))
+
+    @classmethod
+    def for_topology(cls, topology: ProcessTopology) -> "ParallelGrid":
+        """The current grid if it has this topology (its groups exist already), else a new one.
+        Collective when it builds: every rank must call it with the same topology."""
+        current = _CURRENT_GRID
+        if current is not None and current.topology == topology and current.rank == comm.get_rank():
+            return current
+        return cls(topology)
 
     def group(self, axis: str):
         return self._groups.get(axis)  # an axis the topology lacks has size 1: no group
@@ -147,14 +186,73 @@ class ParallelGrid:
     def get_data_parallel_rank(self) -> int:
         return self.axis_rank("data")
 
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self._axis_ranks("data")
+
+    # "model parallel" is every parallelism but data (pipe x tensor), as in DeepSpeed's grid.
     def get_model_parallel_world_size(self) -> int:
-        return self.size("model")
+        return self.size("pipe") * self.size("model")
 
     def get_model_parallel_rank(self) -> int:
-        return self.axis_rank("model")
+        return self.stage_id * self.size("model") + self.axis_rank("model")
+
+    def get_model_parallel_group(self):
+        return self._model_parallel_group
 
     def get_pipe_parallel_world_size(self) -> int:
         return self.size("pipe")
+
+    # The tensor-parallel ("model") axis: Megatron's tensor_model_parallel, DeepSpeed's "slice".
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.size("model")
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.axis_rank("model")
+
+    def get_tensor_model_parallel_group(self):
+        return self.group("model")
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """The global rank of tensor rank 0 in this rank's tensor group."""
+        return self._axis_ranks("model")[0]
+
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
+    get_slice_parallel_rank = get_tensor_model_parallel_rank
+    get_slice_parallel_group = get_tensor_model_parallel_group
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+
+    def _axis_ranks(self, axis: str) -> list[int]:
+        if axis not in self.topology.axes:
+            return [self.rank]
+        return next(g for g in self.topology.axis_groups(axis) if self.rank in g)
+
+    def get_global_rank(self) -> int:
+        return self.rank
+
+
+_CURRENT_GRID: ParallelGrid | None = None
+
+
+def _set_current_grid(grid: ParallelGrid | None) -> None:
+    global _CURRENT_GRID
+    _CURRENT_GRID = grid
+
+
+def get_current_grid() -> ParallelGrid | None:
+    """The last grid built in this process (None before any)."""
+    return _CURRENT_GRID
+
+
+def tensor_parallel_group_and_size(group=None):
+    """(group, size) of a tensor-parallel region: ``group`` if given, else the current grid's
+    model axis, else no tensor parallelism (size 1)."""
+    if group is not None:
+        return group, comm.get_world_size(group)
+    grid = _CURRENT_GRID
+    if grid is None or grid.size("model") == 1:
+        return None, 1
+    return grid.group("model"), grid.size("model")
 
 
 def PipeDataParallelTopology(num_pp: int, num_dp: int) -> ProcessTopology:  # noqa: N802 (DeepSpeed's name)
@@ -187,6 +285,42 @@ class MpuGrid:
     def get_model_parallel_rank(self) -> int:
         return self.mpu.get_model_parallel_rank()
 
+    def get_model_parallel_group(self):
+        fn = getattr(self.mpu, "get_model_parallel_group", None)
+        return fn() if fn else None
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        fn = getattr(self.mpu, "get_tensor_model_parallel_world_size", None)
+        return fn() if fn else self.get_model_parallel_world_size()
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        fn = getattr(self.mpu, "get_tensor_model_parallel_rank", None)
+        return fn() if fn else self.get_model_parallel_rank()
+
+    def get_tensor_model_parallel_group(self):
+        fn = getattr(self.mpu, "get_tensor_model_parallel_group", None)
+        return fn() if fn else self.get_model_parallel_group()
+
     def get_pipe_parallel_world_size(self) -> int:
         fn = getattr(self.mpu, "get_pipe_parallel_world_size", None)
         return fn() if fn else 1
+
+    def get_pipe_parallel_rank(self) -> int:
+        fn = getattr(self.mpu, "get_pipe_parallel_rank", None)
+        return fn() if fn else 0
+
+    def get_pipe_parallel_group(self):
+        fn = getattr(self.mpu, "get_pipe_parallel_group", None)
+        return fn() if fn else None
+
+    def size(self, axis: str) -> int:
+        return {"data": self.get_data_parallel_world_size, "pipe": self.get_pipe_parallel_world_size,
+                "model": self.get_tensor_model_parallel_world_size}[axis]() if axis in ("data", "pipe", "model") else 1
+
+    def axis_rank(self, axis: str) -> int:
+        return {"data": self.get_data_parallel_rank, "pipe": self.get_pipe_parallel_rank,
+                "model": self.get_tensor_model_parallel_rank}[axis]() if axis in ("data", "pipe", "model") else 0
+
+    def group(self, axis: str):
+        return {"data": self.get_data_parallel_group, "pipe": self.get_pipe_parallel_group,
+                "model": self.get_tensor_model_parallel_group}[axis]() if axis in ("data", "pipe", "model") else None
