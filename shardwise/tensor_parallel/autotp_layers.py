@@ -18,42 +18,14 @@ rank ``r`` holds chunks ``r, r + tp, r + 2 tp`` of the ``3 tp`` equal chunks of 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from shardwise import comm
+from shardwise.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                reduce_from_tensor_model_parallel_region)
 
-__all__ = ["TensorParallel_Layer", "LinearLayer", "LinearAllreduce", "ColumnParallel", "RowParallel",
-           "is_conv1d", "mark_tensor_parallel"]
-
-
-class ColumnParallel(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient over the tensor group (the input is replicated)."""
-
-    @staticmethod
-    def forward(ctx, group, input):  # noqa: A002 (torch's name)
-        ctx.group = group
-        return input
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad = grad_output.contiguous().clone()
-        comm.all_reduce(grad, group=ctx.group)
-        return None, grad
-
-
-class RowParallel(torch.autograd.Function):
-    """All-reduce forward (sum of the partial products); identity backward."""
-
-    @staticmethod
-    def forward(ctx, group, input):  # noqa: A002
-        out = input.contiguous().clone()
-        comm.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return None, grad_output
+__all__ = ["TensorParallel_Layer", "LinearLayer", "LinearAllreduce", "is_conv1d", "mark_tensor_parallel"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -87,7 +59,8 @@ class TensorParallel_Layer(nn.Module):  # noqa: N801 (DeepSpeed's name)
     def __init__(self, mp_group, *, name: str | None = None, tp_size: int | None = None,
                  tp_rank: int | None = None) -> None:
         super().__init__()
-        self.mp_group = mp_group
+        # None is the whole world here (DeepSpeed's meaning), not "the current grid" as in mappings.py
+        self.mp_group = mp_group if mp_group is not None or not comm.is_initialized() else comm.get_world_group()
         self.tp_world_size = tp_size if tp_size is not None else comm.get_world_size(mp_group)
         self.tp_index = tp_rank if tp_rank is not None else comm.get_rank(mp_group)
         self.world_size, self.rank = self.tp_world_size, self.tp_index  # DeepSpeed's older names
@@ -133,7 +106,7 @@ class LinearLayer(TensorParallel_Layer):
 
     def forward(self, input):  # noqa: A002
         if self.tp_world_size > 1:
-            input = ColumnParallel.apply(self.mp_group, input)
+            input = copy_to_tensor_model_parallel_region(input, self.mp_group)
         if self.conv1d_layout:
             out = input @ self.weight
             return out + self.bias if self.bias is not None else out
@@ -162,5 +135,5 @@ class LinearAllreduce(TensorParallel_Layer):
     def forward(self, input):  # noqa: A002
         out = input @ self.weight if self.conv1d_layout else F.linear(input, self.weight)
         if self.tp_world_size > 1:
-            out = RowParallel.apply(self.mp_group, out)
+            out = reduce_from_tensor_model_parallel_region(out, self.mp_group)
         return out + self.bias if self.bias is not None else out
