@@ -17,7 +17,11 @@ NOT_SUPPORTED: dict[str, str] = {
     "inference.quantization": "DeepSpeed-Inference quantisation is not implemented",
     "inference.config": "DeepSpeedInferenceConfig is not provided: shardwise.init_inference takes the same keys "
                         "as a dict or keyword arguments",
-    "module_inject": "kernel injection / automatic tensor-parallel replacement is not implemented",
+    "module_inject.replace_module": "kernel injection (replace_transformer_layer) is not implemented; AutoTP "
+                                    "is shardwise.tensor_parallel.autotp",
+    "module_inject.containers": "kernel injection policies are not implemented",
+    "module_inject.policy": "kernel injection policies are not implemented",
+    "module_inject.auto_tp_model_utils": "kernel injection is not implemented",
     "model_implementations": "DeepSpeed's fused inference model implementations are not implemented",
     "compression": "the compression library was removed from DeepSpeed too",
     "sequence": "sequence parallelism (Ulysses) is not implemented",
@@ -58,8 +62,8 @@ NOT_SUPPORTED_ATTRS: dict[str, str] = {
                                 "keys as a dict or keyword arguments",
     "DeepSpeedTransformerLayer": NOT_SUPPORTED["ops.transformer"],
     "DeepSpeedTransformerConfig": NOT_SUPPORTED["ops.transformer"],
-    "replace_transformer_layer": NOT_SUPPORTED["module_inject"],
-    "revert_transformer_layer": NOT_SUPPORTED["module_inject"],
+    "replace_transformer_layer": NOT_SUPPORTED["module_inject.replace_module"],
+    "revert_transformer_layer": NOT_SUPPORTED["module_inject.replace_module"],
     "DeepSpeedHybridEngine": NOT_SUPPORTED["runtime.hybrid_engine"],
     "DeepSpeedConfig": NOT_SUPPORTED["runtime.config"],
 }

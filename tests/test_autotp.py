@@ -30,7 +30,7 @@ def tiny_config(kind: str, **over):
                                        max_position_embeddings=64, tie_word_embeddings=True)
     elif kind == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     else:
         raise ValueError(kind)
     for k, v in over.items():
@@ -104,6 +104,16 @@ def _shard_case(kind, path, world_size):
     got = engine.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want), (kind, got, want)
     assert any(getattr(p, "tensor_model_parallel", False) for p in engine.module.parameters())
+
+    if kind == "llama":  # the engine's first-forward check: a tensor group must be fed one batch
+        import torch.distributed as dist
+
+        from shardwise.tensor_parallel.autotp import _check_first_batch
+
+        model = shard_model(load(path), None)
+        _check_first_batch(model, None, 0)
+        with pytest.raises(ValueError, match="tensor-parallel group were given different batches"):
+            model(**batch(seed=dist.get_rank()))
     return kind
 
 
@@ -115,14 +125,6 @@ def _grad_full(param, world_size):
     return full_tensor(g, world_size)
 
 
-def _shard_body(rank, world_size, paths):
-    return run_subtests(lambda kind: _shard_case(kind, paths[kind], world_size), sorted(paths))
-
-
-def test_autotp_sharded_forward_backward_and_generate_equal_one_process(tmp_path):
-    paths = {kind: save_tiny(kind, tmp_path / kind) for kind in ("llama", "qwen3", "gpt2")}
-    results = run_distributed(_shard_body, 2, args=(paths,), timeout=180)
-    assert results == [sorted(paths)] * 2
 
 
 # --------------------------------------------------------------------------- 2 ranks: training through initialize
@@ -163,6 +165,11 @@ def _train_case(zero, path, ckpt_root, world_size):
     model = load(path)
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=_ds_config(zero, 2))
     assert engine.module.ds_autotp_parsed
+    # the engine's data loader splits by data-parallel rank only: both tensor ranks get the same batch
+    first = next(iter(engine.deepspeed_io([torch.tensor([i]) for i in range(8)])))
+    seen = [torch.empty_like(first) for _ in range(world_size)]
+    dist.all_gather(seen, first)
+    assert torch.equal(seen[0], seen[1]), seen
     ref = _Reference(path)
     for step in range(STEPS):
         data = batch(seed=10 + step)
@@ -193,14 +200,25 @@ def _train_case(zero, path, ckpt_root, world_size):
     return zero
 
 
-def _train_body(rank, world_size, path, ckpt_root):
-    return run_subtests(lambda zero: _train_case(zero, path, ckpt_root, world_size), (1, 2))
+def _body(rank, world_size, paths, ckpt_root):
+    def case(name):
+        what, arg = name.split(":")
+        if what == "shard":
+            return _shard_case(arg, paths[arg], world_size)
+        return _train_case(int(arg), paths["llama"], ckpt_root, world_size)
+    return run_subtests(case, CASES)
 
 
-def test_autotp_training_zero12_equals_one_process_and_reloads_at_tp1(tmp_path):
-    path = save_tiny("llama", tmp_path / "llama")
-    results = run_distributed(_train_body, 2, args=(path, str(tmp_path / "ckpt")), timeout=240)
-    assert results == [[1, 2]] * 2
+CASES = ("shard:llama", "shard:qwen3", "shard:gpt2", "train:1", "train:2")
+
+
+def test_autotp_equals_one_process(tmp_path):
+    """One 2-rank spawn: sharded forward/backward and init_inference greedy tokens for Llama (grouped kv
+    heads), Qwen3 (q/k norms, tied embeddings) and GPT-2 (fused c_attn); training at ZeRO 1 and 2 through
+    initialize, then the tp-2 checkpoint loaded at tp 1 and training continued."""
+    paths = {kind: save_tiny(kind, tmp_path / kind) for kind in ("llama", "qwen3", "gpt2")}
+    results = run_distributed(_body, 2, args=(paths, str(tmp_path / "ckpt")), timeout=300)
+    assert results == [["llama", "qwen3", "gpt2", 1, 2]] * 2
 
 
 # --------------------------------------------------------------------------- in process: no ranks needed
