@@ -43,8 +43,6 @@ def initialize(
     """
     from shardwise.config import load_config
     from shardwise.runtime.engine import Engine
-    from shardwise.topology import MpuGrid, ParallelGrid
-
     if model is None:
         raise ValueError("initialize() needs model=...")
     source = _config_source(args, config, config_params)
@@ -70,7 +68,11 @@ def initialize(
         raise ValueError("the config has a 'pipeline' block but the model is not a shardwise.pipe.PipelineModule "
                          f"({type(model).__name__}); pipeline parallelism needs one (and one process per stage), "
                          "else remove the block")
-    grid = MpuGrid(mpu) if mpu is not None else ParallelGrid.data_parallel_only()
+    grid = _grid_for(cfg, mpu)
+    if _autotp_size(cfg) > 1:
+        from shardwise.tensor_parallel import autotp_hook
+
+        model = autotp_hook(model, grid)
     engine = Engine(
         model=model,
         config=cfg,
@@ -84,6 +86,35 @@ def initialize(
     engine.client_optimizer = optimizer
     engine.client_lr_scheduler = lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _autotp_size(cfg) -> int:
+    return int((cfg.tensor_parallel or {}).get("autotp_size", 1) or 1)
+
+
+def _grid_for(cfg, mpu):
+    """The process grid: the one passed as ``mpu`` (a shardwise grid, or a Megatron-style mpu), one with a
+    model axis of ``tensor_parallel.autotp_size``, the current grid if it has tensor shards (a model built
+    from tensor-parallel layers on it), else data parallelism over every rank."""
+    from shardwise.topology import MpuGrid, ParallelGrid, PipeModelDataParallelTopology, get_current_grid
+
+    tp = _autotp_size(cfg)
+    if mpu is not None:
+        grid = mpu if isinstance(mpu, ParallelGrid) else MpuGrid(mpu)
+        if tp > 1 and grid.get_tensor_model_parallel_world_size() != tp:
+            raise ValueError(f"tensor_parallel.autotp_size is {tp} but the mpu passed to initialize() has tensor "
+                             f"size {grid.get_tensor_model_parallel_world_size()}")
+        return grid
+    world = comm.get_world_size()
+    if tp > 1:
+        if world % tp:
+            raise ValueError(f"tensor_parallel.autotp_size {tp} does not divide the world size {world}")
+        return ParallelGrid.for_topology(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=world // tp))
+    current = get_current_grid()
+    if current is not None and current.topology.world_size == world and current.size("model") > 1 \
+            and current.size("pipe") == 1:
+        return current
+    return ParallelGrid.data_parallel_only()
 
 
 def _client_objects_win(cfg, optimizer, lr_scheduler):
@@ -150,6 +181,8 @@ _LAZY = {
     "zero": ("shardwise.zero", None),
     "runtime": ("shardwise.runtime", None),
     "checkpoint": ("shardwise.checkpoint", None),
+    "tensor_parallel": ("shardwise.tensor_parallel", None),
+    "models": ("shardwise.models", None),
     "checkpointing": ("shardwise.checkpointing", None),  # activation checkpointing (deepspeed.checkpointing)
     "profiling": ("shardwise.profiling", None),
     "monitor": ("shardwise.monitor", None),

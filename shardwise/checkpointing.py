@@ -30,9 +30,12 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from shardwise import comm
+from shardwise.tensor_parallel.random import (CudaRNGStatesTracker, get_cuda_rng_tracker,  # noqa: F401
+                                              model_parallel_cuda_manual_seed, model_parallel_reconfigure_tp_seed)
 
 __all__ = ["checkpoint", "non_reentrant_checkpoint", "configure", "configure_from", "is_configured", "reset",
-           "get_settings", "get_profile"]
+           "get_settings", "get_profile", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
+           "model_parallel_reconfigure_tp_seed", "CudaRNGStatesTracker"]
 
 logger = logging.getLogger("shardwise")
 
@@ -199,10 +202,30 @@ def _timed(function):
     return run
 
 
+def _same_tracker_streams(function):
+    """Recompute with the tensor-parallel RNG streams (``get_cuda_rng_tracker``) as they were in the
+    forward pass, so dropout inside ``tracker.fork()`` draws the same masks again."""
+    tracker = get_cuda_rng_tracker()
+    at_forward = tracker.get_states()
+
+    def run(*args, **kwargs):
+        if torch._C._current_graph_task_id() == -1:  # the forward pass itself
+            return function(*args, **kwargs)
+        after = tracker.get_states()
+        tracker.set_states(at_forward)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            tracker.set_states(after)
+    return run
+
+
 def checkpoint(function, *args, **kwargs):
     """Run ``function(*args, **kwargs)`` keeping only its inputs; recompute its activations in backward."""
     s = _settings
     wrapped = _timed(function) if (s.profile or s.synchronize) else function
+    if get_cuda_rng_tracker().states_:
+        wrapped = _same_tracker_streams(wrapped)
     hooks = contextlib.nullcontext()
     if s.cpu_checkpointing or (s.partition_activations and s.mp_size > 1):
         hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)

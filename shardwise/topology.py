@@ -264,6 +264,13 @@ def PipeModelDataParallelTopology(num_pp: int, num_mp: int, num_dp: int) -> Proc
     return ProcessTopology(("pipe", "data", "model"), (num_pp, num_dp, num_mp))
 
 
+def PipelineParallelGrid(topology: ProcessTopology | None = None, process_group=None) -> ParallelGrid:  # noqa: N802
+    """DeepSpeed's grid class name: the grid of ``topology`` (default: data parallelism over every rank)."""
+    if process_group is not None:
+        raise ValueError("PipelineParallelGrid(process_group=...) is not supported (DeepSpeed ignores it too)")
+    return ParallelGrid.for_topology(topology or ProcessTopology.for_world(comm.get_world_size()))
+
+
 class MpuGrid:
     """Adapter for a user's Megatron-style ``mpu`` object passed to ``initialize``."""
 

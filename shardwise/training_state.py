@@ -34,6 +34,7 @@ class TrainingState:
     device: Any
     training_dataloader: Any
     counters: StepCounters
+    grid: Any = None  # shardwise.topology.ParallelGrid (tensor-parallel pieces in checkpoints)
 
 
 @dataclass(frozen=True)

@@ -154,3 +154,33 @@ def _layers_body(rank, world):
 
 def test_layers_and_cross_entropy_match_torch_at_tp2_and_tp4():
     assert run_distributed(_layers_body, 4, timeout=120) == [[2, 4]] * 4
+
+
+def test_rng_tracker_streams_and_recompute():
+    from shardwise import checkpointing
+    from shardwise.runtime.activation_checkpointing.checkpointing import (get_cuda_rng_tracker,
+                                                                          model_parallel_cuda_manual_seed)
+
+    def draws(tp_rank):
+        model_parallel_cuda_manual_seed(11, tp_rank=tp_rank)
+        with get_cuda_rng_tracker().fork():
+            inside = torch.rand(4)
+        return inside, torch.rand(4)  # the default stream: seeded with 11 on every tensor rank
+
+    (in0, out0), (in1, out1) = draws(0), draws(1)
+    assert not torch.equal(in0, in1) and torch.equal(out0, out1)
+    assert torch.equal(out0, torch.manual_seed(11) and torch.rand(4))
+
+    # activation checkpointing recomputes a tracker-stream dropout with the forward pass's mask
+    model_parallel_cuda_manual_seed(3, tp_rank=0)
+    x = torch.randn(64, requires_grad=True)
+
+    def block(t):
+        with get_cuda_rng_tracker().fork():
+            return torch.nn.functional.dropout(t, 0.5, True) * 2
+
+    y = checkpointing.checkpoint(block, x)
+    y.sum().backward()
+    kept = y.detach() != 0
+    torch.testing.assert_close(x.grad, kept.float() * 4)  # gradient mask = forward mask
+    get_cuda_rng_tracker().reset()

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from shardwise.checkpoint.files import fsync_dir, fsync_file
 from shardwise.checkpoint.fragments import FragmentReader
+from shardwise.checkpoint.tensor_parallel import from_canonical
 from shardwise.checkpoint.manifest import Checkpoint, list_tags, open_checkpoint
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -80,7 +81,9 @@ def iter_fp32_tensors(ckpt: Checkpoint, *, exclude_frozen_parameters: bool = Fal
             numel = 1
             for d in shape:
                 numel *= d
-            t = reader.read_range(masters[source], 0, numel, what=f"master weights of {source}").view(shape)
+            t = reader.read_range(masters[source], 0, numel, what=f"master weights of {source}")
+            # tensor-sharded: saved with partition_dim first (checkpoint/tensor_parallel.py)
+            t = from_canonical(t, list(shape), masters[source].get("partition_dim", 0))
         else:
             with safe_open(str(ckpt.check("model.safetensors")), framework="pt") as fh:
                 t = fh.get_tensor(source)

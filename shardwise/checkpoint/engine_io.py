@@ -28,6 +28,7 @@ import torch
 from shardwise import comm
 from shardwise.version import __version__
 from shardwise.checkpoint import state as st
+from shardwise.checkpoint import tensor_parallel as tpc
 from shardwise.checkpoint.files import TMP_PREFIX
 from shardwise.checkpoint.fragments import FragmentReader, index_fragments, load_fragments, rank_fragment_files
 from shardwise.checkpoint.manifest import FORMAT, VERSION, list_tags, open_checkpoint
@@ -91,8 +92,11 @@ def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, cli
     all_descs = [d for part in _all_gather_object(descs) for d in part]
 
     # Stage 3 assembles the full weights collectively; other stages read them on rank 0 alone.
+    tp = tpc.view_of(engine)
     module_sd = engine.strategy.module_state_dict(engine.module) \
-        if (rank == 0 or engine.strategy.gathers_module_state) else None
+        if (rank == 0 or engine.strategy.gathers_module_state or tp.active) else None
+    if tp.active:  # model.safetensors holds whole tensors: gathered over the tensor group
+        module_sd = tpc.gather_state_dict(module_sd, tp)
     if rank == 0:
         plan.manifest = _manifest(engine, plan, module_sd, client_state or {}, exclude_frozen_parameters)
         plan.manifest["tensors"].update(index_fragments(all_descs))
@@ -133,7 +137,7 @@ def _manifest(engine, plan: SavePlan, module_sd: dict, client_state: dict, exclu
         "module_keys": module_keys,
         "frozen": frozen,
         "topology": {"world_size": comm.get_world_size(), "dp_world_size": engine.dp_world_size,
-                     "zero_stage": engine.strategy.stage},
+                     "zero_stage": engine.strategy.stage, "tensor_parallel_size": tpc.view_of(engine).size},
         "engine": {
             "global_steps": engine.counters.global_steps,
             "global_samples": engine.counters.global_samples,
@@ -202,6 +206,7 @@ def load_checkpoint(engine, load_dir, *, writer: CheckpointWriter, tag=None, loa
     for alias, name in manifest.get("aliases", {}).items():
         if name in model_state:
             model_state[alias] = model_state[name]
+    model_state = tpc.shard_state_dict(model_state, tpc.view_of(engine))  # whole tensors -> this rank's pieces
     _load_module(engine, model_state, strict=load_module_strict, where=ckpt.path("model.safetensors"))
     load_opt = load_optimizer_states and not load_module_only and bool(manifest.get("optimizer"))
     if load_opt:

@@ -12,10 +12,12 @@ between save and load.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 from safetensors import safe_open
 
+from shardwise.checkpoint import tensor_parallel as tpc
 from shardwise.zero.partitioned_param import full_shape
 
 
@@ -23,9 +25,17 @@ def rank_fragment_files(engine, rank: int):
     """Yield ``(file, tensors, descriptors)`` for this rank's fragments, one master and one optimizer
     file per resident batch (a single batch unless the optimizer is offloaded to NVMe, whose
     sub-groups are resident one at a time: write or copy the tensors before asking for the next).
-    Stage 0 keeps everything on every rank, so only rank 0 writes."""
+    Stage 0 keeps everything on every data-parallel rank, so only data rank 0 writes. With tensor
+    parallelism, tensor-sharded parameters are described in full-tensor coordinates
+    (``checkpoint/tensor_parallel.py``) and replicated ones are written by tensor rank 0 only."""
     strategy = engine.strategy
-    if strategy.replicated and rank != 0:
+    tp = tpc.view_of(engine)
+    grid = getattr(engine, "grid", None)
+    dp_rank = grid.get_data_parallel_rank() if grid is not None else rank
+    regather = {}  # d != 0 pieces under partitioned stages: gathered over the data group below
+    if tp.active and not strategy.replicated:
+        regather = {n: d for n, d in tp.partition_dims.items() if d != 0}
+    if strategy.replicated and dp_rank != 0:
         return
     shapes = {n: list(full_shape(p)) for n, p in engine.module.named_parameters()}
     opt = engine.optimizer
@@ -34,10 +44,20 @@ def rank_fragment_files(engine, rank: int):
         mfile, ofile = f"master_{suffix}.safetensors", f"optim_{suffix}.safetensors"
         master, optim, mdescs, odescs = {}, {}, [], []
         for name, start, end, t in batch:
-            key = f"{name}@{start}:{end}"
+            dim = tp.partition_dims.get(name)
+            if (dim is None and tp.rank != 0) or name in regather:
+                continue
             base = {"name": name, "shape": shapes[name], "start": start, "end": end}
+            flat = None  # how a local tensor becomes its run of the saved layout
+            if dim is not None:
+                n = t.numel() if strategy.replicated else _numel(shapes[name])
+                base = {"name": name, "shape": tpc.full_shape_of(shapes[name], dim, tp.size), "partition_dim": dim,
+                        "start": tp.rank * n + start, "end": tp.rank * n + end}
+                if dim != 0:  # replicated stage: the fragment is the whole piece, in its local shape
+                    flat = partial(tpc.to_canonical, dim=dim)
+            key = f"{name}@{base['start']}:{base['end']}"
             if engine.precision.master_weights:
-                master[key] = t.detach().reshape(-1)
+                master[key] = flat(t.detach()) if flat else t.detach().reshape(-1)
                 mdescs.append({**base, "kind": "master", "file": mfile, "key": key, "dtype": "float32"})
             for state_key, value in (opt.state.get(t, {}) if opt is not None else {}).items():
                 if not isinstance(value, torch.Tensor):
@@ -45,13 +65,64 @@ def rank_fragment_files(engine, rank: int):
                                     "not a tensor")
                 skey = f"{key}/{state_key}"
                 scalar = value.shape != t.shape  # e.g. Adam's 0-d "step" (even for a 1-element fragment)
-                optim[skey] = value.detach() if scalar else value.detach().reshape(-1)
+                optim[skey] = value.detach() if scalar else (flat(value.detach()) if flat else value.detach().reshape(-1))
                 odescs.append({**base, "kind": "optim", "state": state_key, "scalar": scalar, "file": ofile,
                                "key": skey, "dtype": str(value.dtype).removeprefix("torch.")})
         if master:
             yield mfile, master, mdescs
         if optim:
             yield ofile, optim, odescs
+    if regather:
+        yield from _regathered_pieces(engine, rank, dp_rank, tp, regather, shapes)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _regathered_pieces(engine, rank, dp_rank, tp, dims: dict[str, int], shapes: dict):
+    """Partitioned stages, pieces cut along a dimension other than 0: gather each piece over the data
+    group (every data rank takes part) and let data rank 0 write it whole in the saved layout."""
+    strategy, opt = engine.strategy, engine.optimizer
+    local_states, scalars = set(), {}
+    for batch in strategy.fragment_batches():
+        for _, _, _, t in batch:
+            for k, v in (opt.state.get(t, {}) if opt is not None else {}).items():
+                if v.shape != t.shape:
+                    scalars.setdefault(k, v.detach())  # e.g. Adam's step: the same for every parameter
+                else:
+                    local_states.add(k)
+    states = tpc.world_union(local_states)
+    mfile, ofile = f"master_tp_rank{rank}.safetensors", f"optim_tp_rank{rank}.safetensors"
+    master, optim, mdescs, odescs = {}, {}, [], []
+    for name, dim in dims.items():
+        shape = shapes[name]
+        n = _numel(shape)
+        base = {"name": name, "shape": tpc.full_shape_of(shape, dim, tp.size), "partition_dim": dim,
+                "start": tp.rank * n, "end": (tp.rank + 1) * n}
+        key = f"{name}@{base['start']}:{base['end']}"
+        if engine.precision.master_weights:
+            piece = tpc.gather_piece(strategy, name, shape, "param")
+            master[key] = tpc.to_canonical(piece, dim)
+            mdescs.append({**base, "kind": "master", "file": mfile, "key": key, "dtype": "float32"})
+        for state_key in states:
+            piece = tpc.gather_piece(strategy, name, shape, state_key)
+            optim[f"{key}/{state_key}"] = tpc.to_canonical(piece, dim)
+            odescs.append({**base, "kind": "optim", "state": state_key, "scalar": False, "file": ofile,
+                           "key": f"{key}/{state_key}", "dtype": "float32"})
+        for state_key, v in scalars.items():
+            optim[f"{key}/{state_key}"] = v
+            odescs.append({**base, "kind": "optim", "state": state_key, "scalar": True, "file": ofile,
+                           "key": f"{key}/{state_key}", "dtype": str(v.dtype).removeprefix("torch.")})
+    if dp_rank != 0:
+        return
+    if master:
+        yield mfile, master, mdescs
+    if optim:
+        yield ofile, optim, odescs
 
 
 def index_fragments(descs: list[dict]) -> dict:
@@ -60,6 +131,8 @@ def index_fragments(descs: list[dict]) -> dict:
     for d in descs:
         name = d["name"] if d["kind"] == "master" else f"{d['name']}/{d['state']}"
         entry = out[d["kind"]].setdefault(name, {"shape": d["shape"], "dtype": d["dtype"], "fragments": []})
+        if "partition_dim" in d:  # tensor-sharded: fragments index the dimension-first layout
+            entry["partition_dim"] = d["partition_dim"]
         if d.get("scalar"):
             entry["scalar"] = True
         entry["fragments"].append({"file": d["file"], "key": d["key"], "start": d["start"], "end": d["end"]})
@@ -121,11 +194,17 @@ def load_fragments(engine, reader: FragmentReader, manifest: dict, model_state: 
         name, state = key.rsplit("/", 1)
         states_of.setdefault(name, []).append(state)
     opt = engine.optimizer
+    tp = tpc.view_of(engine)
+    local_shapes = {n: list(full_shape(p)) for n, p in engine.module.named_parameters()}
+
+    def read(entry, name, start, end, what):
+        return tpc.read_local(reader, entry, name, local_shapes.get(name, entry["shape"]), start, end, tp, what=what)
+
     fragments = (x for batch in engine.strategy.fragment_batches() for x in batch)
     with torch.no_grad():
         for name, start, end, t in fragments:
             if name in masters:
-                value = reader.read_range(masters[name], start, end, what=f"master weights of {name}")
+                value = read(masters[name], name, start, end, f"master weights of {name}")
             elif name in model_state:
                 value = model_state[name].reshape(-1)[start:end]
             else:
@@ -136,7 +215,8 @@ def load_fragments(engine, reader: FragmentReader, manifest: dict, model_state: 
             state = {}
             for state_key in states_of.get(name, []):
                 entry = optim[f"{name}/{state_key}"]
-                v = reader.read_range(entry, start, end, what=f"optimizer state '{state_key}' of {name}")
+                v = reader.read_range(entry, start, end, what="") if entry.get("scalar") else \
+                    read(entry, name, start, end, f"optimizer state '{state_key}' of {name}")
                 state[state_key] = v if entry.get("scalar") else v.view(t.shape)
             for k, v in state.items():  # in place where the state exists (it may live in an NVMe buffer)
                 current = opt.state[t].get(k)

@@ -17,6 +17,7 @@ from pathlib import Path
 from shardwise import comm
 from shardwise.checkpoint import engine_io
 from shardwise.checkpoint import state as st
+from shardwise.checkpoint import tensor_parallel as tpc
 from shardwise.checkpoint.files import TMP_PREFIX, recover_interrupted
 from shardwise.checkpoint.fragments import index_fragments, rank_fragment_files
 from shardwise.checkpoint.manifest import open_checkpoint
@@ -72,8 +73,11 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_lates
     first_of_stage = engine.grid.get_data_parallel_rank() == 0
     module_sd = engine.strategy.module_state_dict(engine.module) \
         if (first_of_stage or engine.strategy.gathers_module_state) else None
+    if first_of_stage:  # whole tensors (the tensor group of a first data rank is all first data ranks)
+        module_sd = tpc.gather_state_dict(module_sd, tpc.view_of(view))
     frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
-    mine = ({k: v.detach().cpu() for k, v in module_sd.items()}, frozen) if first_of_stage else None
+    tp_first = tpc.view_of(view).rank == 0
+    mine = ({k: v.detach().cpu() for k, v in module_sd.items()}, frozen) if first_of_stage and tp_first else None
     gathered = engine_io._all_gather_object((descs, mine))  # small models: tensors travel through gloo
     if rank == 0:
         merged, all_frozen = {}, set()

@@ -17,8 +17,6 @@ together; tied layers' gradients are summed over the stages holding them first.
 from __future__ import annotations
 
 import logging
-import math
-
 import torch
 
 from shardwise import comm
@@ -27,7 +25,7 @@ from shardwise.pipe.module import PipelineError, PipelineModule
 from shardwise.pipe.p2p import ActivationReceiver, ActivationSender, GradSender, as_tensors, grad_slots, recv_grads
 from shardwise.runtime.dataloader import RepeatingLoader
 from shardwise.runtime.engine import Engine
-from shardwise.zero.strategy import StepResult
+from shardwise.runtime.grid_norm import global_grad_norm_sq
 
 logger = logging.getLogger("shardwise")
 
@@ -347,61 +345,28 @@ class PipelineEngine(Engine):
         self._loss_sum = self.agg_train_loss.detach().clone().reshape(())
         self._loss_count = 1
         self.micro_steps += self.micro_batches - 1  # _take_model_step's caller counts the last one
-        inner = self.strategy
-        self.strategy = _PipelineStep(inner, self)
-        try:
-            self._take_model_step({})
-        finally:
-            self.strategy = inner
+        self._take_model_step({})  # clips by the norm over every stage (_uses_grid_norm)
         self.micro_steps += 1
 
     def _aggregate_loss(self, losses) -> torch.Tensor:
         """Mean loss of the batch over micro-batches and data-parallel replicas, on every rank."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last_stage():
-            total += torch.stack(losses).sum() / len(losses) / self.dp_world_size
+            # every tensor rank of the last stage holds the same loss: count it once per replica
+            total += torch.stack(losses).sum() / len(losses) / self.dp_world_size / self.grid.size("model")
         if comm.get_world_size() > 1:
             comm.all_reduce(total)  # only the last stage's ranks contribute
         return total
 
     # -- gradient norm over every stage -----------------------------------------------------------
+    def _uses_grid_norm(self) -> bool:
+        return True
+
     def global_grad_norm_sq(self, loss_scale: float) -> float:
-        """Squared L2 norm of this batch's reduced, unscaled gradients over all stages (tied ones once)."""
-        strategy = self.strategy
-        skip = self.module.tied_duplicate_names()
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        if not (strategy.replicated and self.grid.get_data_parallel_rank() != 0):
-            for batch in strategy.fragment_batches():
-                for name, start, end, _ in batch:
-                    if name not in skip:
-                        g = strategy.local_grad(name, start, end).float()
-                        sq += torch.dot(g.reshape(-1), g.reshape(-1))
-        if comm.get_world_size() > 1:
-            comm.all_reduce(sq)
-        return float(sq) / (loss_scale * loss_scale)
-
-
-class _PipelineStep:
-    """The engine's ZeRO strategy, with ``step`` taking the norm and overflow over every stage: the
-    strategy then steps with the unscale and clip folded into one coefficient."""
-
-    def __init__(self, inner, engine: PipelineEngine) -> None:
-        self._inner = inner
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def step(self, *, loss_scale: float, clip: float) -> StepResult:
-        sq = self._engine.global_grad_norm_sq(loss_scale)
-        norm = math.sqrt(sq) if math.isfinite(sq) else float("inf")
-        if not math.isfinite(norm) and self._inner.precision.check_overflow:
-            return StepResult(grad_norm=float("inf"), overflow=True)
-        coef = 1.0
-        if clip > 0 and clip / (norm + 1e-6) < 1.0:
-            coef = clip / (norm + 1e-6)
-        self._inner.step(loss_scale=loss_scale / coef, clip=0.0)
-        return StepResult(grad_norm=norm, overflow=False)
+        """Squared L2 norm of this batch's reduced, unscaled gradients over all stages (tied ones once,
+        tensor-replicated ones once)."""
+        return global_grad_norm_sq(self.strategy, self.module, self.grid, loss_scale=loss_scale,
+                                   skip=self.module.tied_duplicate_names(), device=self.device)
 
 
 class _BatchState:

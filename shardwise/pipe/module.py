@@ -135,7 +135,7 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
 
-        self._grid = ParallelGrid(topology)
+        self._grid = ParallelGrid.for_topology(topology)  # the user's grid, if already built for it
         self.global_rank = comm.get_rank()
         self.world_size = world
         self.stage_id = self._grid.axis_rank("pipe")

@@ -20,6 +20,7 @@ from shardwise.monitor.observer import StepObserver
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.engine_compat import EngineCompatMixin
+from shardwise.runtime.grid_norm import GridNormStep, global_grad_norm_sq, sync_sequence_parallel_grads
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
 from shardwise.training_state import StepCounters, StepReport, TrainingState
@@ -51,6 +52,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self.grid = grid
         self.dp_group = grid.get_data_parallel_group()
         self.dp_world_size = grid.get_data_parallel_world_size()
+        self.tp_world_size = _tensor_size(grid)
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
         self.local_rank = comm.get_local_rank()
@@ -58,7 +60,12 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self._batch = config.resolve_batch_sizes(self.dp_world_size)
         config.check_supported()
 
+        if self.tp_world_size > 1 and int(config.zero_optimization.stage) == 3:
+            raise ValueError(f"zero_optimization.stage 3 with tensor parallelism (tensor size {self.tp_world_size}) "
+                             "is not supported: use stage 0, 1 or 2 (they shard over the data axis only)")
         self.module = model.to(self.device)
+        if self.tp_world_size > 1:  # norms/biases on sequence shards: sum their gradients over the tensor ranks
+            sync_sequence_parallel_grads(self.module, grid.get_tensor_model_parallel_group())
         self.precision = PrecisionPolicy.from_config(config)
         self._broadcast_model()
         self._cast_buffers()
@@ -307,7 +314,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             from shardwise.optim.onebit.engine_support import agree_on_overflow
 
             agree_on_overflow(self.module, self.dp_group)  # local gradients: every rank skips together
-        result = self.strategy.step(loss_scale=scale, clip=float(self.config.gradient_clipping or 0.0))
+        strategy = GridNormStep(self.strategy, self.global_grad_norm_sq) if self._uses_grid_norm() else self.strategy
+        result = strategy.step(loss_scale=scale, clip=float(self.config.gradient_clipping or 0.0))
         self._step_skipped = result.overflow
         self._step_applied = not result.overflow
         self._grad_norm = result.grad_norm
@@ -324,6 +332,15 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self.global_samples += self.train_batch_size()
         self._backwards_since_step = 0
         self._after_step()
+
+    def _uses_grid_norm(self) -> bool:
+        """Clip by the norm over the whole grid (not only the data-parallel group) when there are
+        pipeline stages or tensor shards."""
+        return self.grid.get_pipe_parallel_world_size() > 1 or self.tp_world_size > 1
+
+    def global_grad_norm_sq(self, loss_scale: float) -> float:
+        """Squared norm of the unscaled gradients over every rank, each element counted once."""
+        return global_grad_norm_sq(self.strategy, self.module, self.grid, loss_scale=loss_scale, device=self.device)
 
     def _log_overflow(self, scale: float) -> None:
         spp = self.config.steps_per_print or 1
@@ -430,7 +447,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             module=self.module, strategy=self.strategy, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             loss_scaler=self.loss_scaler, precision=self.precision, config=self.config, dp_group=self.dp_group,
             dp_world_size=self.dp_world_size, global_rank=self.global_rank, device=self.device,
-            training_dataloader=self.training_dataloader,
+            training_dataloader=self.training_dataloader, grid=self.grid,
             counters=StepCounters(global_steps=self.global_steps, global_samples=self.global_samples,
                                   micro_steps=self.micro_steps, skipped_steps=self.skipped_steps))
 
@@ -468,8 +485,13 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             logger.warning("save_16bit_model: not saved, because ZeRO-3 weights are partitioned and "
                            "zero_optimization.stage3_gather_16bit_weights_on_model_save is false")
             return False
+        from shardwise.checkpoint import tensor_parallel as tpc
+
+        tp = tpc.view_of(self)
         state = self.strategy.module_state_dict(self.module) \
-            if (self.global_rank == 0 or self.strategy.gathers_module_state) else None
+            if (self.global_rank == 0 or self.strategy.gathers_module_state or tp.active) else None
+        if tp.active:  # whole tensors: every tensor rank takes part
+            state = tpc.gather_state_dict(state, tp)
         if self.global_rank == 0:
             if exclude_frozen_parameters:
                 frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
@@ -508,6 +530,11 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             if "module" in modules and hasattr(modules["module"], name):
                 return getattr(modules["module"], name)
             raise
+
+
+def _tensor_size(grid) -> int:
+    getter = getattr(grid, "get_tensor_model_parallel_world_size", None)
+    return int(getter()) if getter is not None else 1
 
 
 def _describe(x) -> str:

@@ -96,7 +96,11 @@ def _tensor_rank() -> int:
     from shardwise.topology import get_current_grid
 
     grid = get_current_grid()
-    return grid.axis_rank("model") if grid is not None else 0
+    if grid is not None:
+        return grid.axis_rank("model")
+    from shardwise import checkpointing  # an mpu given to checkpointing.configure (DeepSpeed's source)
+
+    return checkpointing.get_settings().mp_rank
 
 
 def model_parallel_cuda_manual_seed(seed: int, tp_rank: int | None = None) -> None:

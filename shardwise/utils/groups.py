@@ -1,0 +1,67 @@
+"""``deepspeed.utils.groups``: the tensor / model / data-parallel groups of the current grid
+(``shardwise.topology.get_current_grid``; the grid ``initialize`` uses, or one you built).
+
+As in DeepSpeed's module (which AutoTP fills), ``get_model_parallel_*`` here means the tensor
+axis; the grid's own ``get_model_parallel_*`` means pipe x tensor, as DeepSpeed's pipeline grid.
+Without a grid: tensor size 1 and data parallelism over every rank.
+"""
+
+from __future__ import annotations
+
+from shardwise import comm
+from shardwise.topology import get_current_grid
+
+__all__ = ["get_tensor_model_parallel_group", "get_tensor_model_parallel_world_size",
+           "get_tensor_model_parallel_rank", "get_tensor_model_parallel_src_rank", "get_model_parallel_group",
+           "get_model_parallel_world_size", "get_model_parallel_rank", "get_data_parallel_group",
+           "get_data_parallel_world_size", "get_data_parallel_rank"]
+
+
+def _grid():
+    return get_current_grid()
+
+
+def get_tensor_model_parallel_group():
+    grid = _grid()
+    return grid.get_tensor_model_parallel_group() if grid is not None else None
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    grid = _grid()
+    return grid.get_tensor_model_parallel_world_size() if grid is not None else 1
+
+
+def get_tensor_model_parallel_rank() -> int:
+    grid = _grid()
+    return grid.get_tensor_model_parallel_rank() if grid is not None else 0
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    grid = _grid()
+    return grid.get_tensor_model_parallel_src_rank() if grid is not None else comm.get_rank()
+
+
+get_model_parallel_group = get_tensor_model_parallel_group
+get_model_parallel_world_size = get_tensor_model_parallel_world_size
+get_model_parallel_rank = get_tensor_model_parallel_rank
+
+
+def get_data_parallel_group():
+    grid = _grid()
+    return grid.get_data_parallel_group() if grid is not None else None
+
+
+def get_data_parallel_world_size() -> int:
+    grid = _grid()
+    return grid.get_data_parallel_world_size() if grid is not None else comm.get_world_size()
+
+
+def get_data_parallel_rank() -> int:
+    grid = _grid()
+    return grid.get_data_parallel_rank() if grid is not None else comm.get_rank()
+
+
+_get_data_parallel_group = get_data_parallel_group
+_get_data_parallel_world_size = get_data_parallel_world_size
+_get_data_parallel_rank = get_data_parallel_rank
+_get_model_parallel_world_size = get_model_parallel_world_size
