@@ -89,7 +89,7 @@ def initialize(
 
 
 def _autotp_size(cfg) -> int:
-    return int((cfg.tensor_parallel or {}).get("autotp_size", 1) or 1)
+    return max(1, cfg.tensor_parallel.autotp_size)
 
 
 def _grid_for(cfg, mpu):
@@ -190,7 +190,6 @@ _LAZY = {
     "InferenceEngine": ("shardwise.inference", "InferenceEngine"),
     "inference": ("shardwise.inference", None),
     "tp_model_init": ("shardwise.tensor_parallel.autotp", "tp_model_init"),
-    "tensor_parallel": ("shardwise.tensor_parallel", None),
 }
 
 
