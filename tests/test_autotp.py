@@ -200,25 +200,46 @@ def _train_case(zero, path, ckpt_root, world_size):
     return zero
 
 
+def _train_gpt2_case(path, ckpt_root):
+    """GPT-2 (fused c_attn, strided shards) trains at ZeRO 0 like one process; its checkpoints are refused."""
+    import shardwise
+
+    model = load(path)
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=_ds_config(0, 2))
+    ref = _Reference(path)
+    for step in range(2):
+        data = batch(seed=20 + step)
+        loss = engine(**data).loss
+        engine.backward(loss)
+        engine.step()
+        want = ref.step(data)
+        assert abs(loss.item() - want) <= 1e-6 * abs(want), (step, loss.item(), want)
+    with pytest.raises(NotImplementedError, match="partition_stride != 1"):
+        engine.save_checkpoint(f"{ckpt_root}/gpt2", tag="t")
+    return "gpt2"
+
+
 def _body(rank, world_size, paths, ckpt_root):
     def case(name):
         what, arg = name.split(":")
         if what == "shard":
             return _shard_case(arg, paths[arg], world_size)
+        if arg == "gpt2":
+            return _train_gpt2_case(paths["gpt2"], ckpt_root)
         return _train_case(int(arg), paths["llama"], ckpt_root, world_size)
     return run_subtests(case, CASES)
 
 
-CASES = ("shard:llama", "shard:qwen3", "shard:gpt2", "train:1", "train:2")
+CASES = ("shard:llama", "shard:qwen3", "shard:gpt2", "train:1", "train:2", "train:gpt2")
 
 
 def test_autotp_equals_one_process(tmp_path):
     """One 2-rank spawn: sharded forward/backward and init_inference greedy tokens for Llama (grouped kv
-    heads), Qwen3 (q/k norms, tied embeddings) and GPT-2 (fused c_attn); training at ZeRO 1 and 2 through
-    initialize, then the tp-2 checkpoint loaded at tp 1 and training continued."""
+    heads), Qwen3 (q/k norms, tied embeddings) and GPT-2 (fused c_attn); Llama training at ZeRO 1 and 2
+    through initialize, then the tp-2 checkpoint loaded at tp 1 and training continued; GPT-2 training."""
     paths = {kind: save_tiny(kind, tmp_path / kind) for kind in ("llama", "qwen3", "gpt2")}
     results = run_distributed(_body, 2, args=(paths, str(tmp_path / "ckpt")), timeout=300)
-    assert results == [["llama", "qwen3", "gpt2", 1, 2]] * 2
+    assert results == [["llama", "qwen3", "gpt2", 1, 2, "gpt2"]] * 2
 
 
 # --------------------------------------------------------------------------- in process: no ranks needed

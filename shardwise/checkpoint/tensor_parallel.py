@@ -41,6 +41,10 @@ def view_of(engine) -> TensorParallelView:
         return TensorParallelView()
     dims = {n: int(p.partition_dim) for n, p in engine.module.named_parameters()
             if getattr(p, "tensor_model_parallel", False)}
+    strided = [n for n, p in engine.module.named_parameters() if getattr(p, "partition_stride", 1) != 1]
+    if strided:  # e.g. GPT-2's fused c_attn under AutoTP: its pieces are not contiguous runs of the full tensor
+        raise NotImplementedError(f"checkpoints of strided tensor-parallel parameters (partition_stride != 1: "
+                                  f"{strided[:3]}) are not supported yet")
     return TensorParallelView(size=size, rank=int(grid.get_tensor_model_parallel_rank()),
                               group=grid.get_tensor_model_parallel_group(), partition_dims=dims)
 
