@@ -180,6 +180,18 @@ def _train_case(zero, path, ckpt_root, world_size):
         assert abs(loss.item() - want) <= 1e-6 * abs(want), (zero, step, loss.item(), want)
     ckpt = f"{ckpt_root}/zero{zero}"
     engine.save_checkpoint(ckpt, tag="t")
+    if zero == 1:  # save_16bit_model: the ordinary, unsharded Hugging Face weights
+        import shutil
+
+        assert engine.save_16bit_model(f"{ckpt}/hf")
+        shutil.copy(f"{path}/config.json", f"{ckpt}/hf/config.json")
+        exported = load(f"{ckpt}/hf")
+        for name, p in ref.model.named_parameters():  # Adam turns float noise in tiny gradients into ~lr/1e3
+            torch.testing.assert_close(exported.get_parameter(name), p.detach(), rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            data = batch(seed=99)
+            want = ref.model(**data).loss.item()
+            assert abs(exported(**data).loss.item() - want) <= 1e-6 * want
 
     # load the tp-2 checkpoint into the unsharded model at tp 1 (2 data-parallel ranks) and continue
     rank = dist.get_rank()
