@@ -121,11 +121,13 @@ def main() -> None:
     print(f"Llama {n_params / 1e6:.1f}M params ({MODEL['num_attention_heads']} heads, "
           f"{MODEL['num_key_value_heads']} kv heads), micro-batch {MICRO} x {SEQ} tokens, ZeRO {args.zero}, "
           f"autotp_size 2, {args.steps} steps (median after {WARMUP}), {args.repeats} repeats\n")
-    print("| framework | step (s) | ratio vs DeepSpeed | peak RSS rank 0 / 1 (MiB) | loss step 1 | loss last |")
-    print("|---|---|---|---|---|---|")
+    print("| framework | step (s), median | each repeat (s) | ratio vs DeepSpeed | peak RSS rank 0 / 1 (MiB) "
+          "| loss step 1 | loss last |")
+    print("|---|---|---|---|---|---|---|")
     for fw in ("shardwise", "deepspeed"):
         losses = runs[fw][0]["losses"]
-        print(f"| {fw} | {step[fw]:.4f} | {step[fw] / step['deepspeed']:.2f} | "
+        each = " / ".join(f"{r['step_s']:.3f}" for r in runs[fw])
+        print(f"| {fw} | {step[fw]:.4f} | {each} | {step[fw] / step['deepspeed']:.2f} | "
               f"{rss[fw][0]:.0f} / {rss[fw][1]:.0f} | {losses[0]:.5f} | {losses[-1]:.5f} |")
     print(f"\nlargest relative loss difference shardwise vs DeepSpeed over {len(la)} steps: {max_rel:.2e}")
 
