@@ -48,7 +48,7 @@ def _engine(case: dict):
 
     dp, pp, tp = case["dp"], case["pp"], case["tp"]
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
-    cfg = _config(dp, case.get("zero", 0))
+    cfg = {**_config(dp, case.get("zero", 0)), **case.get("config", {})}
     if pp > 1:
         model = gpt_pipeline_module(CFG, topology=topo, partition_method="uniform")
         engine, *_ = shardwise.initialize(model=model, config=cfg)
@@ -110,7 +110,9 @@ def _train(case: dict, ckpt: str):
         losses += _run(engine, 2, STEPS - 2)
     if case.get("save16"):
         engine.save_16bit_model(ckpt + "/16bit")
-    return {"losses": losses, "params": _full_params(engine)}
+    from shardwise import checkpointing
+
+    return {"losses": losses, "params": _full_params(engine), "kept": checkpointing.get_profile()["kept_bytes"]}
 
 
 def _body(rank, world, cases, ckpt):
@@ -126,6 +128,8 @@ def _check(results, cases):
             got = dict(per_rank)[case["name"]]
             torch.testing.assert_close(got["losses"], want, rtol=1e-6, atol=0, msg=case["name"])
             merged.update(got["params"])
+            if case.get("config", {}).get("activation_checkpointing"):  # saved inputs were cut over tp
+                assert got["kept"] > 0, case["name"]
         assert merged.keys() == ref_params.keys(), case["name"]
         for k in ref_params:  # Adam turns rounding-level gradient differences of near-zero gradients into
             # updates of up to ~1e-6 over 3 steps; a wrong clip or a missed reduction moves them by ~lr
@@ -137,11 +141,14 @@ def _check(results, cases):
 # Saved at (dp 2, pp 2, tp 2) under ZeRO-1; loaded at (dp 1, pp 2, tp 2), (dp 2, pp 1, tp 2) ZeRO-2 and
 # (dp 4, tp 1) ZeRO-0: each continues exactly as one process does.
 CASES_8 = [{"name": "dp2 pp2 tp2", "dp": 2, "pp": 2, "tp": 2, "zero": 1, "save": True}]
-CASES_4 = [{"name": "dp1 pp2 tp2", "dp": 1, "pp": 2, "tp": 2, "zero": 1},
-           {"name": "dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "save16": True},
+CASES_4 = [{"name": "dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "save16": True},
            {"name": "resume dp1 pp2 tp2", "dp": 1, "pp": 2, "tp": 2, "zero": 0, "load": True},
            {"name": "resume dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "load": True},
-           {"name": "resume dp4 tp1", "dp": 4, "pp": 1, "tp": 1, "zero": 0, "load": True}]
+           {"name": "resume dp4 tp1", "dp": 4, "pp": 1, "tp": 1, "zero": 0, "load": True},
+           # last: the activation_checkpointing settings are process-wide and outlive the engine
+           {"name": "dp1 pp2 tp2 partitioned activations", "dp": 1, "pp": 2, "tp": 2, "zero": 1,
+            "config": {"pipeline": {"activation_checkpoint_interval": 1},
+                       "activation_checkpointing": {"partition_activations": True}}}]
 
 
 def test_3d_parity_and_checkpoint_across_grids(tmp_path):

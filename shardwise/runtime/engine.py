@@ -63,6 +63,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         if self.tp_world_size > 1 and int(config.zero_optimization.stage) == 3:
             raise ValueError(f"zero_optimization.stage 3 with tensor parallelism (tensor size {self.tp_world_size}) "
                              "is not supported: use stage 0, 1 or 2 (they shard over the data axis only)")
+        _check_tensor_parallel_layers(model, self.tp_world_size)
         self.module = model.to(self.device)
         if self.tp_world_size > 1:  # norms/biases on sequence shards: sum their gradients over the tensor ranks
             sync_sequence_parallel_grads(self.module, grid.get_tensor_model_parallel_group())
@@ -530,6 +531,18 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             if "module" in modules and hasattr(modules["module"], name):
                 return getattr(modules["module"], name)
             raise
+
+
+def _check_tensor_parallel_layers(model: torch.nn.Module, tp: int) -> None:
+    """Tensor-parallel layers cut themselves over the grid current when they are built: one built
+    before the grid (or for another one) holds the wrong pieces."""
+    from shardwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    for name, m in model.named_modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) and m.world_size != tp:
+            raise ValueError(f"layer '{name}' ({type(m).__name__}) was built for tensor size {m.world_size} but the "
+                             f"engine's grid has tensor size {tp}: build the grid (ParallelGrid / "
+                             "PipeModelDataParallelTopology) before the model, or pass mpu= the grid it was built on")
 
 
 def _tensor_size(grid) -> int:
