@@ -184,7 +184,9 @@ def _train_case(zero, path, ckpt_root, world_size):
         import shutil
 
         assert engine.save_16bit_model(f"{ckpt}/hf")
-        shutil.copy(f"{path}/config.json", f"{ckpt}/hf/config.json")
+        if dist.get_rank() == 0:  # one writer: the other rank may already be reading it
+            shutil.copy(f"{path}/config.json", f"{ckpt}/hf/config.json")
+        dist.barrier()
         exported = load(f"{ckpt}/hf")
         for name, p in ref.model.named_parameters():  # Adam turns float noise in tiny gradients into ~lr/1e3
             torch.testing.assert_close(exported.get_parameter(name), p.detach(), rtol=1e-4, atol=1e-4)
