@@ -163,8 +163,17 @@ def _train_case(zero, path, ckpt_root, world_size):
     from shardwise.topology import ParallelGrid
 
     model = load(path)
-    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=_ds_config(zero, 2))
-    assert engine.module.ds_autotp_parsed
+    if zero == 2:  # DeepSpeed's other spelling: tp_model_init records tp_size, initialize shards
+        from shardwise.tensor_parallel.autotp import _reset_tp_model_init
+
+        assert shardwise.tp_model_init(model, tp_size=2, dtype=torch.float32) is model
+        engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                          config=_ds_config(zero, None))
+        _reset_tp_model_init()  # the record lasts for the process, as in DeepSpeed
+    else:
+        engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                          config=_ds_config(zero, 2))
+    assert engine.module.ds_autotp_parsed and engine.grid.get_tensor_model_parallel_world_size() == 2
     # the engine's data loader splits by data-parallel rank only: both tensor ranks get the same batch
     first = next(iter(engine.deepspeed_io([torch.tensor([i]) for i in range(8)])))
     seen = [torch.empty_like(first) for _ in range(world_size)]
