@@ -137,7 +137,8 @@ def _manifest(engine, plan: SavePlan, module_sd: dict, client_state: dict, exclu
         "module_keys": module_keys,
         "frozen": frozen,
         "topology": {"world_size": comm.get_world_size(), "dp_world_size": engine.dp_world_size,
-                     "zero_stage": engine.strategy.stage, "tensor_parallel_size": tpc.view_of(engine).size},
+                     "zero_stage": engine.strategy.stage,
+                     **({"tensor_parallel_size": tpc.view_of(engine).size} if tpc.view_of(engine).active else {})},
         "engine": {
             "global_steps": engine.counters.global_steps,
             "global_samples": engine.counters.global_samples,

@@ -12,7 +12,6 @@ between save and load.
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 
 import torch
 from safetensors import safe_open
@@ -34,7 +33,7 @@ def rank_fragment_files(engine, rank: int):
     dp_rank = grid.get_data_parallel_rank() if grid is not None else rank
     regather = {}  # d != 0 pieces under partitioned stages: gathered over the data group below
     if tp.active and not strategy.replicated:
-        regather = {n: d for n, d in tp.partition_dims.items() if d != 0}
+        regather = {n: d for n, d in tp.partition_dims.items() if d != 0 or n in tp.strides}
     if strategy.replicated and dp_rank != 0:
         return
     shapes = {n: list(full_shape(p)) for n, p in engine.module.named_parameters()}
@@ -47,17 +46,18 @@ def rank_fragment_files(engine, rank: int):
             dim = tp.partition_dims.get(name)
             if (dim is None and tp.rank != 0) or name in regather:
                 continue
+            if dim is not None and (strategy.replicated or dim != 0 or name in tp.strides):
+                # a whole piece in its local shape (stage 0): one run of the saved layout per stride
+                _add_piece(engine, tp, name, dim, shapes[name], t, master, optim, mdescs, odescs, mfile, ofile)
+                continue
             base = {"name": name, "shape": shapes[name], "start": start, "end": end}
-            flat = None  # how a local tensor becomes its run of the saved layout
-            if dim is not None:
-                n = t.numel() if strategy.replicated else _numel(shapes[name])
+            if dim is not None:  # cut along dimension 0, stride 1: the fragment maps one to one
+                n = _numel(shapes[name])
                 base = {"name": name, "shape": tpc.full_shape_of(shapes[name], dim, tp.size), "partition_dim": dim,
                         "start": tp.rank * n + start, "end": tp.rank * n + end}
-                if dim != 0:  # replicated stage: the fragment is the whole piece, in its local shape
-                    flat = partial(tpc.to_canonical, dim=dim)
             key = f"{name}@{base['start']}:{base['end']}"
             if engine.precision.master_weights:
-                master[key] = flat(t.detach()) if flat else t.detach().reshape(-1)
+                master[key] = t.detach().reshape(-1)
                 mdescs.append({**base, "kind": "master", "file": mfile, "key": key, "dtype": "float32"})
             for state_key, value in (opt.state.get(t, {}) if opt is not None else {}).items():
                 if not isinstance(value, torch.Tensor):
@@ -65,7 +65,7 @@ def rank_fragment_files(engine, rank: int):
                                     "not a tensor")
                 skey = f"{key}/{state_key}"
                 scalar = value.shape != t.shape  # e.g. Adam's 0-d "step" (even for a 1-element fragment)
-                optim[skey] = value.detach() if scalar else (flat(value.detach()) if flat else value.detach().reshape(-1))
+                optim[skey] = value.detach() if scalar else value.detach().reshape(-1)
                 odescs.append({**base, "kind": "optim", "state": state_key, "scalar": scalar, "file": ofile,
                                "key": skey, "dtype": str(value.dtype).removeprefix("torch.")})
         if master:
@@ -83,9 +83,38 @@ def _numel(shape) -> int:
     return n
 
 
+def _add_piece(engine, tp, name, dim, shape, piece, master, optim, mdescs, odescs, mfile, ofile, *,
+               states=None, scalars=None) -> None:
+    """Describe one whole tensor-parallel piece (and its optimizer state) as runs of the saved layout.
+    ``states``: ``{state: whole piece}`` (default: the optimizer's state of ``piece``)."""
+    stride = tp.strides.get(name, 1)
+    full = tpc.full_shape_of(shape, dim, tp.size)
+    if states is None:
+        states, scalars = {}, {}
+        opt = engine.optimizer
+        for k, v in (opt.state.get(piece, {}) if opt is not None else {}).items():
+            (scalars if v.shape != piece.shape else states)[k] = v.detach()
+    runs = tpc.piece_runs(piece.detach().reshape(shape), dim, stride, tp.size, tp.rank)
+    state_runs = {k: tpc.piece_runs(v.reshape(shape), dim, stride, tp.size, tp.rank) for k, v in states.items()}
+    for j, (start, end, data) in enumerate(runs):
+        base = {"name": name, "shape": full, "partition_dim": dim, "start": start, "end": end}
+        key = f"{name}@{start}:{end}"
+        if engine.precision.master_weights:
+            master[key] = data
+            mdescs.append({**base, "kind": "master", "file": mfile, "key": key, "dtype": "float32"})
+        for k, sruns in state_runs.items():
+            optim[f"{key}/{k}"] = sruns[j][2]
+            odescs.append({**base, "kind": "optim", "state": k, "scalar": False, "file": ofile,
+                           "key": f"{key}/{k}", "dtype": str(sruns[j][2].dtype).removeprefix("torch.")})
+        for k, v in (scalars or {}).items():
+            optim[f"{key}/{k}"] = v
+            odescs.append({**base, "kind": "optim", "state": k, "scalar": True, "file": ofile,
+                           "key": f"{key}/{k}", "dtype": str(v.dtype).removeprefix("torch.")})
+
+
 def _regathered_pieces(engine, rank, dp_rank, tp, dims: dict[str, int], shapes: dict):
-    """Partitioned stages, pieces cut along a dimension other than 0: gather each piece over the data
-    group (every data rank takes part) and let data rank 0 write it whole in the saved layout."""
+    """Partitioned stages, pieces cut along a dimension other than 0 or strided: gather each piece over
+    the data group (every data rank takes part) and let data rank 0 write it whole in the saved layout."""
     strategy, opt = engine.strategy, engine.optimizer
     local_states, scalars = set(), {}
     for batch in strategy.fragment_batches():
@@ -95,28 +124,15 @@ def _regathered_pieces(engine, rank, dp_rank, tp, dims: dict[str, int], shapes: 
                     scalars.setdefault(k, v.detach())  # e.g. Adam's step: the same for every parameter
                 else:
                     local_states.add(k)
-    states = tpc.world_union(local_states)
+    state_names = tpc.world_union(local_states)
     mfile, ofile = f"master_tp_rank{rank}.safetensors", f"optim_tp_rank{rank}.safetensors"
     master, optim, mdescs, odescs = {}, {}, [], []
     for name, dim in dims.items():
         shape = shapes[name]
-        n = _numel(shape)
-        base = {"name": name, "shape": tpc.full_shape_of(shape, dim, tp.size), "partition_dim": dim,
-                "start": tp.rank * n, "end": (tp.rank + 1) * n}
-        key = f"{name}@{base['start']}:{base['end']}"
-        if engine.precision.master_weights:
-            piece = tpc.gather_piece(strategy, name, shape, "param")
-            master[key] = tpc.to_canonical(piece, dim)
-            mdescs.append({**base, "kind": "master", "file": mfile, "key": key, "dtype": "float32"})
-        for state_key in states:
-            piece = tpc.gather_piece(strategy, name, shape, state_key)
-            optim[f"{key}/{state_key}"] = tpc.to_canonical(piece, dim)
-            odescs.append({**base, "kind": "optim", "state": state_key, "scalar": False, "file": ofile,
-                           "key": f"{key}/{state_key}", "dtype": "float32"})
-        for state_key, v in scalars.items():
-            optim[f"{key}/{state_key}"] = v
-            odescs.append({**base, "kind": "optim", "state": state_key, "scalar": True, "file": ofile,
-                           "key": f"{key}/{state_key}", "dtype": str(v.dtype).removeprefix("torch.")})
+        piece = tpc.gather_piece(strategy, name, shape, "param")
+        states = {k: tpc.gather_piece(strategy, name, shape, k) for k in state_names}
+        _add_piece(engine, tp, name, dim, shape, piece, master, optim, mdescs, odescs, mfile, ofile,
+                   states=states, scalars=scalars)
     if dp_rank != 0:
         return
     if master:

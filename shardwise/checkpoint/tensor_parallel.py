@@ -27,6 +27,7 @@ class TensorParallelView:
     rank: int = 0
     group: object = None
     partition_dims: dict[str, int] = field(default_factory=dict)  # locally sharded params (size > 1 only)
+    strides: dict[str, int] = field(default_factory=dict)  # partition_stride where it is not 1
 
     @property
     def active(self) -> bool:
@@ -41,12 +42,35 @@ def view_of(engine) -> TensorParallelView:
         return TensorParallelView()
     dims = {n: int(p.partition_dim) for n, p in engine.module.named_parameters()
             if getattr(p, "tensor_model_parallel", False)}
-    strided = [n for n, p in engine.module.named_parameters() if getattr(p, "partition_stride", 1) != 1]
-    if strided:  # e.g. GPT-2's fused c_attn under AutoTP: its pieces are not contiguous runs of the full tensor
-        raise NotImplementedError(f"checkpoints of strided tensor-parallel parameters (partition_stride != 1: "
-                                  f"{strided[:3]}) are not supported yet")
+    strides = {n: int(getattr(p, "partition_stride", 1)) for n, p in engine.module.named_parameters()
+               if n in dims and int(getattr(p, "partition_stride", 1)) != 1}
     return TensorParallelView(size=size, rank=int(grid.get_tensor_model_parallel_rank()),
-                              group=grid.get_tensor_model_parallel_group(), partition_dims=dims)
+                              group=grid.get_tensor_model_parallel_group(), partition_dims=dims, strides=strides)
+
+
+def piece_of(full: torch.Tensor, dim: int, stride: int, size: int, rank: int) -> torch.Tensor:
+    """Tensor rank ``rank``'s piece of ``full``: with Megatron's strided layout (``partition_stride`` s)
+    the dimension is cut into s * size chunks and rank r holds chunks r, r + size, ..., concatenated."""
+    if stride == 1:
+        return full.chunk(size, dim=dim)[rank]
+    chunks = full.chunk(stride * size, dim=dim)
+    return torch.cat([chunks[j * size + rank] for j in range(stride)], dim=dim)
+
+
+def assemble(pieces: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """The full tensor from every tensor rank's piece (inverse of ``piece_of``)."""
+    if stride == 1:
+        return torch.cat(pieces, dim=dim)
+    parts = [p.chunk(stride, dim=dim) for p in pieces]
+    return torch.cat([parts[r][j] for j in range(stride) for r in range(len(pieces))], dim=dim)
+
+
+def piece_runs(piece: torch.Tensor, dim: int, stride: int, size: int, rank: int):
+    """``(start, end, data)``: where a whole piece (local shape) lies in the saved dimension-first layout
+    of the full tensor: one run, or ``stride`` runs."""
+    flat = to_canonical(piece, dim)
+    c = flat.numel() // stride
+    return [((j * size + rank) * c, (j * size + rank + 1) * c, flat[j * c:(j + 1) * c]) for j in range(stride)]
 
 
 def full_shape_of(local_shape, dim: int, size: int) -> list[int]:
@@ -77,7 +101,7 @@ def gather_state_dict(sd: dict[str, torch.Tensor], tp: TensorParallelView) -> di
         t = sd[name].detach().contiguous()
         parts = [torch.empty_like(t) for _ in range(tp.size)]
         torch.distributed.all_gather(parts, t, group=tp.group)
-        out[name] = torch.cat(parts, dim=dim)
+        out[name] = assemble(parts, dim, tp.strides.get(name, 1))
     return out
 
 
@@ -87,35 +111,40 @@ def shard_state_dict(state: dict[str, torch.Tensor], tp: TensorParallelView) -> 
         return state
     out = dict(state)
     for name, dim in tp.partition_dims.items():
-        if name in state and state[name].shape[dim] % tp.size == 0:
-            out[name] = state[name].chunk(tp.size, dim=dim)[tp.rank].contiguous()
+        stride = tp.strides.get(name, 1)
+        if name in state and state[name].shape[dim] % (tp.size * stride) == 0:
+            out[name] = piece_of(state[name], dim, stride, tp.size, tp.rank).contiguous()
     return out
 
 
 def read_local(reader, entry: dict, name: str, local_shape, start: int, end: int, tp: TensorParallelView, *,
                what: str) -> torch.Tensor:
     """Elements ``[start, end)`` of this rank's (flattened) piece of ``name``, from a manifest entry
-    written at any tensor size."""
+    written at any tensor size and stride (the saved layout depends only on ``partition_dim``)."""
     saved_dim = entry.get("partition_dim")
     local_dim = tp.partition_dims.get(name)
     if saved_dim is None and local_dim is None:
         return reader.read_range(entry, start, end, what=what)
     full = list(entry["shape"])
     size, rank = (tp.size, tp.rank) if local_dim is not None else (1, 0)
+    stride = tp.strides.get(name, 1) if local_dim is not None else 1
     dim = local_dim if local_dim is not None else saved_dim
     n = 1
     for s in local_shape:
         n *= s
-    if (saved_dim or 0) == dim:
-        if dim == 0:  # the piece's own flattening is a contiguous run of the saved layout
+    if (saved_dim or 0) == dim:  # the piece is `stride` contiguous runs of the saved layout
+        if dim == 0 and stride == 1:  # ... and its own flattening is that run
             return reader.read_range(entry, rank * n + start, rank * n + end, what=what)
-        piece = reader.read_range(entry, rank * n, (rank + 1) * n, what=what)
+        c = n // stride
+        runs = [reader.read_range(entry, (j * size + rank) * c, (j * size + rank + 1) * c, what=what)
+                for j in range(stride)]
+        piece = runs[0] if stride == 1 else torch.cat([r.reshape(-1) for r in runs])
         return from_canonical(piece, list(local_shape), dim).reshape(-1)[start:end]
     total = 1
     for s in full:
         total *= s
     whole = from_canonical(reader.read_range(entry, 0, total, what=what), full, saved_dim or 0)
-    return whole.chunk(size, dim=dim)[rank].reshape(-1)[start:end]
+    return piece_of(whole, dim, stride, size, rank).reshape(-1)[start:end]
 
 
 def gather_piece(strategy, name: str, shape, what: str) -> torch.Tensor:
