@@ -47,6 +47,9 @@ def initialize(
         raise ValueError("initialize() needs model=...")
     source = _config_source(args, config, config_params)
     cfg = load_config(source)
+    from shardwise.tensor_parallel.autotp import merge_tp_model_init
+
+    cfg = merge_tp_model_init(cfg)  # a tp_model_init() call before initialize() sets tensor_parallel
     init_distributed(dist_init_required=dist_init_required)
     cfg = _client_objects_win(cfg, optimizer, lr_scheduler)
     comm.configure(comms_logger=cfg.comms_logger, timeout=cfg.comm_timeout)
@@ -86,9 +89,7 @@ def initialize(
 
 
 def _autotp_size(cfg) -> int:
-    block = cfg.tensor_parallel  # a dict, or the tensor_parallel config model
-    value = block.get("autotp_size", 1) if isinstance(block, dict) else getattr(block, "autotp_size", 1)
-    return int(value or 1)
+    return max(1, cfg.tensor_parallel.autotp_size)
 
 
 def _grid_for(cfg, mpu):
@@ -185,6 +186,10 @@ _LAZY = {
     "checkpointing": ("shardwise.checkpointing", None),  # activation checkpointing (deepspeed.checkpointing)
     "profiling": ("shardwise.profiling", None),
     "monitor": ("shardwise.monitor", None),
+    "init_inference": ("shardwise.inference", "init_inference"),
+    "InferenceEngine": ("shardwise.inference", "InferenceEngine"),
+    "inference": ("shardwise.inference", None),
+    "tp_model_init": ("shardwise.tensor_parallel.autotp", "tp_model_init"),
 }
 
 

@@ -12,9 +12,16 @@ import sys
 
 NOT_SUPPORTED: dict[str, str] = {
     "moe": "mixture-of-experts layers and expert parallelism are not implemented",
-    "inference": "DeepSpeed-Inference (kernel injection, init_inference) is not implemented; "
-                 "use `shardwise serve` or plain torch for inference",
-    "module_inject": "kernel injection / automatic tensor-parallel replacement is not implemented",
+    "inference.v2": "DeepSpeed-FastGen (inference v2, ragged batching kernels) is not implemented; "
+                    "use shardwise.init_inference (AutoTP) or `shardwise serve`",
+    "inference.quantization": "DeepSpeed-Inference quantisation is not implemented",
+    "inference.config": "DeepSpeedInferenceConfig is not provided: shardwise.init_inference takes the same keys "
+                        "as a dict or keyword arguments",
+    "module_inject.replace_module": "kernel injection (replace_transformer_layer) is not implemented; AutoTP "
+                                    "is shardwise.tensor_parallel.autotp",
+    "module_inject.containers": "kernel injection policies are not implemented",
+    "module_inject.policy": "kernel injection policies are not implemented",
+    "module_inject.auto_tp_model_utils": "kernel injection is not implemented",
     "model_implementations": "DeepSpeed's fused inference model implementations are not implemented",
     "compression": "the compression library was removed from DeepSpeed too",
     "sequence": "sequence parallelism (Ulysses) is not implemented",
@@ -54,17 +61,16 @@ NOT_SUPPORTED: dict[str, str] = {
 }
 
 NOT_SUPPORTED_ATTRS: dict[str, str] = {
-    "init_inference": NOT_SUPPORTED["inference"],
-    "InferenceEngine": NOT_SUPPORTED["inference"],
-    "DeepSpeedInferenceConfig": NOT_SUPPORTED["inference"],
-    "default_inference_config": NOT_SUPPORTED["inference"],
+    "DeepSpeedInferenceConfig": "the inference config class is not provided: init_inference takes the same "
+                                "keys as a dict or keyword arguments",
+    "default_inference_config": "the inference config class is not provided: init_inference takes the same "
+                                "keys as a dict or keyword arguments",
     "DeepSpeedTransformerLayer": NOT_SUPPORTED["ops.transformer"],
     "DeepSpeedTransformerConfig": NOT_SUPPORTED["ops.transformer"],
-    "replace_transformer_layer": NOT_SUPPORTED["module_inject"],
-    "revert_transformer_layer": NOT_SUPPORTED["module_inject"],
+    "replace_transformer_layer": NOT_SUPPORTED["module_inject.replace_module"],
+    "revert_transformer_layer": NOT_SUPPORTED["module_inject.replace_module"],
     "DeepSpeedHybridEngine": NOT_SUPPORTED["runtime.hybrid_engine"],
     "DeepSpeedConfig": NOT_SUPPORTED["runtime.config"],
-    "tp_model_init": "automatic tensor parallelism (tp_model_init) is not implemented",
 }
 
 

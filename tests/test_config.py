@@ -97,7 +97,7 @@ OFFLOAD_PARAM_DEFAULTS = {"device": "none", "nvme_path": None, "buffer_count": 5
                           "max_in_cpu": 10**9, "pin_memory": True}
 OFFLOAD_OPTIMIZER_DEFAULTS = {"device": "none", "nvme_path": None, "buffer_count": 4, "pin_memory": True,
                               "pipeline_read": False, "pipeline_write": False, "fast_init": False, "ratio": 1.0}
-OTHER_BLOCKS = ["tensor_parallel", "expert_parallel", "hybrid_engine", "compile", "sparse_attention", "eigenvalue",
+OTHER_BLOCKS = ["expert_parallel", "hybrid_engine", "compile", "sparse_attention", "eigenvalue",
                 "progressive_layer_drop", "data_efficiency", "curriculum_learning", "compression_training",
                 "nebula", "timers"]
 

@@ -139,10 +139,12 @@ def test_unsupported_paths_say_so():
         importlib.import_module("shardwise.moe.layer")
     with pytest.raises(ImportError, match="deepspeed.inference.* not supported"):
         exec("from shardwise.inference.config import DeepSpeedInferenceConfig", {})
-    with pytest.raises(AttributeError, match=r"deepspeed\.init_inference\) is not supported"):
+    with pytest.raises(ImportError, match=r"deepspeed\.inference\.v2\) is not supported"):
+        importlib.import_module("shardwise.inference.v2")
+    with pytest.raises(AttributeError, match=r"deepspeed\.DeepSpeedHybridEngine\) is not supported"):
         import shardwise
 
-        shardwise.init_inference  # noqa: B018
+        shardwise.DeepSpeedHybridEngine  # noqa: B018
     with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
         shardwise.no_such_thing  # noqa: B018
     # a real module is never shadowed by the table

@@ -15,6 +15,7 @@ from .monitors import (AutotuningConfig, CometConfig, CommsLoggerConfig, CSVMoni
 from .precision import AmpConfig, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig
 from .training import (ActivationCheckpointingConfig, AioConfig, CheckpointConfig, OptimizerConfig,
                        PipelineConfig, SchedulerConfig)
+from .tensor_parallel import TensorParallelConfig
 from .zero import ZeroConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,7 +45,7 @@ AllreduceOp = Annotated[Literal["mean", "sum"], case_insensitive("mean", "sum")]
 # Blocks of features we accept as keys but do not model yet: free-form, and an
 # error from check_supported() as soon as they are switched on.
 OTHER_BLOCKS = (
-    "tensor_parallel", "expert_parallel", "hybrid_engine", "compile", "sparse_attention", "eigenvalue",
+    "expert_parallel", "hybrid_engine", "compile", "sparse_attention", "eigenvalue",
     "progressive_layer_drop", "data_efficiency", "curriculum_learning", "compression_training",
     "nebula", "timers",
 )
@@ -103,7 +104,7 @@ class ShardwiseConfig(ConfigModel):
     autotuning: AutotuningConfig = _block(AutotuningConfig)
     elasticity: ElasticityConfig = _block(ElasticityConfig)
 
-    tensor_parallel: dict[str, Any] = _block(dict)
+    tensor_parallel: TensorParallelConfig = _block(TensorParallelConfig)
     expert_parallel: dict[str, Any] = _block(dict)
     hybrid_engine: dict[str, Any] = _block(dict)
     compile: dict[str, Any] = _block(dict)
@@ -138,6 +139,11 @@ class ShardwiseConfig(ConfigModel):
             clashes.append("amp.enabled cannot be combined with fp16.enabled or bf16.enabled")
         if self.amp.enabled and self.zero_optimization.stage > 0:
             clashes.append("amp.enabled cannot be combined with zero_optimization.stage > 0")
+        tp_dtype = self.tensor_parallel.dtype
+        trains_in = "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+        if tp_dtype is not None and tp_dtype != trains_in:
+            clashes.append(f"tensor_parallel.dtype is {tp_dtype} but the model trains in {trains_in} "
+                           "(fp16/bf16 blocks); make them agree or drop tensor_parallel.dtype")
         if clashes:
             raise PydanticCustomError("shardwise_conflict", "; ".join(clashes))
         return self

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from pydantic import BaseModel
 
 from .errors import ConfigError, describe_value
+from .tensor_parallel import AUTOTP_PRESETS
 
 if TYPE_CHECKING:  # pragma: no cover
     from .model import ShardwiseConfig
@@ -46,7 +47,14 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     and c.checkpoint.writer.io_buffer_size != 64 * 1024**2,
     "checkpoint.writer.io_multiplier": lambda c: c.checkpoint.writer is not None and c.checkpoint.writer.io_multiplier != 1,
     "comet": lambda c: c.comet.enabled,
-    "tensor_parallel": lambda c: _switched_on(c.tensor_parallel),
+    "tensor_parallel.tp_overlap_comm": lambda c: c.tensor_parallel.tp_overlap_comm,
+    "tensor_parallel.vocab_parallel_lm_head": lambda c: c.tensor_parallel.vocab_parallel_lm_head is True,
+    "tensor_parallel.vocab_parallel_ce_backend": lambda c: c.tensor_parallel.vocab_parallel_ce_backend != "torch",
+    "tensor_parallel.injection_policy_tuple": lambda c: c.tensor_parallel.injection_policy_tuple is not None,
+    "tensor_parallel.partition_config": lambda c: c.tensor_parallel.partition_config is not None,
+    "tensor_parallel.preset_model": lambda c: c.tensor_parallel.preset_model is not None
+    and c.tensor_parallel.preset_model.lower() not in AUTOTP_PRESETS,
+    "tensor_parallel.replace_with_kernel_inject": lambda c: c.tensor_parallel.replace_with_kernel_inject,
     "expert_parallel": lambda c: _switched_on(c.expert_parallel),
     "hybrid_engine": lambda c: _switched_on(c.hybrid_engine),
     "compile": lambda c: _switched_on(c.compile),

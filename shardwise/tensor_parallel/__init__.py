@@ -1,5 +1,6 @@
 """Tensor parallelism: Megatron-style layers, the collectives between them, vocab-parallel
-cross-entropy and the RNG tracker. See docs/tensor-parallel.md.
+cross-entropy and the RNG tracker (docs/tensor-parallel.md); AutoTP for Hugging Face models
+(``autotp``, docs/autotp.md).
 
 Contract with the rest of shardwise: a tensor-sharded parameter has ``tensor_model_parallel=True``,
 ``partition_dim`` and ``partition_stride=1``; any other parameter is replicated across tensor ranks.
@@ -7,6 +8,7 @@ A parameter with ``sequence_parallel=True`` (norms inside a sequence-parallel re
 that is a partial sum over the tensor ranks; the engine all-reduces it over the tensor group.
 """
 
+from shardwise.tensor_parallel.autotp import AutoTP, autotp_hook, shard_model, tp_model_init
 from shardwise.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                               is_tensor_parallel, param_is_not_tensor_parallel_duplicate,
@@ -28,10 +30,5 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
            "reduce_scatter_to_sequence_parallel_region", "set_tensor_model_parallel_attributes",
            "param_is_not_tensor_parallel_duplicate", "is_tensor_parallel", "CudaRNGStatesTracker",
            "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed",
-           "autotp_hook"]
+           "autotp_hook", "AutoTP", "shard_model", "tp_model_init"]
 
-
-def autotp_hook(module, grid):
-    """Shard a Hugging Face model's projections over ``grid``'s model axis in place (AutoTP) and return
-    the module. Called by the engine when ``tensor_parallel.autotp_size`` is set. Issue 14b fills it."""
-    raise NotImplementedError("AutoTP (tensor_parallel.autotp_size) is not implemented yet (issue 14, part b)")
