@@ -67,7 +67,8 @@ def initialize(
         raise ValueError("the config has a 'pipeline' block but the model is not a shardwise.pipe.PipelineModule "
                          f"({type(model).__name__}); pipeline parallelism needs one (and one process per stage), "
                          "else remove the block")
-    grid = MpuGrid(mpu) if mpu is not None else ParallelGrid.data_parallel_only()
+    grid = MpuGrid(mpu) if mpu is not None else _sequence_grid(cfg) or ParallelGrid.data_parallel_only()
+    _check_sequence_parallel_size(cfg, grid)
     engine = Engine(
         model=model,
         config=cfg,
@@ -81,6 +82,28 @@ def initialize(
     engine.client_optimizer = optimizer
     engine.client_lr_scheduler = lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _sequence_grid(cfg):
+    """With ``sequence_parallel_size`` > 1 and no ``mpu``: the groups register_with_transformers made."""
+    if cfg.sequence_parallel_size <= 1:
+        return None
+    from shardwise.runtime.sequence_parallel import parallel_state_sp
+    from shardwise.topology import MpuGrid
+
+    if not parallel_state_sp.is_initialized():
+        raise ValueError(f"config key sequence_parallel_size is {cfg.sequence_parallel_size} but there are no "
+                         "sequence-parallel groups: call shardwise.runtime.sequence_parallel.ulysses_sp."
+                         "UlyssesSPAttentionHF.register_with_transformers(...) first and pass the mpu it returns "
+                         "to initialize(mpu=...)")
+    return MpuGrid(parallel_state_sp)
+
+
+def _check_sequence_parallel_size(cfg, grid) -> None:
+    size = grid.get_sequence_parallel_world_size() if hasattr(grid, "get_sequence_parallel_world_size") else 1
+    if cfg.sequence_parallel_size > 1 and size != cfg.sequence_parallel_size:
+        raise ValueError(f"config key sequence_parallel_size is {cfg.sequence_parallel_size} but the mpu passed to "
+                         f"initialize() has sequence-parallel size {size}")
 
 
 def _client_objects_win(cfg, optimizer, lr_scheduler):

@@ -28,7 +28,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "monitor.monitor": "MonitorMaster is internal: the engine builds the monitors from the config",
     "runtime.hybrid_engine": "the RLHF hybrid engine is not implemented",
     "runtime.domino": "Domino tensor-parallel overlap is not implemented",
-    "runtime.sequence_parallel": "sequence parallelism is not implemented",
     "runtime.data_pipeline": "curriculum learning / data efficiency is not implemented",
     "runtime.fp16": "DeepSpeed's fp16 optimizer wrappers are internal; use the config's fp16 block",
     "runtime.bf16_optimizer": "DeepSpeed's bf16 optimizer wrapper is internal; use the config's bf16 block",

@@ -88,6 +88,25 @@ class ParallelGrid:
                 if self.rank in ranks:
                     self._groups[axis] = g
         self.coord = topology.get_coord(self.rank)
+        self._seq_data_group = self._groups.get("data")
+        if "sequence" in topology.axes and topology.get_dim("sequence") > 1:
+            self._seq_data_group = self._sequence_data_groups(whole_world)
+
+    def _sequence_data_groups(self, whole_world: bool):
+        """The group of ranks differing only in their data and sequence coordinates (ZeRO reduces over it)."""
+        others = [a for a in self.topology.axes if a not in ("data", "sequence")]
+        if all(self.topology.get_dim(a) == 1 for a in others) and whole_world:
+            return None
+        mine = None
+        for fixed in product(*[range(self.topology.get_dim(a)) for a in others]):
+            base = dict(zip(others, fixed))
+            ranks = sorted(self.topology.get_rank(**base, data=d, sequence=s)
+                           for d in range(self.topology.get_dim("data"))
+                           for s in range(self.topology.get_dim("sequence")))
+            g = comm.new_group(ranks)
+            if self.rank in ranks:
+                mine = g
+        return mine
 
     @classmethod
     def data_parallel_only(cls) -> "ParallelGrid":
@@ -156,6 +175,25 @@ class ParallelGrid:
     def get_pipe_parallel_world_size(self) -> int:
         return self.size("pipe")
 
+    # -- sequence parallelism (Ulysses): the attention's group, and the group ZeRO reduces over --------
+    def get_sequence_parallel_group(self):
+        return self.group("sequence")
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.size("sequence")
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.axis_rank("sequence")
+
+    def get_sequence_data_parallel_group(self):
+        return self._seq_data_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.size("data") * self.size("sequence")
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.axis_rank("data") * self.size("sequence") + self.axis_rank("sequence")
+
 
 def PipeDataParallelTopology(num_pp: int, num_dp: int) -> ProcessTopology:  # noqa: N802 (DeepSpeed's name)
     """Pipeline stages outermost, data-parallel replicas adjacent (DeepSpeed's class of the same name)."""
@@ -167,26 +205,64 @@ def PipeModelDataParallelTopology(num_pp: int, num_mp: int, num_dp: int) -> Proc
 
 
 class MpuGrid:
-    """Adapter for a user's Megatron-style ``mpu`` object passed to ``initialize``."""
+    """Adapter for a user's Megatron-style ``mpu`` object passed to ``initialize``.
+
+    A sequence-parallel mpu (``shardwise.runtime.sequence_parallel.parallel_state_sp``, what
+    ``UlyssesSPAttentionHF.register_with_transformers`` returns) has no data-parallel functions, as in
+    DeepSpeed: its data-parallel size is world / sequence-parallel size, and ZeRO reduces over its
+    sequence-data-parallel group.
+    """
 
     def __init__(self, mpu) -> None:
         self.mpu = mpu
+        self._sequence_only = (hasattr(mpu, "get_sequence_parallel_world_size")
+                               and not hasattr(mpu, "get_data_parallel_world_size"))
 
     def get_data_parallel_group(self):
+        if self._sequence_only:
+            return self.mpu.get_sequence_data_parallel_group()  # no data-only group; not used for reductions
         return self.mpu.get_data_parallel_group()
 
     def get_data_parallel_world_size(self) -> int:
+        if self._sequence_only:
+            return self.mpu.get_sequence_data_parallel_world_size() // self.mpu.get_sequence_parallel_world_size()
         return self.mpu.get_data_parallel_world_size()
 
     def get_data_parallel_rank(self) -> int:
+        if self._sequence_only:
+            return self.mpu.get_sequence_data_parallel_rank() // self.mpu.get_sequence_parallel_world_size()
         return self.mpu.get_data_parallel_rank()
 
     def get_model_parallel_world_size(self) -> int:
-        return self.mpu.get_model_parallel_world_size()
+        return 1 if self._sequence_only else self.mpu.get_model_parallel_world_size()
 
     def get_model_parallel_rank(self) -> int:
-        return self.mpu.get_model_parallel_rank()
+        return 0 if self._sequence_only else self.mpu.get_model_parallel_rank()
 
     def get_pipe_parallel_world_size(self) -> int:
         fn = getattr(self.mpu, "get_pipe_parallel_world_size", None)
         return fn() if fn else 1
+
+    def get_sequence_parallel_world_size(self) -> int:
+        fn = getattr(self.mpu, "get_sequence_parallel_world_size", None)
+        return fn() if fn else 1
+
+    def get_sequence_parallel_group(self):
+        fn = getattr(self.mpu, "get_sequence_parallel_group", None)
+        return fn() if fn else None
+
+    def get_sequence_parallel_rank(self) -> int:
+        fn = getattr(self.mpu, "get_sequence_parallel_rank", None)
+        return fn() if fn else 0
+
+    def get_sequence_data_parallel_group(self):
+        fn = getattr(self.mpu, "get_sequence_data_parallel_group", None)
+        return fn() if fn else self.get_data_parallel_group()
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        fn = getattr(self.mpu, "get_sequence_data_parallel_world_size", None)
+        return fn() if fn else self.get_data_parallel_world_size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        fn = getattr(self.mpu, "get_sequence_data_parallel_rank", None)
+        return fn() if fn else self.get_data_parallel_rank()
