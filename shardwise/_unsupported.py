@@ -17,7 +17,8 @@ NOT_SUPPORTED: dict[str, str] = {
     "module_inject": "kernel injection / automatic tensor-parallel replacement is not implemented",
     "model_implementations": "DeepSpeed's fused inference model implementations are not implemented",
     "compression": "the compression library was removed from DeepSpeed too",
-    "sequence": "sequence parallelism (Ulysses) is not implemented",
+    "sequence": "only deepspeed.sequence.layer.DistributedAttention is provided (FPDT, AutoSP and the vocab-parallel "
+                "cross-entropy are not); for Hugging Face models see shardwise.runtime.sequence_parallel",
     "linear": "DeepSpeed's OptimizedLinear / LoRA-quantized linear is not implemented",
     "compile": "DeepCompile is not implemented; torch.compile the model yourself",
     "nvme": "the NVMe benchmark tools are not provided (ZeRO's NVMe offload is: zero_optimization.offload_*)",

@@ -137,13 +137,52 @@ def _eval_full_sequence(path: str):
         return model(input_ids=s["input_ids"], position_ids=s["position_ids"]).logits
 
 
+def _flex_forward(rank: int, path: str):
+    """flex_attention (forward only: torch has no flex_attention backward on the CPU): the model's BlockMask,
+    built for the local shard, is rebuilt for the whole sequence."""
+    from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers import AutoModelForCausalLM
+
+    UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=path, core_attn_implementation="flex_attention",
+                                                    sequence_parallel_size=2, micro_batch_size=1)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="flex_attention").train()
+    s = _sample(5, 256)
+    lo, hi = 128 * rank, 128 * (rank + 1)
+    with torch.no_grad():
+        return model(input_ids=s["input_ids"][:, lo:hi], position_ids=s["position_ids"][:, lo:hi]).logits
+
+
+def _causal_attention(q, k, v):  # [seq, batch, heads, dim] in and out, as Megatron lays them out
+    out = torch.nn.functional.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
+    return out.permute(2, 0, 1, 3)
+
+
+def _qkv():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(8, 2, 4, 8, generator=g) for _ in range(3)] + [torch.randn(8, 2, 4, 8, generator=g)]
+
+
+def _distributed_attention(rank: int):
+    """DeepSpeed's older shardwise.sequence.layer.DistributedAttention: this rank's output and input gradients."""
+    from shardwise.sequence.layer import DistributedAttention
+    from shardwise.utils import groups
+
+    attn = DistributedAttention(_causal_attention, groups._get_sequence_parallel_group(), scatter_idx=2, gather_idx=0)
+    *qkv, w = _qkv()
+    mine = [t[4 * rank:4 * (rank + 1)].clone().requires_grad_() for t in qkv]
+    out = attn(*mine, batch_dim_idx=1)
+    (out * w[4 * rank:4 * (rank + 1)]).sum().backward()
+    return out.detach(), [t.grad for t in mine]
+
+
 def _two_ranks(rank: int, world: int, paths: dict, data):
     from shardwise.runtime.sequence_parallel import parallel_state_sp
 
     parallel_state_sp.initialize_sequence_parallel(2)
     shards = _adapter_shards(rank, world)
     trained = run_subtests(_train_sp, [(1, "gqa"), (3, "gqa"), (1, "mqa")], rank, world, paths, data)
-    return shards, trained, _eval_full_sequence(paths["gqa"])
+    return (shards, trained, _eval_full_sequence(paths["gqa"]), _flex_forward(rank, paths["gqa"]),
+            _distributed_attention(rank))
 
 
 def _four_ranks(rank: int, world: int, paths: dict, data):
@@ -180,7 +219,7 @@ def test_sequence_parallel_two_ranks_matches_one_process(models):
     data = _rank_data(2, 2)
     steps = _step_samples(data, 2, 1)
     ref = {k: _reference(p, steps) for k, p in models.items()}
-    shards, trained, eval_logits = zip(*run_distributed(_two_ranks, 2, args=(models, data), timeout=240))
+    shards, trained, eval_logits, flex, dist_attn = zip(*run_distributed(_two_ranks, 2, args=(models, data), timeout=240))
     _check_adapter(shards)
     by_case = list(zip(*trained))  # per case: the two ranks' (losses, params)
     for (stage, key), results in zip([(1, "gqa"), (3, "gqa"), (1, "mqa")], by_case):
@@ -193,6 +232,18 @@ def test_sequence_parallel_two_ranks_matches_one_process(models):
         want = plain(input_ids=s["input_ids"], position_ids=s["position_ids"]).logits
     for logits in eval_logits:
         torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    flex_model = AutoModelForCausalLM.from_pretrained(models["gqa"], attn_implementation="flex_attention")
+    s = _sample(5, 256)
+    with torch.no_grad():
+        want = flex_model(input_ids=s["input_ids"], position_ids=s["position_ids"]).logits
+    torch.testing.assert_close(torch.cat(flex, dim=1), want, rtol=1e-5, atol=1e-5)
+    *qkv, w = _qkv()
+    qkv = [t.requires_grad_() for t in qkv]
+    out = _causal_attention(*qkv)
+    (out * w).sum().backward()
+    torch.testing.assert_close(torch.cat([o for o, _ in dist_attn]), out.detach(), rtol=1e-5, atol=1e-6)
+    for i, t in enumerate(qkv):
+        torch.testing.assert_close(torch.cat([g[i] for _, g in dist_attn]), t.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_sequence_parallel_two_by_data_parallel_two_matches_one_process(models):
