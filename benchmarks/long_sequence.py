@@ -76,7 +76,8 @@ def _patch_tiling(model, shards_of) -> None:
         def forward(x, mlp=mlp):
             def fn(self, h):
                 return self.down_proj(self.act_fn(self.gate_proj(h)) * self.up_proj(h))
-            return TiledMLP.apply(fn, mlp, x, shards_of(x), None)
+            return TiledMLP.apply(fn, mlp, x, shards_of(x), [mlp.down_proj.weight, mlp.gate_proj.weight,
+                                                               mlp.up_proj.weight])
 
         mlp.forward = forward
 
@@ -93,7 +94,8 @@ def _tiled_loss(model, hidden, shift_labels, shards: int):
 
     total = sequence_tiled_compute(loss_fn, shift_labels.shape[1], shards,
                                    dict(hidden_states=hidden, shift_labels=shift_labels), dict(self=model),
-                                   "hidden_states", None, output_unshard_dimension=0, output_reduction="sum")
+                                   "hidden_states", [model.lm_head.weight], output_unshard_dimension=0,
+                                   output_reduction="sum")
     return total / max(int((shift_labels != -100).sum()), 1)
 
 
