@@ -252,3 +252,11 @@ def test_sequence_parallel_two_by_data_parallel_two_matches_one_process(models):
     results = run_distributed(_four_ranks, 4, args=(models, data), timeout=300)
     for i, stage in enumerate([1, 3]):
         _assert_matches([r[i] for r in results], ref, dp=2, label=f"sp 2 x dp 2, ZeRO {stage}")
+
+
+def test_sequence_parallel_size_without_groups_says_what_to_call():
+    import shardwise
+    from models import base_config, make_model
+
+    with pytest.raises(ValueError, match="sequence_parallel_size is 2.*register_with_transformers"):
+        shardwise.initialize(model=make_model(), config=base_config(sequence_parallel_size=2))
