@@ -219,7 +219,8 @@ def test_sequence_parallel_two_ranks_matches_one_process(models):
     data = _rank_data(2, 2)
     steps = _step_samples(data, 2, 1)
     ref = {k: _reference(p, steps) for k, p in models.items()}
-    shards, trained, eval_logits, flex, dist_attn = zip(*run_distributed(_two_ranks, 2, args=(models, data), timeout=240))
+    results = run_distributed(_two_ranks, 2, args=(models, data), timeout=240)
+    shards, trained, eval_logits, flex, dist_attn = zip(*results)
     _check_adapter(shards)
     by_case = list(zip(*trained))  # per case: the two ranks' (losses, params)
     for (stage, key), results in zip([(1, "gqa"), (3, "gqa"), (1, "mqa")], by_case):

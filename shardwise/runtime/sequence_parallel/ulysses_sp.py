@@ -247,7 +247,9 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if core_attn_implementation not in ALL_ATTENTION_FUNCTIONS:
             raise ValueError(f"{core_attn_implementation!r} is not an attention implementation Transformers knows; "
                              f"choose one of {list(ALL_ATTENTION_FUNCTIONS.valid_keys())}")
-        core = _ORIGINAL_ATTENTION.setdefault(core_attn_implementation, ALL_ATTENTION_FUNCTIONS[core_attn_implementation])
+        # wrap Transformers' own function, never a wrapper installed by an earlier call
+        core = _ORIGINAL_ATTENTION.setdefault(core_attn_implementation,
+                                              ALL_ATTENTION_FUNCTIONS[core_attn_implementation])
 
         if seq_length_is_variable:
             local_seq_length = global_seq_length = None
