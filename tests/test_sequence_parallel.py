@@ -13,6 +13,7 @@ import torch
 from distributed import run_distributed, run_subtests
 
 STEPS = 4
+TWO_RANK_CASES = [(1, "gqa"), (2, "gqa"), (3, "gqa"), (0, "mqa")]  # (ZeRO stage, model)
 LR = 1e-2
 VOCAB = 97
 
@@ -180,7 +181,7 @@ def _two_ranks(rank: int, world: int, paths: dict, data):
 
     parallel_state_sp.initialize_sequence_parallel(2)
     shards = _adapter_shards(rank, world)
-    trained = run_subtests(_train_sp, [(1, "gqa"), (3, "gqa"), (1, "mqa")], rank, world, paths, data)
+    trained = run_subtests(_train_sp, TWO_RANK_CASES, rank, world, paths, data)
     return (shards, trained, _eval_full_sequence(paths["gqa"]), _flex_forward(rank, paths["gqa"]),
             _distributed_attention(rank))
 
@@ -223,7 +224,7 @@ def test_sequence_parallel_two_ranks_matches_one_process(models):
     shards, trained, eval_logits, flex, dist_attn = zip(*results)
     _check_adapter(shards)
     by_case = list(zip(*trained))  # per case: the two ranks' (losses, params)
-    for (stage, key), results in zip([(1, "gqa"), (3, "gqa"), (1, "mqa")], by_case):
+    for (stage, key), results in zip(TWO_RANK_CASES, by_case):
         _assert_matches(results, ref[key], dp=1, label=f"sp 2, ZeRO {stage}, {key}")
     from transformers import AutoModelForCausalLM
 
