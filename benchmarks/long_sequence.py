@@ -170,19 +170,25 @@ def _job(world: int, length: int, args, path: str, tiled: bool) -> dict | None:
             [r, world, port, length, args.steps, args.cap_mb << 20, path, tiled, out])],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(world)]
         deadline = time.time() + args.timeout
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(1, deadline - time.time())))
-            except subprocess.TimeoutExpired:
-                codes.append("timeout")
+        failed: list = []
+        while time.time() < deadline and any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
+            if failed:
+                break  # a rank died (killed at the cap): its peers would wait in a collective
+            time.sleep(0.5)
+        failed = failed or [p.returncode for p in procs if p.poll() not in (None, 0)]
+        timed_out = any(p.poll() is None for p in procs) and not failed
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        if any(c != 0 for c in codes):
+            p.wait()
+        if failed or timed_out:
+            if timed_out:
+                return {"ok": False, "why": f"timed out after {args.timeout:.0f} s"}
+            if -9 in failed:
+                return {"ok": False, "why": "killed (over the cap)"}
             errs = [p.stderr.read().decode()[-400:] for p in procs]
-            killed = any(c == -9 for c in codes)
-            return {"ok": False, "why": "killed (over the cap)" if killed else f"exit {codes}: {errs}"}
+            return {"ok": False, "why": f"exit {failed}: {errs}"}
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
     return {"ok": True, "step": statistics.median(ranks[0]["times"][1:]), "rss": [r["rss"] for r in ranks]}
 
