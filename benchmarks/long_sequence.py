@@ -168,7 +168,7 @@ def _job(world: int, length: int, args, path: str, tiled: bool) -> dict | None:
         port = _free_port()
         procs = [subprocess.Popen([sys.executable, __file__, "--_rank", json.dumps(
             [r, world, port, length, args.steps, args.cap_mb << 20, path, tiled, out])],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(world)]
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(out, f"rank{r}.err"), "w")) for r in range(world)]
         deadline = time.time() + args.timeout
         failed: list = []
         while time.time() < deadline and any(p.poll() is None for p in procs):
@@ -187,7 +187,7 @@ def _job(world: int, length: int, args, path: str, tiled: bool) -> dict | None:
                 return {"ok": False, "why": f"timed out after {args.timeout:.0f} s"}
             if -9 in failed:
                 return {"ok": False, "why": "killed (over the cap)"}
-            errs = [p.stderr.read().decode()[-400:] for p in procs]
+            errs = [open(os.path.join(out, f"rank{r}.err")).read()[-400:] for r in range(world)]
             return {"ok": False, "why": f"exit {failed}: {errs}"}
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
     return {"ok": True, "step": statistics.median(ranks[0]["times"][1:]), "rss": [r["rss"] for r in ranks]}
