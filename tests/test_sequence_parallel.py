@@ -61,16 +61,16 @@ def _reference(path: str, steps: list[list[dict]]):
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses = []
+    losses, norms = [], []
     for samples in steps:
         loss = sum(model(input_ids=s["input_ids"], position_ids=s["position_ids"], labels=s["labels"]).loss
                    for s in samples) / len(samples)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
         opt.step()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return (losses, norms), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _train_sp(case, rank: int, world: int, paths: dict, data):
@@ -92,7 +92,7 @@ def _train_sp(case, rank: int, world: int, paths: dict, data):
     sp_size = groups._get_sequence_parallel_world_size()
     dl = UlyssesSPDataLoaderAdapter(data[rank], sp_rank=groups._get_sequence_parallel_rank(), sp_group=sp_group,
                                     sp_world_size=sp_size, device=engine.device)
-    losses = []
+    losses, norms = [], []
     for batch in dl:
         shift_labels = batch.pop("shift_labels")
         logits = engine(**batch).logits
@@ -111,8 +111,9 @@ def _train_sp(case, rank: int, world: int, paths: dict, data):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        norms.append(engine.get_global_grad_norm())  # before clipping: Adam and clipping would hide a scale error
     params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
-    return losses, params
+    return (losses, norms), params
 
 
 def _adapter_shards(rank: int, world: int):
@@ -191,10 +192,13 @@ def _four_ranks(rank: int, world: int, paths: dict, data):
 
 
 def _assert_matches(results, ref, dp: int, label: str):
-    ref_losses, ref_params = ref
-    sp_losses = [sum(results[d * 2][0][s] for d in range(dp)) / dp for s in range(STEPS)]
+    (ref_losses, ref_norms), ref_params = ref
+    sp_losses = [sum(results[d * 2][0][0][s] for d in range(dp)) / dp for s in range(STEPS)]
     for s, (a, b) in enumerate(zip(sp_losses, ref_losses)):
         assert math.isclose(a, b, rel_tol=1e-6), f"{label}: step {s} loss {a} vs one process {b}"
+    for r, ((_, norms), _) in enumerate(results):
+        for s, (a, b) in enumerate(zip(norms, ref_norms)):
+            assert math.isclose(a, b, rel_tol=1e-5), f"{label}, rank {r}: step {s} gradient norm {a} vs {b}"
     for r, (losses, params) in enumerate(results):
         for name, p in params.items():
             torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5,
