@@ -58,6 +58,9 @@ def initialize(
         if mpu is not None:
             raise ValueError("initialize(mpu=...) cannot be combined with a PipelineModule: its topology "
                              "defines the process groups")
+        if cfg.sequence_parallel_size > 1:
+            raise ValueError(f"config key sequence_parallel_size is {cfg.sequence_parallel_size}: sequence "
+                             "parallelism with a PipelineModule is not implemented")
         from shardwise.pipe.engine import PipelineEngine
 
         engine = PipelineEngine(model=model, config=cfg, optimizer=optimizer, model_parameters=model_parameters,
