@@ -59,6 +59,9 @@ def initialize(
         if mpu is not None:
             raise ValueError("initialize(mpu=...) cannot be combined with a PipelineModule: its topology "
                              "defines the process groups")
+        if cfg.sequence_parallel_size > 1:
+            raise ValueError(f"config key sequence_parallel_size is {cfg.sequence_parallel_size}: sequence "
+                             "parallelism with a PipelineModule is not implemented")
         from shardwise.pipe.engine import PipelineEngine
 
         engine = PipelineEngine(model=model, config=cfg, optimizer=optimizer, model_parameters=model_parameters,
@@ -69,6 +72,7 @@ def initialize(
                          f"({type(model).__name__}); pipeline parallelism needs one (and one process per stage), "
                          "else remove the block")
     grid = _grid_for(cfg, mpu)
+    _check_sequence_parallel_size(cfg, grid)
     if _autotp_size(cfg) > 1:
         from shardwise.tensor_parallel import autotp_hook
 
@@ -105,6 +109,12 @@ def _grid_for(cfg, mpu):
             raise ValueError(f"tensor_parallel.autotp_size is {tp} but the mpu passed to initialize() has tensor "
                              f"size {grid.get_tensor_model_parallel_world_size()}")
         return grid
+    sequence = _sequence_grid(cfg)
+    if sequence is not None:
+        if tp > 1:
+            raise ValueError("sequence_parallel_size > 1 together with tensor_parallel.autotp_size > 1 is not "
+                             "supported: use one of them")
+        return sequence
     world = comm.get_world_size()
     if tp > 1:
         if world % tp:
@@ -115,6 +125,28 @@ def _grid_for(cfg, mpu):
             and current.size("pipe") == 1:
         return current
     return ParallelGrid.data_parallel_only()
+
+
+def _sequence_grid(cfg):
+    """With ``sequence_parallel_size`` > 1 and no ``mpu``: the groups register_with_transformers made."""
+    if cfg.sequence_parallel_size <= 1:
+        return None
+    from shardwise.runtime.sequence_parallel import parallel_state_sp
+    from shardwise.topology import MpuGrid
+
+    if not parallel_state_sp.is_initialized():
+        raise ValueError(f"config key sequence_parallel_size is {cfg.sequence_parallel_size} but there are no "
+                         "sequence-parallel groups: call shardwise.runtime.sequence_parallel.ulysses_sp."
+                         "UlyssesSPAttentionHF.register_with_transformers(...) first and pass the mpu it returns "
+                         "to initialize(mpu=...)")
+    return MpuGrid(parallel_state_sp)
+
+
+def _check_sequence_parallel_size(cfg, grid) -> None:
+    size = grid.get_sequence_parallel_world_size() if hasattr(grid, "get_sequence_parallel_world_size") else 1
+    if cfg.sequence_parallel_size > 1 and size != cfg.sequence_parallel_size:
+        raise ValueError(f"config key sequence_parallel_size is {cfg.sequence_parallel_size} but the mpu passed to "
+                         f"initialize() has sequence-parallel size {size}")
 
 
 def _client_objects_win(cfg, optimizer, lr_scheduler):

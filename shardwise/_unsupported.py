@@ -24,7 +24,8 @@ NOT_SUPPORTED: dict[str, str] = {
     "module_inject.auto_tp_model_utils": "kernel injection is not implemented",
     "model_implementations": "DeepSpeed's fused inference model implementations are not implemented",
     "compression": "the compression library was removed from DeepSpeed too",
-    "sequence": "sequence parallelism (Ulysses) is not implemented",
+    "sequence": "only deepspeed.sequence.layer.DistributedAttention is provided (FPDT, AutoSP and the vocab-parallel "
+                "cross-entropy are not); for Hugging Face models see shardwise.runtime.sequence_parallel",
     "linear": "DeepSpeed's OptimizedLinear / LoRA-quantized linear is not implemented",
     "compile": "DeepCompile is not implemented; torch.compile the model yourself",
     "nvme": "the NVMe benchmark tools are not provided (ZeRO's NVMe offload is: zero_optimization.offload_*)",
@@ -35,7 +36,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "monitor.monitor": "MonitorMaster is internal: the engine builds the monitors from the config",
     "runtime.hybrid_engine": "the RLHF hybrid engine is not implemented",
     "runtime.domino": "Domino tensor-parallel overlap is not implemented",
-    "runtime.sequence_parallel": "sequence parallelism is not implemented",
     "runtime.data_pipeline": "curriculum learning / data efficiency is not implemented",
     "runtime.fp16": "DeepSpeed's fp16 optimizer wrappers are internal; use the config's fp16 block",
     "runtime.bf16_optimizer": "DeepSpeed's bf16 optimizer wrapper is internal; use the config's bf16 block",

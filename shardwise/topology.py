@@ -102,6 +102,9 @@ class ParallelGrid:
                     self._groups[axis] = g
         self.coord = topology.get_coord(self.rank)
         self._model_parallel_group = self._build_model_parallel_group(whole_world)
+        self._seq_data_group = self._groups.get("data")
+        if "sequence" in topology.axes and topology.get_dim("sequence") > 1:
+            self._seq_data_group = self._sequence_data_groups(whole_world)
         _set_current_grid(self)
 
     def _build_model_parallel_group(self, whole_world: bool):
@@ -114,6 +117,22 @@ class ParallelGrid:
         topo = self.topology
         for d in range(self.size("data")):
             ranks = [r for r in range(topo.world_size) if topo.get_coord(r).get("data", 0) == d]
+            g = comm.new_group(ranks)
+            if self.rank in ranks:
+                mine = g
+        return mine
+
+    def _sequence_data_groups(self, whole_world: bool):
+        """The group of ranks differing only in their data and sequence coordinates (ZeRO reduces over it)."""
+        others = [a for a in self.topology.axes if a not in ("data", "sequence")]
+        if all(self.topology.get_dim(a) == 1 for a in others) and whole_world:
+            return None
+        mine = None
+        for fixed in product(*[range(self.topology.get_dim(a)) for a in others]):
+            base = dict(zip(others, fixed))
+            ranks = sorted(self.topology.get_rank(**base, data=d, sequence=s)
+                           for d in range(self.topology.get_dim("data"))
+                           for s in range(self.topology.get_dim("sequence")))
             g = comm.new_group(ranks)
             if self.rank in ranks:
                 mine = g
@@ -254,6 +273,25 @@ def tensor_parallel_group_and_size(group=None):
         return None, 1
     return grid.group("model"), grid.size("model")
 
+    # -- sequence parallelism (Ulysses): the attention's group, and the group ZeRO reduces over --------
+    def get_sequence_parallel_group(self):
+        return self.group("sequence")
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.size("sequence")
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.axis_rank("sequence")
+
+    def get_sequence_data_parallel_group(self):
+        return self._seq_data_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.size("data") * self.size("sequence")
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.axis_rank("data") * self.size("sequence") + self.axis_rank("sequence")
+
 
 def PipeDataParallelTopology(num_pp: int, num_dp: int) -> ProcessTopology:  # noqa: N802 (DeepSpeed's name)
     """Pipeline stages outermost, data-parallel replicas adjacent (DeepSpeed's class of the same name)."""
@@ -271,26 +309,43 @@ def PipelineParallelGrid(topology: ProcessTopology | None = None, process_group=
     return ParallelGrid.for_topology(topology or ProcessTopology.for_world(comm.get_world_size()))
 
 
+_MPU_AXES = ("data", "pipe", "model", "sequence")
+
+
 class MpuGrid:
-    """Adapter for a user's Megatron-style ``mpu`` object passed to ``initialize``."""
+    """Adapter for a user's Megatron-style ``mpu`` object passed to ``initialize``.
+
+    A sequence-parallel mpu (``shardwise.runtime.sequence_parallel.parallel_state_sp``, what
+    ``UlyssesSPAttentionHF.register_with_transformers`` returns) has no data-parallel functions, as in
+    DeepSpeed: its data-parallel size is world / sequence-parallel size, and ZeRO reduces over its
+    sequence-data-parallel group.
+    """
 
     def __init__(self, mpu) -> None:
         self.mpu = mpu
+        self._sequence_only = (hasattr(mpu, "get_sequence_parallel_world_size")
+                               and not hasattr(mpu, "get_data_parallel_world_size"))
 
     def get_data_parallel_group(self):
+        if self._sequence_only:
+            return self.mpu.get_sequence_data_parallel_group()  # no data-only group; not used for reductions
         return self.mpu.get_data_parallel_group()
 
     def get_data_parallel_world_size(self) -> int:
+        if self._sequence_only:
+            return self.mpu.get_sequence_data_parallel_world_size() // self.mpu.get_sequence_parallel_world_size()
         return self.mpu.get_data_parallel_world_size()
 
     def get_data_parallel_rank(self) -> int:
+        if self._sequence_only:
+            return self.mpu.get_sequence_data_parallel_rank() // self.mpu.get_sequence_parallel_world_size()
         return self.mpu.get_data_parallel_rank()
 
     def get_model_parallel_world_size(self) -> int:
-        return self.mpu.get_model_parallel_world_size()
+        return 1 if self._sequence_only else self.mpu.get_model_parallel_world_size()
 
     def get_model_parallel_rank(self) -> int:
-        return self.mpu.get_model_parallel_rank()
+        return 0 if self._sequence_only else self.mpu.get_model_parallel_rank()
 
     def get_model_parallel_group(self):
         fn = getattr(self.mpu, "get_model_parallel_group", None)
@@ -322,12 +377,39 @@ class MpuGrid:
 
     def size(self, axis: str) -> int:
         return {"data": self.get_data_parallel_world_size, "pipe": self.get_pipe_parallel_world_size,
-                "model": self.get_tensor_model_parallel_world_size}[axis]() if axis in ("data", "pipe", "model") else 1
+                "model": self.get_tensor_model_parallel_world_size,
+                "sequence": self.get_sequence_parallel_world_size}[axis]() if axis in _MPU_AXES else 1
 
     def axis_rank(self, axis: str) -> int:
         return {"data": self.get_data_parallel_rank, "pipe": self.get_pipe_parallel_rank,
-                "model": self.get_tensor_model_parallel_rank}[axis]() if axis in ("data", "pipe", "model") else 0
+                "model": self.get_tensor_model_parallel_rank,
+                "sequence": self.get_sequence_parallel_rank}[axis]() if axis in _MPU_AXES else 0
 
     def group(self, axis: str):
         return {"data": self.get_data_parallel_group, "pipe": self.get_pipe_parallel_group,
-                "model": self.get_tensor_model_parallel_group}[axis]() if axis in ("data", "pipe", "model") else None
+                "model": self.get_tensor_model_parallel_group,
+                "sequence": self.get_sequence_parallel_group}[axis]() if axis in _MPU_AXES else None
+
+    def get_sequence_parallel_world_size(self) -> int:
+        fn = getattr(self.mpu, "get_sequence_parallel_world_size", None)
+        return fn() if fn else 1
+
+    def get_sequence_parallel_group(self):
+        fn = getattr(self.mpu, "get_sequence_parallel_group", None)
+        return fn() if fn else None
+
+    def get_sequence_parallel_rank(self) -> int:
+        fn = getattr(self.mpu, "get_sequence_parallel_rank", None)
+        return fn() if fn else 0
+
+    def get_sequence_data_parallel_group(self):
+        fn = getattr(self.mpu, "get_sequence_data_parallel_group", None)
+        return fn() if fn else self.get_data_parallel_group()
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        fn = getattr(self.mpu, "get_sequence_data_parallel_world_size", None)
+        return fn() if fn else self.get_data_parallel_world_size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        fn = getattr(self.mpu, "get_sequence_data_parallel_rank", None)
+        return fn() if fn else self.get_data_parallel_rank()

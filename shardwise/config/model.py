@@ -80,6 +80,10 @@ class ShardwiseConfig(ConfigModel):
 
     gradient_clipping: Float = Field(1.0, ge=0)
     communication_data_type: OptDType = None
+    # Ulysses sequence parallelism (docs/sequence-parallel.md): ranks per sequence-parallel group, and the
+    # dtype gradients are reduced in when it is > 1 (DeepSpeed's default fp32)
+    sequence_parallel_size: int = Field(1, ge=1)
+    seq_parallel_communication_data_type: OptDType = "fp32"
     prescale_gradients: bool = False
     gradient_predivide_factor: Float = Field(1.0, gt=0)
     gradient_allreduce_op: AllreduceOp = "mean"

@@ -50,9 +50,18 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         super().__init__()
         self.config = config
         self.grid = grid
-        self.dp_group = grid.get_data_parallel_group()
+        # Batch arithmetic counts data-parallel replicas (world / sequence-parallel size); ZeRO shards and
+        # reduces over every data x sequence rank, DeepSpeed's sequence-data-parallel group, averaging
+        # over all of them (docs/sequence-parallel.md says why that gives one process's gradient).
+        self.sequence_parallel_size = getattr(grid, "get_sequence_parallel_world_size", lambda: 1)()
         self.dp_world_size = grid.get_data_parallel_world_size()
         self.tp_world_size = _tensor_size(grid)
+        if self.sequence_parallel_size > 1:
+            self.dp_group = grid.get_sequence_data_parallel_group()
+            self.seq_dp_world_size = grid.get_sequence_data_parallel_world_size()
+        else:
+            self.dp_group = grid.get_data_parallel_group()
+            self.seq_dp_world_size = self.dp_world_size
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
         self.local_rank = comm.get_local_rank()
@@ -123,7 +132,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
     def _broadcast_model(self) -> None:
         """Every data-parallel replica starts from data-parallel rank 0's weights and buffers
         (parameters ``zero.Init`` partitioned were broadcast when they were sharded)."""
-        if self.dp_world_size == 1:
+        if self.seq_dp_world_size == 1:
             return
         src = 0 if self.dp_group is None else torch.distributed.get_global_rank(self.dp_group, 0)
         params = [p for p in self.module.parameters() if not is_partitioned(p)]
@@ -188,8 +197,19 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             average=c.gradient_allreduce_op == "mean",
             prescale=bool(c.prescale_gradients),
             predivide_factor=float(c.gradient_predivide_factor),
-            comm_dtype=_COMM_DTYPES[c.communication_data_type] if c.communication_data_type else None,
+            comm_dtype=_COMM_DTYPES[self._comm_dtype_key()] if self._comm_dtype_key() else None,
         )
+
+    def _comm_dtype_key(self):
+        # as DeepSpeed: under sequence parallelism gradients are reduced in seq_parallel_communication_data_type
+        if self.sequence_parallel_size > 1:
+            return self.config.seq_parallel_communication_data_type
+        return self.config.communication_data_type
+
+    def _seq_dp_rank(self) -> int:
+        if self.sequence_parallel_size > 1:
+            return self.grid.get_sequence_data_parallel_rank()
+        return self.grid.get_data_parallel_rank()
 
     def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=False, data_sampler=None,
                      collate_fn=None, num_local_io_workers=None):
@@ -202,8 +222,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         return build_dataloader(
             dataset,
             batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-            dp_world_size=self.dp_world_size,
-            dp_rank=self.grid.get_data_parallel_rank(),
+            dp_world_size=self.seq_dp_world_size,  # with sequence parallelism every rank reads its own samples
+            dp_rank=self._seq_dp_rank(),
             collate_fn=collate_fn,
             drop_last=self.config.dataloader_drop_last,
             num_workers=num_local_io_workers or 0,
@@ -449,7 +469,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         return TrainingState(
             module=self.module, strategy=self.strategy, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             loss_scaler=self.loss_scaler, precision=self.precision, config=self.config, dp_group=self.dp_group,
-            dp_world_size=self.dp_world_size, global_rank=self.global_rank, device=self.device,
+            dp_world_size=self.seq_dp_world_size, global_rank=self.global_rank, device=self.device,
             training_dataloader=self.training_dataloader, grid=self.grid,
             counters=StepCounters(global_steps=self.global_steps, global_samples=self.global_samples,
                                   micro_steps=self.micro_steps, skipped_steps=self.skipped_steps))
