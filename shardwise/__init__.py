@@ -43,6 +43,7 @@ def initialize(
     """
     from shardwise.config import load_config
     from shardwise.runtime.engine import Engine
+
     if model is None:
         raise ValueError("initialize() needs model=...")
     source = _config_source(args, config, config_params)

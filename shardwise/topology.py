@@ -249,6 +249,25 @@ class ParallelGrid:
     def get_global_rank(self) -> int:
         return self.rank
 
+    # -- sequence parallelism (Ulysses): the attention's group, and the group ZeRO reduces over --------
+    def get_sequence_parallel_group(self):
+        return self.group("sequence")
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.size("sequence")
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.axis_rank("sequence")
+
+    def get_sequence_data_parallel_group(self):
+        return self._seq_data_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.size("data") * self.size("sequence")
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.axis_rank("data") * self.size("sequence") + self.axis_rank("sequence")
+
 
 _CURRENT_GRID: ParallelGrid | None = None
 
@@ -272,25 +291,6 @@ def tensor_parallel_group_and_size(group=None):
     if grid is None or grid.size("model") == 1:
         return None, 1
     return grid.group("model"), grid.size("model")
-
-    # -- sequence parallelism (Ulysses): the attention's group, and the group ZeRO reduces over --------
-    def get_sequence_parallel_group(self):
-        return self.group("sequence")
-
-    def get_sequence_parallel_world_size(self) -> int:
-        return self.size("sequence")
-
-    def get_sequence_parallel_rank(self) -> int:
-        return self.axis_rank("sequence")
-
-    def get_sequence_data_parallel_group(self):
-        return self._seq_data_group
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        return self.size("data") * self.size("sequence")
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        return self.axis_rank("data") * self.size("sequence") + self.axis_rank("sequence")
 
 
 def PipeDataParallelTopology(num_pp: int, num_dp: int) -> ProcessTopology:  # noqa: N802 (DeepSpeed's name)
