@@ -212,7 +212,7 @@ class PartitionedOptimizer:
             batches = self.swapper.batches([self.swapper.subgroups[k] for k in left])
         else:
             batches = (self.subgroups[k] for k in left)
-        for k, frags in zip(left, batches):
+        for frags, k in zip(batches, left):  # (batches first: it runs to its end, the last write included)
             self._step_subgroup(k, frags, source, coef)
         others = self._others if self.swapper is None else []  # (as the plain step: NVMe steps fragments only)
         if others:
@@ -366,7 +366,7 @@ class _Overlap:
             order = range(len(owner.subgroups))
             batches = owner.swapper.batches() if owner.swapper is not None else (owner.subgroups[k] for k in order)
             try:
-                for k, frags in zip(order, batches):
+                for frags, k in zip(batches, order):
                     if not self._wait(k):
                         break
                     owner._step_subgroup(k, frags, source, 1.0)
