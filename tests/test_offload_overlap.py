@@ -11,7 +11,7 @@ import torch
 
 from distributed import run_distributed, run_subtests
 
-STEPS, BATCH = 4, 8
+STEPS, BATCH = 3, 8
 
 
 class _SeeStepDuringBackward(torch.autograd.Function):
