@@ -42,8 +42,8 @@ def _config(stage: int, clip: float, device: str, nvme_path: str | None) -> dict
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "offload_optimizer": offload,
-                              "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7, "sub_group_size": 2e6,
-                              "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e4},
+                              "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e7, "sub_group_size": 2e6,
+                              "stage3_prefetch_bucket_size": 5e6, "stage3_param_persistence_threshold": 1e4},
     }
 
 
@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--port", type=int, default=29517)
     ap.add_argument("--dsvenv", default="/work/dsvenv")
