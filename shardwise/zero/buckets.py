@@ -90,6 +90,7 @@ class BucketReducer:
                 for i in members:
                     self._bucket_of[id(g.params[i])] = b
         self.active = False
+        self.on_reduced = None  # called with each bucket once its reduction is complete (and stored)
         self._launched = 0
         self._arrived: set[tuple[int, int]] = set()
         self._in_flight: deque[Bucket] = deque()
@@ -208,6 +209,8 @@ class BucketReducer:
             b.data[region].copy_(src)
             b.comm_buffer = None
         self.store.reduced(b, b.data[self.own_slice(b)])
+        if self.on_reduced is not None:
+            self.on_reduced(b)
 
     def finish(self) -> None:
         """Launch what autograd left (unused parameters) and wait for every bucket."""

@@ -9,13 +9,26 @@ training, CPU offload), or lives in a file between steps (NVMe offload, where
 
 The strategies compose a ``PartitionedOptimizer`` and hand it, at step time, the
 place of each fragment's reduced gradient and of its model weights
-(``FragmentSource``).  ``step_batch`` steps one resident list of fragments: a
-later "step sub-group k as soon as its gradients are reduced" calls it per
-sub-group instead of once after backward.
+(``FragmentSource``).  ``step_batch`` steps one resident list of fragments.
+
+With the optimizer offloaded (cpu or nvme), the step of the accumulation boundary
+overlaps backward when its result cannot depend on what backward has yet to
+produce: no gradient clipping and no overflow check (fp32, or bf16 with
+``check_grad_overflow: false``).  Then ``arm`` (before the boundary backward)
+starts a worker thread that steps sub-group after sub-group (``sub_group_size``
+elements) as soon as every gradient in it is reduced (``grads_ready``, from the
+bucket reducer), while autograd computes the rest; with NVMe it also reads the
+next sub-groups and writes the previous ones meanwhile.  ``step`` then only
+waits for the worker, computes the norm and steps what is left.  Every sub-group
+steps exactly as in the plain step (same kernels, same coefficient 1.0), so the
+result is bitwise the same.  With clipping or fp16/bf16 overflow checks the
+global norm (all gradients, all ranks) decides the coefficient or whether the
+step happens at all, so the step runs after backward as before (see docs/zero.md).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import torch
@@ -55,6 +68,8 @@ class FragmentSource(Protocol):
 
     def writable(self, group: int):
         """A context in which ``weight_of`` of group ``group``'s fragments may be written."""
+
+    overlap_safe: bool  # True when ``writable`` may run on another thread while backward runs
 
 
 def offload_device(block) -> str:
@@ -109,6 +124,19 @@ class PartitionedOptimizer:
             self.swapper = OptimizerSwapper(store, optimizer, [f for fr in fragments for f in fr],
                                             sub_group_size=sub_group_size, buffer_count=offload.buffer_count,
                                             initial_value=lambda f: f.tensor.detach())
+        from shardwise.zero.offload import StepTrace, cut_subgroups
+
+        # The units the overlapped step steps: NVMe's swap sub-groups, or the same cut of the CPU masters.
+        self.subgroups: list[list[Fragment]] = (
+            [sg.frags for sg in self.swapper.subgroups] if self.swapper is not None
+            else cut_subgroups([f for fr in fragments for f in fr], sub_group_size))
+        self._subgroup_of = {id(f): k for k, frags in enumerate(self.subgroups) for f in frags}
+        self.trace = self.swapper.trace if self.swapper is not None else StepTrace()
+        # Overlap the boundary step with backward (offload only; see the module docstring).  Switch it off
+        # with ``engine.strategy.partition.overlap_step = False``.
+        self.overlap_step = self.device in ("cpu", "nvme") and optimizer is not None
+        self._last_settings: tuple | None = None  # (loss_scale, clip, check_overflow) of the last step
+        self._overlap: _Overlap | None = None
 
     @property
     def separate_master(self) -> bool:
@@ -122,6 +150,8 @@ class PartitionedOptimizer:
     def batches(self):
         """Lists of fragments whose weights and optimizer states are resident (all of them at once,
         unless the optimizer is offloaded to NVMe: then one sub-group after another)."""
+        if self._overlap is not None:  # (a checkpoint between backward and step) the worker finishes first
+            self._overlap.join()
         if self.swapper is not None:
             yield from self.swapper.batches()
         else:
@@ -147,26 +177,103 @@ class PartitionedOptimizer:
     # -- the step ---------------------------------------------------------------------------
     def step(self, source: FragmentSource, *, precision, loss_scale: float, clip: float) -> StepResult:
         """Global norm over every rank's partition (one all-reduce, which also spreads an overflow),
-        then unscale/clip/step every resident batch."""
+        then unscale/clip/step every resident batch (what the overlapped step left, if it ran)."""
+        settings = (float(loss_scale), float(clip), bool(precision.check_overflow))
+        overlap, self._overlap = self._overlap, None
+        done: set[int] = set()
+        if overlap is not None:
+            overlap.join()
+            done = overlap.done
+            if settings != overlap.settings:
+                raise RuntimeError(f"the offloaded optimizer step overlapped backward assuming (loss scale, "
+                                   f"clipping, overflow check) = {overlap.settings}, but the step has {settings}")
+            if _hyper(self.optimizer) != overlap.hyper:
+                raise RuntimeError(
+                    "the optimizer's hyper-parameters (lr, betas, weight decay, ...) changed between "
+                    "engine.backward() and engine.step(): with offload_optimizer the step of each sub-group "
+                    "runs during the boundary backward, with the values it had then. Change them before "
+                    "backward, or set engine.strategy.partition.overlap_step = False")
+        else:
+            self.trace.clear()
+        self._last_settings = settings
         sq = grad_sq_sum(source.owned_grads())
         if self.world > 1:
             comm.all_reduce(sq, group=self.dp_group)
         norm, coef = unscale_and_clip(sq, loss_scale=loss_scale, clip=clip, check_overflow=precision.check_overflow)
         if coef is None:
+            assert not done, "a step that can be skipped must not overlap backward"
             return StepResult(grad_norm=norm, overflow=True)
-        for frags in self.batches():
-            self.step_batch(frags, source, coef)
+        if overlap is None:
+            for frags in self.batches():
+                self.step_batch(frags, source, coef)
+            return StepResult(grad_norm=norm, overflow=False)
+        left = [k for k in range(len(self.subgroups)) if k not in done]
+        if self.swapper is not None:
+            batches = self.swapper.batches([self.swapper.subgroups[k] for k in left])
+        else:
+            batches = (self.subgroups[k] for k in left)
+        for frags, k in zip(batches, left):  # (batches first: it runs to its end, the last write included)
+            self._step_subgroup(k, frags, source, coef)
+        others = self._others if self.swapper is None else []  # (as the plain step: NVMe steps fragments only)
+        if others:
+            self._step_params(others)
         return StepResult(grad_norm=norm, overflow=False)
 
-    def step_batch(self, frags: list[Fragment], source: FragmentSource, coef: float) -> None:
-        """Step the (resident) fragments ``frags``: fp32 gradients, times ``coef``, optimizer, write back."""
+    # -- the step overlapped with backward --------------------------------------------------
+    def arm(self, source: FragmentSource) -> None:
+        """Before the boundary backward: start stepping sub-groups as their gradients are reduced, if
+        the step cannot depend on the rest (the last step ran with loss scale 1, no clipping and no
+        overflow check; the first step never overlaps, it learns these)."""
+        if self._overlap is not None:  # the previous boundary backward never reached step()
+            stale, self._overlap = self._overlap, None
+            stale.cancel()
+            if stale.done:
+                raise RuntimeError("a boundary backward ran again before engine.step(): the offloaded "
+                                   "optimizer had already stepped sub-groups with the previous gradients")
+        settings = self._last_settings
+        if not (self.overlap_step and settings is not None and settings[0] == 1.0 and settings[1] <= 0
+                and not settings[2] and getattr(source, "overlap_safe", False) and self.subgroups):
+            return
+        self.trace.clear()
+        self._overlap = _Overlap(self, source, settings)
+
+    def grads_ready(self, frags: list[Fragment]) -> None:
+        """The reduced gradients of ``frags`` are final for this step (called as buckets complete)."""
+        if self._overlap is not None:
+            self._overlap.ready([self._subgroup_of[id(f)] for f in frags])
+
+    def backward_finished(self) -> None:
+        """Backward (and every reduction) is over: every gradient is final."""
+        if self._overlap is not None:
+            self.trace.record("backward_end")
+            self._overlap.ready(range(len(self.subgroups)), all_of_them=True)
+
+    @property
+    def _others(self) -> list[torch.Tensor]:
+        """Optimizer parameters that are no fragment (not laid out by the strategy): a plain step has them."""
+        if self.optimizer is None:
+            return []
+        mine = {id(f.tensor) for f in self.all_fragments()}
+        return [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in mine]
+
+    def _step_subgroup(self, k: int, frags: list[Fragment], source: FragmentSource, coef: float) -> None:
+        self.trace.record("step_start", k)
+        self.step_batch(frags, source, coef, subset=True)
+        self.trace.record("step_end", k)
+
+    def step_batch(self, frags: list[Fragment], source: FragmentSource, coef: float, *, subset: bool = False) -> None:
+        """Step the (resident) fragments ``frags``: fp32 gradients, times ``coef``, optimizer, write back.
+        ``subset``: step only these (else a plain ``optimizer.step()`` unless the optimizer is on NVMe)."""
         grads = [source.grad_of(f) for f in frags]
         if self.separate_master or grads and grads[0].dtype != torch.float32:
             grads = [g.to(device=f.tensor.device, dtype=torch.float32, copy=True) for g, f in zip(grads, frags)]
         apply_coefficient_(grads, coef)
         for f, g in zip(frags, grads):
             f.tensor.grad = g.view_as(f.tensor)
-        self._optimizer_step(frags)
+        if subset or self.swapper is not None:
+            self._step_params([f.tensor for f in frags])
+        else:
+            self.optimizer.step()
         for f in frags:
             f.tensor.grad = None
         if self.separate_master:
@@ -178,12 +285,9 @@ class PartitionedOptimizer:
                     for f in fs:
                         source.weight_of(f).copy_(f.tensor.detach().reshape(-1))
 
-    def _optimizer_step(self, frags: list[Fragment]) -> None:
-        """``optimizer.step()`` on just these fragments (all of them: a plain step)."""
-        if self.swapper is None:
-            self.optimizer.step()
-            return
-        wanted = {id(f.tensor) for f in frags}
+    def _step_params(self, params: list[torch.Tensor]) -> None:
+        """``optimizer.step()`` on just ``params`` (the others are hidden from it meanwhile)."""
+        wanted = {id(t) for t in params}
         saved = [g["params"] for g in self.optimizer.param_groups]
         try:
             for g in self.optimizer.param_groups:
@@ -197,6 +301,78 @@ class PartitionedOptimizer:
     def master_bytes(self) -> int:
         return sum(t.nbytes for t in self.master_buffers) if self.master_buffers is not None else 0
 
+    def swap_buffer_bytes(self) -> int:
+        """NVMe offload: the reused swap buffers (allocated once, kept between steps)."""
+        return self.swapper.resident_bytes() if self.swapper is not None else 0
+
     def disk_bytes(self) -> int:
         return self.swapper.store.disk_bytes() if self.swapper is not None else 0
 
+
+
+def _hyper(optimizer) -> list[dict]:
+    """The param groups' hyper-parameters (everything but ``params``), comparable with ``==``."""
+    out = []
+    for g in optimizer.param_groups:
+        out.append({k: (("tensor", v.detach().cpu().tolist()) if isinstance(v, torch.Tensor) else v)
+                    for k, v in g.items() if k != "params"})
+    return out
+
+
+class _Overlap:
+    """One boundary backward's overlapped step: a worker thread steps sub-group after sub-group, in
+    order, each once its gradients are final; with NVMe it swaps them in ahead and out behind."""
+
+    def __init__(self, owner: PartitionedOptimizer, source: FragmentSource, settings: tuple) -> None:
+        self.owner = owner
+        self.settings = settings
+        self.hyper = _hyper(owner.optimizer)
+        self.left = [len(frags) for frags in owner.subgroups]  # gradients still to come, per sub-group
+        self.done: set[int] = set()
+        self.error: BaseException | None = None
+        self._cancelled = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, args=(source,), name="shardwise-offload-step",
+                                        daemon=True)
+        self._thread.start()
+
+    def ready(self, subgroups, *, all_of_them: bool = False) -> None:
+        with self._cond:
+            for k in subgroups:
+                self.left[k] = 0 if all_of_them else self.left[k] - 1
+            self._cond.notify()
+
+    def cancel(self) -> None:
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify()
+        self._thread.join()
+
+    def join(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def _wait(self, k: int) -> bool:
+        with self._cond:
+            while self.left[k] > 0 and not self._cancelled:
+                self._cond.wait()
+            return not self._cancelled
+
+    def _run(self, source: FragmentSource) -> None:
+        owner = self.owner
+        try:
+            order = range(len(owner.subgroups))
+            batches = owner.swapper.batches() if owner.swapper is not None else (owner.subgroups[k] for k in order)
+            try:
+                for frags, k in zip(batches, order):
+                    if not self._wait(k):
+                        break
+                    owner._step_subgroup(k, frags, source, 1.0)
+                    self.done.add(k)
+            finally:
+                if hasattr(batches, "close"):
+                    batches.close()  # the last write-behind finishes here
+        except BaseException as e:  # re-raised by join() on the main thread
+            self.error = e

@@ -76,6 +76,12 @@ class PartitionedStrategy(ZeroStrategy):
         self.gradients = self._gradient_store()
         self.reducer = BucketReducer(self.groups, self.gradients, reduce=reduce, dp_group=dp_group,
                                      scatter=use_reduce_scatter)
+        # The fragments whose gradients a bucket's reduction makes final (for the overlapped offload step).
+        self._bucket_frags: list[list[Fragment]] = []
+        for gi, g in enumerate(self.groups):
+            for (a, b) in self.chunks[gi]:
+                self._bucket_frags.append([f for f in self.fragments[gi] if a <= f.buffer_start < b])
+        self.reducer.on_reduced = lambda bucket: self.partition.grads_ready(self._bucket_frags[bucket.index])
 
     def _gradient_store(self):
         raise NotImplementedError
@@ -109,6 +115,8 @@ class PartitionedStrategy(ZeroStrategy):
     def writable(self, group: int):
         return contextlib.nullcontext()
 
+    overlap_safe = True  # weights are written in memory (each rank its own chunks, of finished buckets)
+
     # -- backward -------------------------------------------------------------------------
     @property
     def buckets(self) -> list[Bucket]:
@@ -121,9 +129,12 @@ class PartitionedStrategy(ZeroStrategy):
         self.reducer.begin(active=self.gradients.reduce_every_backward
                            or (boundary and not no_sync and self.world > 1))
         self.gradients.attach()
+        if boundary and not no_sync:
+            self.partition.arm(self)
 
     def finish_backward(self) -> None:
         self.reducer.finish()
+        self.partition.backward_finished()
 
     # -- step -----------------------------------------------------------------------------
     def step(self, *, loss_scale: float, clip: float) -> StepResult:

@@ -167,6 +167,8 @@ class Stage3Strategy(ZeroStrategy):
         self.gradients = UnitGradients(self.units, self.world)
         self.reducer = BucketReducer([self.gradients.layout], self.gradients, reduce=reduce, dp_group=dp_group,
                                      scatter=True)
+        unit_of_bucket = self.gradients.layout.unit_of_bucket  # a unit's reduction makes its fragments final
+        self.reducer.on_reduced = lambda b: self.partition.grads_ready(self.fragments[unit_of_bucket[b.position].index])
         self.coordinator = ParamCoordinator(
             self.units, module_units, group=dp_group,
             prefetch_elements=int(zc.stage3_prefetch_bucket_size) if zc is not None else 0,
@@ -214,6 +216,12 @@ class Stage3Strategy(ZeroStrategy):
     def writable(self, group: int):
         return self.units[group].resident(write=True)  # the shard may live on disk
 
+    @property
+    def overlap_safe(self) -> bool:
+        """Shards in memory: the overlapped offload step may write them while backward runs (a unit
+        whose gradients are final is not gathered again).  Shards on NVMe: not from another thread."""
+        return self.param_store is None
+
     # -- backward -------------------------------------------------------------------------
     @property
     def buckets(self) -> list[Bucket]:
@@ -225,9 +233,12 @@ class Stage3Strategy(ZeroStrategy):
                              "engine.no_sync() is not supported with it")
         self.gradients.begin()
         self.reducer.begin(active=True)
+        if boundary:
+            self.partition.arm(self)
 
     def finish_backward(self) -> None:
         self.reducer.finish()
+        self.partition.backward_finished()
         self.coordinator.end_of_pass()
 
     # -- step -----------------------------------------------------------------------------
