@@ -68,6 +68,20 @@ def _linear_init_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         nn.init.uniform_(bias, -bound, bound)
 
 
+def _full_linear(output_size: int, input_size: int, bias: bool, init_method):
+    """The whole (weight, bias) of the layer, initialised as ``nn.Linear`` would (or by ``init_method``,
+    bias zero), so that every tensor size cuts its piece from the same tensors."""
+    full_w = torch.empty(output_size, input_size)
+    full_b = torch.empty(output_size) if bias else None
+    if init_method is None:
+        _linear_init_(full_w, full_b)
+    else:
+        init_method(full_w)
+        if full_b is not None:
+            full_b.zero_()
+    return full_w, full_b
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A`` cut along its output columns: rank ``r`` computes ``Y_r``.
 
@@ -90,14 +104,7 @@ class ColumnParallelLinear(nn.Module):
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: sequence_parallel=True needs gather_output=False")
         dtype = dtype or torch.get_default_dtype()
-        full_w = torch.empty(output_size, input_size)
-        full_b = torch.empty(output_size) if bias else None
-        if init_method is None:
-            _linear_init_(full_w, full_b)
-        else:
-            init_method(full_w)
-            if full_b is not None:
-                full_b.zero_()
+        full_w, full_b = _full_linear(output_size, input_size, bias, init_method)
         if keep_master_weight_for_test:
             self.master_weight = full_w.clone()
         self.weight = nn.Parameter(full_w.chunk(self.world_size, 0)[self.rank].to(dtype=dtype, device=device).clone())
@@ -145,14 +152,7 @@ class RowParallelLinear(nn.Module):
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         dtype = dtype or torch.get_default_dtype()
-        full_w = torch.empty(output_size, input_size)
-        full_b = torch.empty(output_size) if bias else None
-        if init_method is None:
-            _linear_init_(full_w, full_b)
-        else:
-            init_method(full_w)
-            if full_b is not None:
-                full_b.zero_()
+        full_w, full_b = _full_linear(output_size, input_size, bias, init_method)
         if keep_master_weight_for_test:
             self.master_weight = full_w.clone()
         self.weight = nn.Parameter(full_w.chunk(self.world_size, 1)[self.rank].to(dtype=dtype, device=device).clone())

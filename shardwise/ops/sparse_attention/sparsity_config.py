@@ -64,6 +64,16 @@ def _sliding(layout: torch.Tensor, h: int, width: int, causal: bool) -> None:
         layout[h, row, max(0, row - half):(row + 1 if causal else min(num_blocks, row + half + 1))] = 1
 
 
+def _random_blocks(layout, h, k, causal):
+    """``k`` random blocks in each row of head ``h`` (among the row's earlier blocks if ``causal``)."""
+    n = layout.shape[1]
+    if n < k:
+        raise ValueError(f"num_random_blocks={k} must not exceed the number of blocks in a row ({n})")
+    for row in range(n):
+        layout[h, row, random.sample(range(row + 1) if causal else range(n), k)] = 1
+    return layout
+
+
 class SparsityConfig:
     """What every layout shares: ``num_heads``, ``block`` (the block edge in tokens) and
     ``different_layout_per_head``."""
@@ -191,13 +201,7 @@ class VariableSparsityConfig(SparsityConfig):
         self.horizontal_global_attention = horizontal_global_attention
 
     def set_random_layout(self, h, layout):
-        n = layout.shape[1]
-        if n < self.num_random_blocks:
-            raise ValueError(f"num_random_blocks={self.num_random_blocks} must not exceed the number of blocks in a "
-                             f"row ({n})")
-        for row in range(n):
-            layout[h, row, random.sample(range(n), self.num_random_blocks)] = 1
-        return layout
+        return _random_blocks(layout, h, self.num_random_blocks, causal=False)
 
     def set_local_layout(self, h, layout):
         n = layout.shape[1]
@@ -244,14 +248,7 @@ class BigBirdSparsityConfig(SparsityConfig):
         self.attention = attention
 
     def set_random_layout(self, h, layout):
-        n = layout.shape[1]
-        if n < self.num_random_blocks:
-            raise ValueError(f"num_random_blocks={self.num_random_blocks} must not exceed the number of blocks in a "
-                             f"row ({n})")
-        for row in range(n):
-            pool = range(n) if self.attention == "bidirectional" else range(row + 1)
-            layout[h, row, random.sample(pool, self.num_random_blocks)] = 1
-        return layout
+        return _random_blocks(layout, h, self.num_random_blocks, causal=self.attention != "bidirectional")
 
     def set_sliding_window_layout(self, h, layout):
         _sliding(layout, h, self.num_sliding_window_blocks, causal=False)
