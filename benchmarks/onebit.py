@@ -1,6 +1,8 @@
 """Adam vs OneBitAdam vs ZeroOneAdam vs OneBitLamb: bytes on the wire and step time.
 
-    python benchmarks/onebit.py [--worlds 2 4] [--steps 40] [--warmup 10] [--width 4096]
+    python benchmarks/onebit.py [--worlds 2 4] [--steps 45] [--warmup 20] [--width 4096] [--links loopback 1gbit]
+
+Every optimizer runs at ZeRO stage 0, and Adam and OneBitAdam also at stage 1 (``type:1``).
 
 A communication-heavy model (a wide MLP, 8 samples per rank) trained for ``--steps`` steps with
 each optimizer; the compressed ones switch to 1-bit messages after ``--warmup`` steps. Measured
@@ -31,7 +33,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPTIMIZERS = ("Adam", "OneBitAdam", "ZeroOneAdam", "OneBitLamb")
+# "type:1": the same optimizer at ZeRO stage 1 (OneBitAdam's partitioned state, docs/onebit.md)
+OPTIMIZERS = ("Adam", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adam:1", "OneBitAdam:1")
 MICRO = 8
 
 
@@ -72,9 +75,10 @@ def worker(args) -> None:
     d, width = 256, args.width
     model = torch.nn.Sequential(torch.nn.Linear(d, width), torch.nn.Tanh(), torch.nn.Linear(width, width // 4),
                                 torch.nn.Tanh(), torch.nn.Linear(width // 4, d))
+    opt, _, stage = args.opt.partition(":")
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0,
-           "optimizer": {"type": args.opt, "params": {"lr": 1e-3, **_params(args.opt, args.warmup)}},
-           "zero_optimization": {"stage": 0}, "comms_logger": {"enabled": True}}
+           "optimizer": {"type": opt, "params": {"lr": 1e-3, **_params(opt, args.warmup)}},
+           "zero_optimization": {"stage": int(stage or 0)}, "comms_logger": {"enabled": True}}
     engine, *_ = shardwise.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(1 + args.rank)
     teacher = torch.Generator().manual_seed(0)
@@ -207,6 +211,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--links", nargs="+", default=["loopback", "1gbit"])
+    ap.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS),
+                    help="types to compare (the first is the reference); 'type:1' runs it at ZeRO stage 1")
     ap.add_argument("--worker", action="store_true")
     for name in ("rank", "local-rank", "world", "port"):
         ap.add_argument(f"--{name}", type=int, default=0)
@@ -231,19 +237,21 @@ def main() -> None:
     for link in links:
         for world in args.worlds:
             rows = {}
-            for opt in OPTIMIZERS:
+            for opt in args.optimizers:
                 if not root:
                     rows[opt] = run(opt, world, args, None)
                 else:
                     with Namespaces(1 if link == "loopback" else 2, None if link == "loopback" else "1gbit") as ns:
                         rows[opt] = run(opt, world, args, ns)
                         shaped = ns.qdisc or shaped
-            adam = rows["Adam"]
+            adam = rows[args.optimizers[0]]
             for opt, r in rows.items():
-                print(f"| {link} | {world} | {opt} | {r['logged_bytes']:,.0f} | {r['tx_per_rank']:,.0f} | "
+                name, _, stage = opt.partition(":")
+                label = f"{name} (ZeRO-{stage})" if stage else name
+                print(f"| {link} | {world} | {label} | {r['logged_bytes']:,.0f} | {r['tx_per_rank']:,.0f} | "
                       f"{adam['tx_per_rank'] / max(r['tx_per_rank'], 1):.1f}x less | {r['step_ms']:.1f} | "
                       f"{r['step_ms'] / adam['step_ms']:.2f} | {r['loss']:.4f} |", flush=True)
-    print(f"parameters: {rows['Adam']['params']:,}" + (f"; link shaping: {shaped}" if root and "1gbit" in links else ""))
+    print(f"parameters: {rows[args.optimizers[0]]['params']:,}" + (f"; link shaping: {shaped}" if root and "1gbit" in links else ""))
 
 
 if __name__ == "__main__":

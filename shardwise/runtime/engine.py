@@ -97,6 +97,10 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             dp_group=self.dp_group,
             reduce=self._reduce_settings(),
         )
+        if self._compressed_optimizer:
+            from shardwise.optim.onebit.engine_support import bind_strategy
+
+            bind_strategy(self.optimizer, self.strategy)
         self.lr_scheduler = self._configure_scheduler(lr_scheduler)
         self._publish_overflow(False)
         self.loss_scaler = create_loss_scaler(config.fp16) if self.precision.loss_scaling else None

@@ -127,7 +127,7 @@ class PartitionedStrategy(ZeroStrategy):
             raise ValueError(f"zero_optimization.stage {self.stage} reduces gradients on every backward; "
                              "engine.no_sync() is not supported with it (use stage 0 or 1)")
         self.reducer.begin(active=self.gradients.reduce_every_backward
-                           or (boundary and not no_sync and self.world > 1))
+                           or (boundary and not no_sync and self.world > 1 and self.reduce_gradients))
         self.gradients.attach()
         if boundary and not no_sync:
             self.partition.arm(self)
@@ -138,6 +138,8 @@ class PartitionedStrategy(ZeroStrategy):
 
     # -- step -----------------------------------------------------------------------------
     def step(self, *, loss_scale: float, clip: float) -> StepResult:
+        if not self.reduce_gradients:  # local gradients: the optimizer's own exchange (1-bit Adam, stage 1)
+            return self.local_step(self, precision=self.precision, loss_scale=loss_scale, clip=clip)
         result = self.partition.step(self, precision=self.precision, loss_scale=loss_scale, clip=clip)
         if not result.overflow:
             self._all_gather_params()

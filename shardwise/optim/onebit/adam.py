@@ -46,6 +46,8 @@ def _implementation(params) -> dict:
 class OneBitAdam(CompressedComm, torch.optim.AdamW):
     """1-bit Adam: AdamW during warm-up, then frozen variance and 1-bit compressed momentum."""
 
+    supports_zero1 = True  # at ZeRO stage 1 the compressed step is optim/onebit/zero1.py
+
     def __init__(
         self,
         params,
@@ -107,6 +109,9 @@ class OneBitAdam(CompressedComm, torch.optim.AdamW):
             else:
                 self._manual_step(t, compressed=False)
         else:
+            if self.__dict__.get("_zero1") is not None:
+                raise RuntimeError("OneBitAdam at ZeRO stage 1: after warm-up the step runs through engine.step() "
+                                   "(the strategy hands it the local gradients), not optimizer.step()")
             if t == self.freeze_step + 1 and self.world_size > 1:
                 logger.info("OneBitAdam: step %d: variance frozen, momentum now exchanged with 1-bit compression", t)
             self._manual_step(t, compressed=True)

@@ -136,6 +136,9 @@ class CompressedComm:
     def load_rank_state_dict(self, tensors: dict[str, torch.Tensor] | None) -> None:
         """Restore what :meth:`rank_state_dict` returned (``None``: the checkpoint had none: reset)."""
         self._errors = {}
+        zero1 = self.__dict__.get("_zero1")
+        if zero1 is not None:  # ZeRO stage 1: the full momentum and denominator come from the loaded fragments
+            zero1.stale()
         for name, t in (tensors or {}).items():
             key, _, kind = name.rpartition(".")
             if kind not in ("worker_error", "server_error"):

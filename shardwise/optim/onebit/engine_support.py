@@ -1,7 +1,8 @@
 """What the engine does for an optimizer with ``compressed_communication`` (1-bit Adam, 0/1 Adam, 1-bit LAMB).
 
 * :func:`attach` at ``initialize``: refuse the combinations that cannot work, with the reason, and
-  give the optimizer the data-parallel group.
+  give the optimizer the data-parallel group; :func:`bind_strategy` once the ZeRO strategy exists
+  (stage 1: the strategy hands the compressed step to ``optim/onebit/zero1.py``).
 * Before each backward the engine sets ``engine.enable_backward_allreduce`` to
   ``optimizer.needs_gradient_allreduce``; when it is False the gradients stay local (the optimizer
   exchanges compressed momentum itself), as in DeepSpeed, where the optimizer clears that switch.
@@ -20,15 +21,29 @@ _WHY = ("{name} averages the momentum of whole, replicated tensors with its own 
         "(DeepSpeed supports it at ZeRO stage 0 only)")
 
 
+_STAGE1_WHY = {
+    "ZeroOneAdam": "ZeroOneAdam's local steps move every rank's own copy of the whole momentum and weights "
+                   "apart between synchronisations; at stage 1 a rank keeps only 1/N of the momentum",
+    "OneBitLamb": "OneBitLamb's trust ratios need the norms of whole tensors of weights, momentum and fresh "
+                  "variance every step; at stage 1 they are cut across ranks (not implemented)",
+}
+
+
 def attach(optimizer, *, dp_group, zero_stage: int, offload: bool = False, pipeline_stages: int = 1) -> None:
     """Check the engine's configuration for ``optimizer`` and bind it to ``dp_group``."""
     name = type(optimizer).__name__
     why = _WHY.format(name=name)
-    if zero_stage in (1, 2):
+    if zero_stage == 1 and not getattr(optimizer, "supports_zero1", False):
         raise ValueError(
-            f"optimizer.type={name} with zero_optimization.stage={zero_stage}: not supported. {why}; at stage "
-            f"{zero_stage} each rank keeps only its 1/N share of the optimizer state and gradients are "
-            "reduce-scattered, so there is no whole momentum to compress. Use zero_optimization.stage 0"
+            f"optimizer.type={name} with zero_optimization.stage=1: not supported. {_STAGE1_WHY.get(name, why)}. "
+            "Use zero_optimization.stage 0 (OneBitAdam also runs at stage 1)"
+        )
+    if zero_stage == 2:
+        raise ValueError(
+            f"optimizer.type={name} with zero_optimization.stage=2: not supported. {why}; at stage 2 each rank "
+            "keeps only its 1/N share of the gradients, reduce-scattered during backward, so there is no whole "
+            "local gradient to compress. Use zero_optimization.stage 0"
+            + (" or 1" if getattr(optimizer, "supports_zero1", False) else "")
         )
     if zero_stage == 3:
         raise ValueError(
@@ -45,6 +60,19 @@ def attach(optimizer, *, dp_group, zero_stage: int, offload: bool = False, pipel
             "pipeline_enable_backward_allreduce). Train without pipeline parallelism"
         )
     optimizer.bind_group(dp_group)
+    if zero_stage == 1:  # stage 0's parameter order, before the strategy replaces them by fragments
+        optimizer._zero1_order = [[id(p) for p in g["params"]] for g in optimizer.param_groups]
+
+
+def bind_strategy(optimizer, strategy) -> None:
+    """After the ZeRO strategy is built: at stage 1, let it hand the compressed step to the optimizer."""
+    if getattr(strategy, "stage", 0) != 1:
+        return
+    from shardwise.optim.onebit.zero1 import Zero1Exchange
+
+    exchange = Zero1Exchange(optimizer, strategy, optimizer._zero1_order)
+    optimizer._zero1 = exchange
+    strategy.local_step = exchange.step
 
 
 def agree_on_overflow(module: torch.nn.Module, dp_group) -> None:
