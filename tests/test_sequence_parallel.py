@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism (shardwise.runtime.sequence_parallel): a tiny random Llama with grouped
 key/value heads trained at sequence parallel 2 (2 ranks) and 2 x data parallel 2 (4 ranks), ZeRO 1 and 3,
 gives the losses and weights of one process training on the whole sequences; the data-loader adapter
-hands every token to exactly one rank."""
+hands every token to exactly one rank; a ZeRO-3 checkpoint saved at sp 2 x dp 2 resumes bit for bit and
+consolidates to the trained weights."""
 
 from __future__ import annotations
 
@@ -73,27 +74,40 @@ def _reference(path: str, steps: list[list[dict]]):
     return (losses, norms), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train_sp(case, rank: int, world: int, paths: dict, data):
+def _sp_engine(stage: int, path: str, world: int):
     import shardwise
-    from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
-    from shardwise.utils import groups, safe_get_full_fp32_param
+    from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers import AutoModelForCausalLM
 
-    stage, model_key = case
     mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=paths[model_key], core_attn_implementation="sdpa", sequence_parallel_size=2,
+        model_name_or_path=path, core_attn_implementation="sdpa", sequence_parallel_size=2,
         micro_batch_size=1, seq_length_is_variable=True, disable_in_eval=True)
-    model = AutoModelForCausalLM.from_pretrained(paths[model_key], attn_implementation="sdpa").train()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").train()
     config = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
               "optimizer": {"type": "Adam", "params": {"lr": LR}}, "zero_optimization": {"stage": stage}}
     engine, *_ = shardwise.initialize(model=model, config=config, mpu=mpu)
     assert engine.dp_world_size == world // 2 and engine.train_batch_size() == world // 2
+    return engine
+
+
+def _sp_batches(engine, data_of_rank) -> list[dict]:
+    from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+    from shardwise.utils import groups
+
+    return list(UlyssesSPDataLoaderAdapter(data_of_rank, sp_rank=groups._get_sequence_parallel_rank(),
+                                           sp_group=groups._get_sequence_parallel_group(),
+                                           sp_world_size=groups._get_sequence_parallel_world_size(),
+                                           device=engine.device))
+
+
+def _sp_train(engine, batches: list[dict], world: int):
+    from shardwise.utils import groups
+
     sp_group = groups._get_sequence_parallel_group()
     sp_size = groups._get_sequence_parallel_world_size()
-    dl = UlyssesSPDataLoaderAdapter(data[rank], sp_rank=groups._get_sequence_parallel_rank(), sp_group=sp_group,
-                                    sp_world_size=sp_size, device=engine.device)
     losses, norms = [], []
-    for batch in dl:
+    for batch in batches:
+        batch = dict(batch)
         shift_labels = batch.pop("shift_labels")
         logits = engine(**batch).logits
         loss = engine.module.loss_function(logits=logits, labels=None, shift_labels=shift_labels, vocab_size=VOCAB)
@@ -112,8 +126,46 @@ def _train_sp(case, rank: int, world: int, paths: dict, data):
         engine.step()
         losses.append(loss.item())
         norms.append(engine.get_global_grad_norm())  # before clipping: Adam and clipping would hide a scale error
-    params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
-    return (losses, norms), params
+    return losses, norms
+
+
+def _full_params(engine) -> dict:
+    from shardwise.utils import safe_get_full_fp32_param
+
+    return {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+
+
+def _train_sp(case, rank: int, world: int, paths: dict, data):
+    stage, model_key = case
+    engine = _sp_engine(stage, paths[model_key], world)
+    return _sp_train(engine, _sp_batches(engine, data[rank]), world), _full_params(engine)
+
+
+def _sp_checkpoint(rank: int, world: int, path: str, data, ckpt: str):
+    """ZeRO-3 over sp 2 x dp 2: save after two steps; a fresh engine that loads it repeats the last two
+    steps bit for bit; the checkpoint's consolidated fp32 weights are the trained ones."""
+    from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    engine = _sp_engine(3, path, world)
+    batches = _sp_batches(engine, data[rank])
+    _sp_train(engine, batches[:2], world)
+    engine.save_checkpoint(ckpt, tag="half")
+    want = _sp_train(engine, batches[2:], world)
+    want_params = _full_params(engine)
+    fresh = _sp_engine(3, path, world)
+    fresh.load_checkpoint(ckpt, tag="half")
+    got = _sp_train(fresh, batches[2:], world)
+    assert got == want, (got, want)
+    got_params = _full_params(fresh)
+    assert all(torch.equal(got_params[n], want_params[n]) for n in want_params)
+    fresh.save_checkpoint(ckpt, tag="end")
+    torch.distributed.barrier()
+    if rank == 0:
+        saved = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="end")
+        assert set(saved) == set(want_params), sorted(set(saved) ^ set(want_params))
+        for name, p in want_params.items():
+            assert torch.equal(saved[name].view_as(p), p), name
+    return "resumed"
 
 
 def _adapter_shards(rank: int, world: int):
@@ -187,8 +239,9 @@ def _two_ranks(rank: int, world: int, paths: dict, data):
             _distributed_attention(rank))
 
 
-def _four_ranks(rank: int, world: int, paths: dict, data):
-    return run_subtests(_train_sp, [(1, "gqa"), (3, "gqa")], rank, world, paths, data)
+def _four_ranks(rank: int, world: int, paths: dict, data, ckpt: str):
+    trained = run_subtests(_train_sp, [(1, "gqa"), (3, "gqa")], rank, world, paths, data)
+    return trained, _sp_checkpoint(rank, world, paths["gqa"], data, ckpt)
 
 
 def _assert_matches(results, ref, dp: int, label: str):
@@ -252,12 +305,13 @@ def test_sequence_parallel_two_ranks_matches_one_process(models):
         torch.testing.assert_close(torch.cat([g[i] for _, g in dist_attn]), t.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_sequence_parallel_two_by_data_parallel_two_matches_one_process(models):
+def test_sequence_parallel_two_by_data_parallel_two_matches_one_process_and_resumes(models, tmp_path):
     data = _rank_data(4, 2)
     ref = _reference(models["gqa"], _step_samples(data, 2, 2))
-    results = run_distributed(_four_ranks, 4, args=(models, data), timeout=300)
+    results = run_distributed(_four_ranks, 4, args=(models, data, str(tmp_path / "ckpt")), timeout=300)
     for i, stage in enumerate([1, 3]):
-        _assert_matches([r[i] for r in results], ref, dp=2, label=f"sp 2 x dp 2, ZeRO {stage}")
+        _assert_matches([r[0][i] for r in results], ref, dp=2, label=f"sp 2 x dp 2, ZeRO {stage}")
+    assert [r[1] for r in results] == ["resumed"] * 4
 
 
 def test_sequence_parallel_size_without_groups_says_what_to_call():
