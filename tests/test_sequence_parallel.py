@@ -1,8 +1,8 @@
 """Ulysses sequence parallelism (shardwise.runtime.sequence_parallel): a tiny random Llama with grouped
 key/value heads trained at sequence parallel 2 (2 ranks) and 2 x data parallel 2 (4 ranks), ZeRO 1 and 3,
 gives the losses and weights of one process training on the whole sequences; the data-loader adapter
-hands every token to exactly one rank; a ZeRO-3 checkpoint saved at sp 2 x dp 2 resumes bit for bit and
-consolidates to the trained weights."""
+hands every token to exactly one rank; a ZeRO-3 checkpoint saved at sp 2 x dp 2 resumes bit for bit,
+consolidates to the trained weights and loads in one process without sequence parallelism."""
 
 from __future__ import annotations
 
@@ -165,7 +165,20 @@ def _sp_checkpoint(rank: int, world: int, path: str, data, ckpt: str):
         assert set(saved) == set(want_params), sorted(set(saved) ^ set(want_params))
         for name, p in want_params.items():
             assert torch.equal(saved[name].view_as(p), p), name
-    return "resumed"
+    return "resumed", want_params
+
+
+def _load_on_one_rank(rank: int, world: int, path: str, ckpt: str):
+    """The sp 2 x dp 2 checkpoint in a plain one-process ZeRO-3 engine (no sequence parallelism)."""
+    import shardwise
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 3}}
+    engine, *_ = shardwise.initialize(model=model, config=config)
+    engine.load_checkpoint(ckpt, tag="end")
+    return _full_params(engine)
 
 
 def _adapter_shards(rank: int, world: int):
@@ -311,7 +324,11 @@ def test_sequence_parallel_two_by_data_parallel_two_matches_one_process_and_resu
     results = run_distributed(_four_ranks, 4, args=(models, data, str(tmp_path / "ckpt")), timeout=300)
     for i, stage in enumerate([1, 3]):
         _assert_matches([r[0][i] for r in results], ref, dp=2, label=f"sp 2 x dp 2, ZeRO {stage}")
-    assert [r[1] for r in results] == ["resumed"] * 4
+    assert [r[1][0] for r in results] == ["resumed"] * 4
+    trained = results[0][1][1]
+    loaded = run_distributed(_load_on_one_rank, 1, args=(models["gqa"], str(tmp_path / "ckpt")), timeout=120)[0]
+    for name, p in trained.items():
+        assert torch.equal(loaded[name], p), f"{name}: the sp 2 x dp 2 checkpoint loads at 1 rank"
 
 
 def test_sequence_parallel_size_without_groups_says_what_to_call():
