@@ -5,7 +5,7 @@
   bytes, and a toy regression ends within 1.5x of Adam's final loss;
 * checkpoints: bitwise resume after warm-up (error buffers, frozen variance, ZeroOneAdam's local
   state), and a clear refusal to load those per-rank buffers at another world size;
-* OneBitAdam at ZeRO stage 1: stage 0's losses and weights bit for bit, fp32 and bf16, and resume;
+* OneBitAdam at ZeRO stage 1: stage 0's losses and weights bit for bit, fp32, bf16 and fp16, and resume;
 * refusals: ZeRO stages 2-3 (stage 1 for the other two types), a comm_backend_name that is not the
   process group's.
 """
@@ -211,8 +211,9 @@ def _zero1_run(stage: int, precision: dict, steps: int, comms: bool = False):
                   comms_logger={"enabled": comms}, **precision)
     engine, opt = _engine(cfg)
     x, y = _data(STEPS)
-    if "bf16" in precision:
-        x, y = x.bfloat16(), y.bfloat16()
+    if precision:
+        dtype = torch.bfloat16 if "bf16" in precision else torch.float16
+        x, y = x.to(dtype), y.to(dtype)
     losses = _train(engine, 12, data=(x, y))
     comm.reset_comms_log()
     losses += _train(engine, steps - 12, start=12, data=(x, y))  # past warm-up and the first compressed step
@@ -233,7 +234,7 @@ def _zero1_case(precision: dict):
     compressed = {"compressed_all_to_all", "compressed_all_gather"}
     assert compressed <= set(moved), moved
     extra = {op: n for op, n in moved.items() if op not in compressed}
-    if "bf16" in precision:  # the 16-bit weights are all-gathered after the masters' step, and the
+    if precision:  # the 16-bit weights are all-gathered after the masters' step, and the
         # ranks agree on overflow of their local gradients (one float each step)
         assert set(extra) == {"all_gather_into_tensor", "all_reduce"}, moved
         assert extra["all_gather_into_tensor"] <= (total + 64) * 2 * 8 and extra["all_reduce"] == 4 * 8, moved
@@ -263,7 +264,7 @@ def _zero1_body(rank: int, world: int, tmp: str):
     import shardwise
 
     torch.use_deterministic_algorithms(True)
-    done = run_subtests(_zero1_case, [{}, {"bf16": {"enabled": True}}])
+    done = run_subtests(_zero1_case, [{}, {"bf16": {"enabled": True}}, {"fp16": {"enabled": True}}])
     _zero1_resume(tmp)
     errors = {}
     for opt_type, params in (("ZeroOneAdam", {}), ("OneBitLamb", {})):
@@ -279,7 +280,7 @@ def _zero1_body(rank: int, world: int, tmp: str):
 def test_onebit_adam_at_zero1_equals_stage0_bitwise(tmp_path):
     results = run_distributed(_zero1_body, 2, args=(str(tmp_path),), timeout=240)
     done, errors = results[0]
-    assert done == [["fp32"], ["bf16"]]
+    assert done == [["fp32"], ["bf16"], ["fp16"]]
     assert "zero_optimization.stage=1" in errors["ZeroOneAdam"] and "local steps" in errors["ZeroOneAdam"]
     assert "zero_optimization.stage=1" in errors["OneBitLamb"] and "trust ratios" in errors["OneBitLamb"]
 
