@@ -40,15 +40,34 @@ def _train(case: dict):
     assert isinstance(engine, shardwise.PipelineEngine)
     d = engine.grid.get_data_parallel_rank()
     losses, norms = [], []
+    evals = []
     for step in range(STEPS):
         x, y = batch(step, micro, ROWS * dp)
         rows = slice(d * ROWS, (d + 1) * ROWS)
-        loss = engine.train_batch(iter([(x[i, rows], y[i, rows]) for i in range(micro)]))
+        data = [(x[i, rows], y[i, rows]) for i in range(micro)]
+        if case.get("eval_train"):  # evaluation and training reduce the loss through the same code
+            evals.append(float(engine.eval_batch(iter(data))))
+        loss = engine.train_batch(iter(data))
         losses.append(float(loss))
         norms.append(engine.get_global_grad_norm())
     out = {"losses": losses, "norms": norms, "meta": engine._act_in.metadata_received,
            "skipped": engine.skipped_steps, "scale": engine.cur_scale,
            "ckpt_interval": model.activation_checkpoint_interval}
+    out["evals"] = evals
+    if case.get("double_batch"):  # set_train_batch_size: the next train_batch consumes twice the micro-batches
+        engine.set_train_batch_size(2 * engine.train_batch_size())
+        x, y = batch(50, 2 * micro, ROWS * dp)
+        data = [(x[i, rows], y[i, rows]) for i in range(2 * micro)]
+        taken = []
+
+        def counting():
+            for item in data:
+                taken.append(1)
+                yield item
+        want = float(engine.eval_batch(iter(data)))
+        out["doubled"] = {"gas": engine.gradient_accumulation_steps(), "eval": want,
+                          "loss": float(engine.train_batch(counting())), "taken": len(taken),
+                          "samples": engine.global_samples, "steps": engine.global_steps}
     if case.get("eval"):
         x, y = batch(99, micro, ROWS * dp)
         loss, logits = engine.eval_batch(iter([(x[i, rows], y[i, rows]) for i in range(micro)]), return_logits=True)
@@ -72,7 +91,7 @@ CASES_2 = [
 ]
 CASES_4 = [
     {"name": "4 stages", "stages": 4, "micro": 8},
-    {"name": "pipe 2 x data 2", "stages": 2},
+    {"name": "pipe 2 x data 2", "stages": 2, "eval_train": True, "double_batch": True},
     {"name": "pipe 2 x data 2 ZeRO 1", "stages": 2, "zero": 1, "clip": 0.05},
     {"name": "pipe 2 x data 2 ZeRO 2", "stages": 2, "zero": 2},
     {"name": "pipe 2 x data 2 ZeRO 3", "stages": 2, "zero": 3, "clip": 0.05},
@@ -186,6 +205,15 @@ def _check(results, cases, dp_of):
             assert got["norms"] == per_rank[0]["norms"], (case["name"], "every rank reports the global norm")
         if case.get("ckpt"):
             assert per_rank[0]["ckpt_interval"] == case["ckpt"]
+        for r, got in enumerate(per_rank):
+            if case.get("eval_train"):  # the same weights and micro-batches: the same loss
+                assert got["evals"] == pytest.approx(got["losses"], rel=1e-6, abs=0), (case["name"], r)
+            if case.get("double_batch"):
+                d = got["doubled"]
+                assert d["gas"] == 2 * micro and d["taken"] == 2 * micro, (case["name"], r, d)
+                assert d["loss"] == pytest.approx(d["eval"], rel=1e-6, abs=0), (case["name"], r, d)
+                assert d["steps"] == STEPS + 1
+                assert d["samples"] == STEPS * ROWS * micro * dp_of(case) + 2 * ROWS * micro * dp_of(case)
         # Shapes are described once per channel (they never change here).
         assert max(r["meta"] for r in per_rank) == 1 or case.get("virtual"), (case["name"], per_rank)
         if case.get("eval"):

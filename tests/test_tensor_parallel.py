@@ -274,7 +274,7 @@ def _engine(case: dict):
     return engine
 
 
-def _run(engine, first: int, count: int) -> list[float]:
+def _run(engine, first: int, count: int, evals=None) -> list[float]:
     grid = engine.grid
     dp, d = grid.get_data_parallel_world_size(), grid.get_data_parallel_rank()
     per = ROWS // dp // MICRO
@@ -284,6 +284,8 @@ def _run(engine, first: int, count: int) -> list[float]:
         mine = [(x[(d * MICRO + m) * per:(d * MICRO + m + 1) * per], y[(d * MICRO + m) * per:(d * MICRO + m + 1) * per])
                 for m in range(MICRO)]
         if grid.get_pipe_parallel_world_size() > 1:
+            if evals is not None:  # the same weights and micro-batches as the train_batch that follows
+                evals.append(float(engine.eval_batch(iter(mine))))
             losses.append(float(engine.train_batch(iter(mine))))
             continue
         total = torch.zeros(())
@@ -320,10 +322,13 @@ def _train(case: dict, ckpt: str):
         assert engine.global_steps == 2
         losses = _run(engine, 2, STEPS - 2)
     else:
-        losses = _run(engine, 0, 2)
+        evals = [] if case.get("eval") else None
+        losses = _run(engine, 0, 2, evals)
         if case.get("save"):
             engine.save_checkpoint(ckpt, tag="t")
-        losses += _run(engine, 2, STEPS - 2)
+        losses += _run(engine, 2, STEPS - 2, evals)
+        if evals is not None:  # eval_batch reduces the loss as train_batch does (once per tensor rank)
+            assert evals == pytest.approx(losses, rel=1e-6, abs=0), (evals, losses)
     if case.get("save16"):
         engine.save_16bit_model(ckpt + "/16bit")
     from shardwise import checkpointing
@@ -364,7 +369,7 @@ CASES_4 = [{"name": "dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "save16
            {"name": "resume dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "load": True},
            {"name": "resume dp4 tp1", "dp": 4, "pp": 1, "tp": 1, "zero": 0, "load": True},
            # last: the activation_checkpointing settings are process-wide and outlive the engine
-           {"name": "dp1 pp2 tp2 partitioned activations", "dp": 1, "pp": 2, "tp": 2, "zero": 1,
+           {"name": "dp1 pp2 tp2 partitioned activations", "dp": 1, "pp": 2, "tp": 2, "zero": 1, "eval": True,
             "config": {"pipeline": {"activation_checkpoint_interval": 1},
                        "activation_checkpointing": {"partition_activations": True}}}]
 

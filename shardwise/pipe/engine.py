@@ -1,17 +1,18 @@
 """``PipelineEngine``: trains a ``PipelineModule`` one batch at a time with ``train_batch()``.
 
-It is the ordinary ``Engine`` (ZeRO strategy over this stage's data-parallel group, loss scaling,
-optimizer, scheduler, checkpoints) driven by a pipeline schedule instead of the user's
-forward/backward/step calls. One batch is ``gradient_accumulation_steps`` micro-batches; the
-schedule (``schedule.py``) says in which order this stage runs their forward and backward
-passes and where activations and gradients cross to the neighbouring stages (``p2p.py``).
-The accumulation boundary is the stage's last backward of the batch, so the ZeRO strategy
-reduces gradients while it runs, as it does for the ordinary engine (``_begin_backward`` /
-``_end_backward`` around each backward, ``_take_model_step`` once per batch).
+It is the ordinary ``Engine`` (ZeRO strategy over this stage's data-parallel group, optimizer,
+scheduler, checkpoints) whose one ``TrainingStep`` (``runtime/train_step.py``: counters, loss scaling,
+accumulation boundary, the clipped update) is driven by a pipeline schedule instead of the user's
+forward/backward/step calls. This file holds only the executor: one batch is
+``gradient_accumulation_steps`` micro-batches; the schedule (``schedule.py``) says in which order this
+stage runs their forward and backward passes and where activations and gradients cross to the
+neighbouring stages (``p2p.py``). The accumulation boundary is the stage's last backward of the batch:
+the ZeRO strategy launches the data-parallel reduction while it runs, and ``ReduceGrads`` waits for it
+after the input gradients have gone upstream; ``OptimizerStep`` is the training step's ``batch_step``.
 
-What differs from the ordinary engine's step: the gradient norm (for clipping and the fp16
-overflow check) is taken over every stage, so all stages clip by the same coefficient and skip
-together; tied layers' gradients are summed over the stages holding them first.
+Train and eval losses are reduced by the same ``_replica_mean``. The gradient norm (clipping, the fp16
+overflow check) is taken over every stage, so all stages clip by the same coefficient and skip together;
+tied layers' gradients are summed over the stages holding them first.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ class PipelineEngine(Engine):
             model.activation_checkpoint_interval = interval
         self.num_stages = model.num_stages
         self.stage_id = model.stage_id
-        self.micro_batches = self.gradient_accumulation_steps()
         self.is_pipe_parallel = self.num_stages > 1
         self.is_data_parallel = self.dp_world_size > 1
         self.data_iterator = None
@@ -67,6 +67,12 @@ class PipelineEngine(Engine):
         self.agg_train_loss = None
 
     # -- DeepSpeed accessors ----------------------------------------------------------------------
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per ``train_batch``: the gradient accumulation steps, as they are now
+        (``set_train_batch_size`` changes them)."""
+        return self.gradient_accumulation_steps()
+
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
 
@@ -150,22 +156,11 @@ class PipelineEngine(Engine):
         schedule = sched.InferenceSchedule(m, self.num_stages, self.stage_id, self.module.virtual_stages)
         with torch.no_grad():
             state = self._run(schedule, batches, compute_loss=compute_loss, keep_logits=return_logits)
-        losses = state.losses
         if not compute_loss:
             out = state.logits if self.is_last_stage() else None
             return (out, out) if return_logits else out
-        if reduce_output == "avg":
-            total = torch.zeros((), dtype=torch.float32, device=self.device)
-            if self.is_last_stage():
-                total += sum(losses) / m / self.dp_world_size
-            comm.all_reduce(total)
-            result = total
-        else:
-            vec = torch.zeros(m, dtype=torch.float32, device=self.device)
-            if self.is_last_stage():
-                vec += torch.stack([l.float() for l in losses]) / self.dp_world_size
-            comm.all_reduce(vec)
-            result = list(vec)
+        per_micro = self._replica_mean(state.losses, m)
+        result = per_micro.sum() / m if reduce_output == "avg" else list(per_micro)
         self.module.train()
         if return_logits:
             return result, (state.logits if self.is_last_stage() else None)
@@ -311,19 +306,17 @@ class PipelineEngine(Engine):
         self.set_gradient_accumulation_boundary(boundary)  # the stage's last backward of the batch
         self._begin_backward()
         if self._is_last_vs(ins.chunk):
-            scaled = st.outputs.pop(key).float()
-            if self.micro_batches > 1:
-                scaled = scaled / self.micro_batches
-            if self.loss_scaler is not None:
-                scaled = self.loss_scaler.scale_loss(scaled)
-            scaled.backward()
+            self.train_step.scale(st.outputs.pop(key)).backward()
         else:
             tensors, _ = st.outputs.pop(key)
             grads = st.grads.pop(key)
             pairs = [(t, g) for t, g in zip([tensors[i] for i in grad_slots(tensors)], grads) if t.requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], grad_tensors=[g for _, g in pairs])
-        self._end_backward()
+        if boundary:  # the data-parallel reduction runs on while the input gradients go upstream (ReduceGrads)
+            st.reduction_pending = True
+        else:
+            self._end_backward()
         self.set_gradient_accumulation_boundary(None)
         self.timers.stop("backward")
         inputs, _ = st.inputs.pop(key)
@@ -335,28 +328,35 @@ class PipelineEngine(Engine):
         self._grad_out.send(st.input_grads.pop((ins.micro_batch_id, ins.chunk)))
 
     def _exec_reduce_tied(self, ins, st) -> None:
+        self._finish_reduction(st)  # tied gradients are summed over stages once reduced over replicas
         self.module.allreduce_tied_weight_gradients()
 
     def _exec_reduce_grads(self, ins, st) -> None:
-        pass  # the ZeRO strategy reduced them during this stage's last backward (the boundary)
+        self._finish_reduction(st)
+
+    def _finish_reduction(self, st) -> None:
+        """Wait for the gradient reduction the strategy launched during this stage's last backward."""
+        if st.reduction_pending:
+            st.reduction_pending = False
+            self._end_backward()
 
     def _exec_optimizer_step(self, ins, st) -> None:
-        self.agg_train_loss = self._aggregate_loss(st.losses)
-        self._loss_sum = self.agg_train_loss.detach().clone().reshape(())
-        self._loss_count = 1
-        self.micro_steps += self.micro_batches - 1  # _take_model_step's caller counts the last one
-        self._take_model_step({})  # clips by the norm over every stage (_uses_grid_norm)
-        self.micro_steps += 1
+        self._check_can_step()
+        self.agg_train_loss = self._replica_mean(st.losses, self.micro_batches).sum() / self.micro_batches
+        self.timers.start("step")
+        # the norm is taken over every stage (the grid's norm group), so all stages clip and skip together
+        self._after_update(self.train_step.batch_step(self.micro_batches, batch_loss=self.agg_train_loss))
 
-    def _aggregate_loss(self, losses) -> torch.Tensor:
-        """Mean loss of the batch over micro-batches and data-parallel replicas, on every rank."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        if self.is_last_stage():
-            # every tensor rank of the last stage holds the same loss: count it once per replica
-            total += torch.stack(losses).sum() / len(losses) / self.dp_world_size / self.grid.size("model")
+    def _replica_mean(self, losses, m: int) -> torch.Tensor:
+        """Each micro-batch's loss averaged over the data-parallel replicas, the same on every rank (train
+        and eval alike). Only the last stage holds losses, and each of its tensor ranks holds the same
+        one: tensor rank 0 of the last stage contributes, once per replica."""
+        vec = torch.zeros(m, dtype=torch.float32, device=self.device)
+        if self.is_last_stage() and self.grid.get_tensor_model_parallel_rank() == 0:
+            vec += torch.stack([l.float().reshape(()) for l in losses]) / self.dp_world_size
         if comm.get_world_size() > 1:
-            comm.all_reduce(total)  # only the last stage's ranks contribute
-        return total
+            comm.all_reduce(vec)
+        return vec
 
     # -- gradient norm over every stage -----------------------------------------------------------
     def _uses_grid_norm(self) -> bool:
@@ -384,4 +384,5 @@ class _BatchState:
         self.compute_loss = True
         self.keep_logits = False
         self.backwards_done = 0
+        self.reduction_pending = False
         self.total_backwards = sum(1 for k, _, _ in schedule.compute_order() if k == "B")

@@ -23,7 +23,8 @@ from shardwise.runtime.engine_compat import EngineCompatMixin
 from shardwise.runtime.grid_norm import GridNormStep, global_grad_norm_sq, sync_sequence_parallel_grads
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
-from shardwise.training_state import StepCounters, StepReport, TrainingState
+from shardwise.runtime.train_step import TrainingStep
+from shardwise.training_state import StepReport, TrainingState
 from shardwise.zero import ReduceSettings, build_strategy, is_partitioned
 
 logger = logging.getLogger("shardwise")
@@ -101,7 +102,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             from shardwise.optim.onebit.engine_support import bind_strategy
 
             bind_strategy(self.optimizer, self.strategy)
-        self.lr_scheduler = self._configure_scheduler(lr_scheduler)
+        scheduler = self._configure_scheduler(lr_scheduler)
         self._publish_overflow(False)
         self.loss_scaler = create_loss_scaler(config.fp16) if self.precision.loss_scaling else None
         owner = weakref.ref(self)
@@ -112,17 +113,12 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         if training_data is not None:
             self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn)
 
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.train_step = TrainingStep(
+            strategy=self.strategy, loss_scaler=self.loss_scaler, lr_scheduler=scheduler,
+            gradient_accumulation_steps=self.gradient_accumulation_steps, train_batch_size=self.train_batch_size,
+            clip_step=self._clipped_step, device=self.device)
         self._grad_norm: float | None = None
         self._step_skipped = False
-        self._no_sync_depth = 0
-        self._boundary_override: bool | None = None
-        self._backwards_since_step = 0
-        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._loss_count = 0
         self._last_step_loss: float | None = None
         self.timers = Timers(self.device, enabled=bool(config.wall_clock_breakdown))
         self._interval_start = time.perf_counter()
@@ -245,15 +241,25 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         return self._batch.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self.train_step.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Override whether the coming backward/step is the accumulation boundary (DeepSpeed's method;
         a pipeline engine running its own schedule marks its last micro-batch this way).  ``None``
         returns to counting micro-steps."""
-        self._boundary_override = is_boundary
+        self.train_step.boundary_override = is_boundary
+
+    # The counters live in the training step (the one writer); DeepSpeed's attribute names read them.
+    global_steps = property(lambda self: self.train_step.global_steps,
+                            lambda self, v: setattr(self.train_step, "global_steps", v))
+    global_samples = property(lambda self: self.train_step.global_samples,
+                              lambda self, v: setattr(self.train_step, "global_samples", v))
+    micro_steps = property(lambda self: self.train_step.micro_steps,
+                           lambda self, v: setattr(self.train_step, "micro_steps", v))
+    lr_scheduler = property(lambda self: self.train_step.lr_scheduler,
+                            lambda self, v: setattr(self.train_step, "lr_scheduler", v))
+    skipped_steps = property(lambda self: self.train_step.skipped_steps,
+                             lambda self, v: setattr(self.train_step, "skipped_steps", v))
 
     @property
     def enable_backward_allreduce(self) -> bool:
@@ -284,16 +290,10 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             raise ValueError(f"engine.backward(loss) needs a scalar loss tensor, got {_describe(loss)}")
         self.timers.start("backward")
         self._begin_backward()
-        scaled = loss.float()
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
-        if self.loss_scaler is not None:
-            scaled = self.loss_scaler.scale_loss(scaled)
-        scaled.backward(retain_graph=retain_graph)
+        self.train_step.scale(loss, divide_by_gas=scale_wrt_gas).backward(retain_graph=retain_graph)
         self._end_backward()
         self.timers.stop("backward")
-        self._loss_sum += loss.detach().float().reshape(())
-        self._loss_count += 1
+        self.train_step.record_loss(loss)
         return loss
 
     def _begin_backward(self) -> None:
@@ -302,62 +302,50 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         calls this and ``_end_backward`` around its own ``torch.autograd.backward``."""
         if self._compressed_optimizer:  # 1-bit Adam & co decide step by step (docs/onebit.md)
             self.enable_backward_allreduce = self.optimizer.needs_gradient_allreduce
-        self.strategy.prepare_backward(boundary=self.is_gradient_accumulation_boundary(),
-                                       no_sync=self._no_sync_depth > 0)
+        self.train_step.begin_backward()
 
     def _end_backward(self) -> None:
         """After autograd: wait for the gradient reductions still in flight."""
         self.timers.start("backward_allreduce")
-        self.strategy.finish_backward()
+        self.train_step.end_backward()
         self.timers.stop("backward_allreduce")
-        self._backwards_since_step += 1
 
     def step(self, lr_kwargs=None) -> None:
         """Count a micro-step; at an accumulation boundary update the weights."""
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            if self._backwards_since_step == 0:
-                raise RuntimeError(
-                    "engine.step() at an accumulation boundary without engine.backward(loss) since the last "
-                    "step: call engine.backward(loss), not loss.backward(), so gradients are reduced across ranks"
-                )
-            if self._no_sync_depth:
-                raise RuntimeError("engine.step() at an accumulation boundary inside engine.no_sync()")
-            self._take_model_step(lr_kwargs or {})
-        self.micro_steps += 1
+            self._check_can_step()
+            self.timers.start("step")
+        outcome = self.train_step.micro_step(lr_kwargs)
+        if outcome is not None:
+            self._after_update(outcome)
         self.tput_timer.stop(global_step=boundary)
 
-    def _take_model_step(self, lr_kwargs: dict) -> None:
-        """The accumulation-boundary step: unscale, overflow check, clip and the optimizer step on this
-        rank's share (the strategy, with ``shardwise.precision``), the loss scale update, the scheduler,
-        zeroed gradients and the counters.  A subclass with its own schedule calls it once per batch."""
+    def _check_can_step(self) -> None:
         if self.optimizer is None:
             raise ValueError("engine.step() needs an optimizer: add an 'optimizer' block to the config or pass optimizer=")
-        self.timers.start("step")
-        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    def _clipped_step(self, loss_scale: float):
+        """The strategy's unscale / overflow check / clip / optimizer step on this rank's share, the norm
+        taken over the whole grid when there are pipeline stages or tensor shards."""
         if self._compressed_optimizer and not self.enable_backward_allreduce and self.precision.check_overflow:
             from shardwise.optim.onebit.engine_support import agree_on_overflow
 
             agree_on_overflow(self.module, self.dp_group)  # local gradients: every rank skips together
         strategy = GridNormStep(self.strategy, self.global_grad_norm_sq) if self._uses_grid_norm() else self.strategy
-        result = strategy.step(loss_scale=scale, clip=float(self.config.gradient_clipping or 0.0))
-        self._step_skipped = result.overflow
-        self._step_applied = not result.overflow
-        self._grad_norm = result.grad_norm
-        self._publish_overflow(result.overflow)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update_scale(result.overflow)
-        if result.overflow:
-            self.skipped_steps += 1
-            self._log_overflow(scale)
-        elif self.lr_scheduler is not None:
-            self.lr_scheduler.step(**lr_kwargs)
-        self.strategy.zero_grad()
+        return strategy.step(loss_scale=loss_scale, clip=float(self.config.gradient_clipping or 0.0))
+
+    def _after_update(self, outcome) -> None:
+        """After a boundary update: overflow flags, logging, monitors."""
+        self._step_skipped = outcome.overflow
+        self._step_applied = not outcome.overflow
+        self._grad_norm = outcome.grad_norm
+        self._publish_overflow(outcome.overflow)
+        if outcome.overflow:
+            self._log_overflow(outcome.loss_scale)
         self.timers.stop("step")
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
-        self._backwards_since_step = 0
+        self._last_step_loss = outcome.loss
         self._after_step()
 
     def _uses_grid_norm(self) -> bool:
@@ -377,16 +365,11 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             new = self.loss_scaler.loss_scale if self.loss_scaler is not None else scale
             logger.warning(
                 "step %d: gradient overflow, step skipped (loss scale %s -> %s, %d skipped so far)",
-                self.global_steps, scale, new, self.skipped_steps,
+                self.global_steps - 1, scale, new, self.skipped_steps,
             )
 
     def _after_step(self) -> None:
-        loss = None
-        if self._loss_count:
-            loss = float(self._loss_sum) / self._loss_count
-        self._last_step_loss = loss
-        self._loss_sum.zero_()
-        self._loss_count = 0
+        loss = self._last_step_loss
         self.timers.end_step()
         self.observer.after_step(StepReport(
             loss=loss, global_steps=self.global_steps, global_samples=self.global_samples, lr=self.get_lr()[0],
@@ -426,11 +409,11 @@ class Engine(EngineCompatMixin, torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Skip gradient reduction for the backward passes inside (accumulate locally)."""
-        self._no_sync_depth += 1
+        self.train_step.no_sync_depth += 1
         try:
             yield
         finally:
-            self._no_sync_depth -= 1
+            self.train_step.no_sync_depth -= 1
 
     # -- state accessors ------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
@@ -475,8 +458,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             loss_scaler=self.loss_scaler, precision=self.precision, config=self.config, dp_group=self.dp_group,
             dp_world_size=self.seq_dp_world_size, global_rank=self.global_rank, device=self.device,
             training_dataloader=self.training_dataloader, grid=self.grid,
-            counters=StepCounters(global_steps=self.global_steps, global_samples=self.global_samples,
-                                  micro_steps=self.micro_steps, skipped_steps=self.skipped_steps))
+            counters=self.train_step.counters())
 
     @property
     def checkpoint_writer(self):
@@ -536,8 +518,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
         if counters is not None:
-            self.global_steps, self.global_samples = counters.global_steps, counters.global_samples
-            self.micro_steps, self.skipped_steps = counters.micro_steps, counters.skipped_steps
+            self.train_step.restore(counters)
         if custom_load_fn is not None and folder is not None:
             self._apply_custom_load_fn(folder, custom_load_fn)
         return folder, client_state
