@@ -62,8 +62,10 @@ def worker(args) -> None:
         engine, *_ = shardwise.initialize(model=gpt_pipeline_module(cfg, topology=topo, partition_method="uniform"),
                                           config=ds)
     else:
-        grid = ParallelGrid(topo)  # before the model: its layers shard over the current grid
-        engine, *_ = shardwise.initialize(model=GPT(cfg), mpu=grid, config=ds)
+        grid = ParallelGrid(topo)
+        with grid.active():  # the model's tensor-parallel layers shard over this grid
+            model = GPT(cfg)
+        engine, *_ = shardwise.initialize(model=model, mpu=grid, config=ds)
     grid = engine.grid
     d = grid.get_data_parallel_rank()
     per = args.rows // dp // 2

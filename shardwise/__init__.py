@@ -55,26 +55,22 @@ def initialize(
     cfg = _client_objects_win(cfg, optimizer, lr_scheduler)
     comm.configure(comms_logger=cfg.comms_logger, timeout=cfg.comm_timeout)
     from shardwise.pipe.module import PipelineModule
+    from shardwise.runtime.plan import plan_grid
 
-    if isinstance(model, PipelineModule):
-        if mpu is not None:
-            raise ValueError("initialize(mpu=...) cannot be combined with a PipelineModule: its topology "
-                             "defines the process groups")
-        if cfg.sequence_parallel_size > 1:
-            raise ValueError(f"config key sequence_parallel_size is {cfg.sequence_parallel_size}: sequence "
-                             "parallelism with a PipelineModule is not implemented")
-        from shardwise.pipe.engine import PipelineEngine
-
-        engine = PipelineEngine(model=model, config=cfg, optimizer=optimizer, model_parameters=model_parameters,
-                                lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
-        return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-    if cfg.pipeline != type(cfg.pipeline)():
+    if not isinstance(model, PipelineModule) and cfg.pipeline != type(cfg.pipeline)():
         raise ValueError("the config has a 'pipeline' block but the model is not a shardwise.pipe.PipelineModule "
                          f"({type(model).__name__}); pipeline parallelism needs one (and one process per stage), "
                          "else remove the block")
-    grid = _grid_for(cfg, mpu)
-    _check_sequence_parallel_size(cfg, grid)
-    if _autotp_size(cfg) > 1:
+    grid, dims = plan_grid(cfg, mpu=mpu, model=model, optimizer=optimizer)  # every size, validated once
+    grid.activate()  # DeepSpeed's group accessors (utils.groups, mpu views) answer from the engine's grid
+    if isinstance(model, PipelineModule):
+        from shardwise.pipe.engine import PipelineEngine
+
+        engine = PipelineEngine(model=model, config=cfg, dims=dims, optimizer=optimizer,
+                                model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                                training_data=training_data, collate_fn=collate_fn)
+        return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    if cfg.tensor_parallel.autotp_size > 1:
         from shardwise.tensor_parallel import autotp_hook
 
         model = autotp_hook(model, grid)
@@ -82,6 +78,7 @@ def initialize(
         model=model,
         config=cfg,
         grid=grid,
+        dims=dims,
         optimizer=optimizer,
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,
@@ -91,63 +88,6 @@ def initialize(
     engine.client_optimizer = optimizer
     engine.client_lr_scheduler = lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def _autotp_size(cfg) -> int:
-    return max(1, cfg.tensor_parallel.autotp_size)
-
-
-def _grid_for(cfg, mpu):
-    """The process grid: the one passed as ``mpu`` (a shardwise grid, or a Megatron-style mpu), one with a
-    model axis of ``tensor_parallel.autotp_size``, the current grid if it has tensor shards (a model built
-    from tensor-parallel layers on it), else data parallelism over every rank."""
-    from shardwise.topology import MpuGrid, ParallelGrid, PipeModelDataParallelTopology, get_current_grid
-
-    tp = _autotp_size(cfg)
-    if mpu is not None:
-        grid = mpu if isinstance(mpu, ParallelGrid) else MpuGrid(mpu)
-        if tp > 1 and grid.get_tensor_model_parallel_world_size() != tp:
-            raise ValueError(f"tensor_parallel.autotp_size is {tp} but the mpu passed to initialize() has tensor "
-                             f"size {grid.get_tensor_model_parallel_world_size()}")
-        return grid
-    sequence = _sequence_grid(cfg)
-    if sequence is not None:
-        if tp > 1:
-            raise ValueError("sequence_parallel_size > 1 together with tensor_parallel.autotp_size > 1 is not "
-                             "supported: use one of them")
-        return sequence
-    world = comm.get_world_size()
-    if tp > 1:
-        if world % tp:
-            raise ValueError(f"tensor_parallel.autotp_size {tp} does not divide the world size {world}")
-        return ParallelGrid.for_topology(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=world // tp))
-    current = get_current_grid()
-    if current is not None and current.topology.world_size == world and current.size("model") > 1 \
-            and current.size("pipe") == 1:
-        return current
-    return ParallelGrid.data_parallel_only()
-
-
-def _sequence_grid(cfg):
-    """With ``sequence_parallel_size`` > 1 and no ``mpu``: the groups register_with_transformers made."""
-    if cfg.sequence_parallel_size <= 1:
-        return None
-    from shardwise.runtime.sequence_parallel import parallel_state_sp
-    from shardwise.topology import MpuGrid
-
-    if not parallel_state_sp.is_initialized():
-        raise ValueError(f"config key sequence_parallel_size is {cfg.sequence_parallel_size} but there are no "
-                         "sequence-parallel groups: call shardwise.runtime.sequence_parallel.ulysses_sp."
-                         "UlyssesSPAttentionHF.register_with_transformers(...) first and pass the mpu it returns "
-                         "to initialize(mpu=...)")
-    return MpuGrid(parallel_state_sp)
-
-
-def _check_sequence_parallel_size(cfg, grid) -> None:
-    size = grid.get_sequence_parallel_world_size() if hasattr(grid, "get_sequence_parallel_world_size") else 1
-    if cfg.sequence_parallel_size > 1 and size != cfg.sequence_parallel_size:
-        raise ValueError(f"config key sequence_parallel_size is {cfg.sequence_parallel_size} but the mpu passed to "
-                         f"initialize() has sequence-parallel size {size}")
 
 
 def _client_objects_win(cfg, optimizer, lr_scheduler):

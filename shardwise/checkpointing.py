@@ -128,6 +128,10 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None, cont
         if value is not None:
             setattr(s, name, value)
     s.mp_group, s.mp_size, s.mp_rank = _model_parallel(mpu_)
+    if mpu_ is not None:  # as in DeepSpeed, the mpu given here is the one model-parallel seeding asks
+        from shardwise.topology import MpuGrid
+
+        (mpu_ if hasattr(mpu_, "activate") else MpuGrid(mpu_)).activate()
     _settings, _configured = s, True
     reset()
     if comm.get_rank() == 0:

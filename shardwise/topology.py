@@ -9,16 +9,23 @@ plus one "model-parallel" group per data coordinate (pipe x model, DeepSpeed's
 meaning of ``get_model_parallel_*``). The tensor-parallel ("model" axis) group is
 ``get_tensor_model_parallel_*``, as Megatron and DeepSpeed name it.
 
-The last grid built is the *current* grid (``get_current_grid``): tensor-parallel
-layers built afterwards shard over its model axis unless given a group.
+A grid is cut from a ``ParallelDims`` (``ParallelGrid.from_dims``), the one record of every
+axis's size. Building a grid changes nothing else: the grid is handed explicitly to what needs it.
+Code that takes no grid argument (tensor-parallel layers built without ``group=``, DeepSpeed's
+``utils.groups`` and ``parallel_state_sp`` accessors, Megatron-style ``mpu.get_*`` calls) asks the
+*active* grid: the one inside a ``with grid.active():`` scope, else the one ``initialize`` (or
+``register_with_transformers``) activated with ``grid.activate()``. ``comm.destroy_process_group``
+forgets it, since its groups die with the world.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from itertools import product
 
 from shardwise import comm
+from shardwise.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -81,12 +88,63 @@ class ProcessTopology:
         return groups
 
 
-class ParallelGrid:
+class _Activatable:
+    """``active()`` / ``activate()`` for a grid or a grid view (see the module docstring)."""
+
+    @contextlib.contextmanager
+    def active(self):
+        """Make this grid the active one inside the ``with`` block (e.g. while building a model from
+        tensor-parallel layers, or running its forward)."""
+        _SCOPES.append(self)
+        try:
+            yield self
+        finally:
+            _SCOPES.pop()
+
+    def activate(self) -> None:
+        """Make this grid the active one outside any ``with grid.active()`` scope, until another is
+        activated or the process group is destroyed (what ``initialize`` does with the engine's grid)."""
+        _DEFAULT[0] = self
+
+    def _alive(self) -> bool:
+        return True
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(data=self.size("data"), pipe=self.size("pipe"), tensor=self.size("model"),
+                            sequence=self.size("sequence"))
+
+
+_SCOPES: list = []
+_DEFAULT: list = [None]
+
+
+def active_grid():
+    """The active grid (innermost ``with grid.active()`` scope, else the activated one), or None. A grid
+    whose world group was destroyed (also by a direct ``torch.distributed.destroy_process_group()``) is
+    never returned."""
+    grid = _SCOPES[-1] if _SCOPES else _DEFAULT[0]
+    if grid is not None and not grid._alive():
+        _forget_grids()
+        return None
+    return grid
+
+
+def _forget_grids() -> None:
+    _SCOPES.clear()
+    _DEFAULT[0] = None
+
+
+comm.on_destroy(_forget_grids)
+
+
+class ParallelGrid(_Activatable):
     """The process groups of the current rank along each axis of a topology."""
 
     def __init__(self, topology: ProcessTopology, rank: int | None = None) -> None:
         self.topology = topology
         self.rank = comm.get_rank() if rank is None else rank
+        self._world = comm.get_world_group() if comm.is_initialized() else None
         self._groups = {}
         whole_world = topology.world_size == comm.get_world_size()
         for axis in topology.axes:
@@ -105,7 +163,18 @@ class ParallelGrid:
         self._seq_data_group = self._groups.get("data")
         if "sequence" in topology.axes and topology.get_dim("sequence") > 1:
             self._seq_data_group = self._sequence_data_groups(whole_world)
-        _set_current_grid(self)
+
+    def _alive(self) -> bool:
+        return comm.is_initialized() and self._world is comm.get_world_group()
+
+    @classmethod
+    def from_dims(cls, dims: ParallelDims) -> "ParallelGrid":
+        """The grid of ``dims``'s sizes (collective: every rank builds every group). Ranks are laid out
+        as DeepSpeed does: pipe outermost, tensor fastest; with sequence parallelism (data, sequence),
+        sequence fastest."""
+        if dims.sequence > 1:
+            return cls(ProcessTopology(("data", "sequence"), (dims.data, dims.sequence)))
+        return cls(ProcessTopology(("pipe", "data", "model"), (dims.pipe, dims.data, dims.tensor)))
 
     def _build_model_parallel_group(self, whole_world: bool):
         """The ranks sharing this rank's data coordinate (every pipe and model coordinate)."""
@@ -144,10 +213,10 @@ class ParallelGrid:
 
     @classmethod
     def for_topology(cls, topology: ProcessTopology) -> "ParallelGrid":
-        """The current grid if it has this topology (its groups exist already), else a new one.
+        """The active grid if it has this topology (its groups exist already), else a new one.
         Collective when it builds: every rank must call it with the same topology."""
-        current = _CURRENT_GRID
-        if current is not None and current.topology == topology and current.rank == comm.get_rank():
+        current = active_grid()
+        if isinstance(current, ParallelGrid) and current.topology == topology and current.rank == comm.get_rank():
             return current
         return cls(topology)
 
@@ -269,25 +338,12 @@ class ParallelGrid:
         return self.axis_rank("data") * self.size("sequence") + self.axis_rank("sequence")
 
 
-_CURRENT_GRID: ParallelGrid | None = None
-
-
-def _set_current_grid(grid: ParallelGrid | None) -> None:
-    global _CURRENT_GRID
-    _CURRENT_GRID = grid
-
-
-def get_current_grid() -> ParallelGrid | None:
-    """The last grid built in this process (None before any)."""
-    return _CURRENT_GRID
-
-
 def tensor_parallel_group_and_size(group=None):
-    """(group, size) of a tensor-parallel region: ``group`` if given, else the current grid's
+    """(group, size) of a tensor-parallel region: ``group`` if given, else the active grid's
     model axis, else no tensor parallelism (size 1)."""
     if group is not None:
         return group, comm.get_world_size(group)
-    grid = _CURRENT_GRID
+    grid = active_grid()
     if grid is None or grid.size("model") == 1:
         return None, 1
     return grid.group("model"), grid.size("model")
@@ -312,7 +368,7 @@ def PipelineParallelGrid(topology: ProcessTopology | None = None, process_group=
 _MPU_AXES = ("data", "pipe", "model", "sequence")
 
 
-class MpuGrid:
+class MpuGrid(_Activatable):
     """Adapter for a user's Megatron-style ``mpu`` object passed to ``initialize``.
 
     A sequence-parallel mpu (``shardwise.runtime.sequence_parallel.parallel_state_sp``, what

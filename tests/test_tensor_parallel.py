@@ -44,9 +44,9 @@ def test_topology_errors():
 
 def test_layers_without_a_grid_are_plain_layers():
     from shardwise.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-    from shardwise.topology import _set_current_grid
+    from shardwise.topology import _forget_grids
 
-    _set_current_grid(None)
+    _forget_grids()  # no active grid (an earlier in-process test may have left one)
     import shardwise.utils.groups as groups  # deepspeed.utils.groups: no grid, no tensor parallelism
     from shardwise.runtime.pipe.topology import PipelineParallelGrid  # noqa: F401 (DeepSpeed's path)
 
@@ -68,13 +68,19 @@ def test_layers_without_a_grid_are_plain_layers():
 
 # -- layers at tensor size 2 and 4 ------------------------------------------------------------------
 def _check_layers(tp, rank, world):
+    from shardwise.topology import ParallelGrid
+
+    grid = ParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=world // tp))
+    with grid.active():  # layers and regions without group= use the active grid's tensor axis
+        return _check_layers_on(grid, tp)
+
+
+def _check_layers_on(grid, tp):
     from shardwise.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                            gather_from_sequence_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region,
                                            scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
-    from shardwise.topology import ParallelGrid
 
-    grid = ParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=world // tp))
     r = grid.get_tensor_model_parallel_rank()
     assert grid.get_tensor_model_parallel_world_size() == tp
     torch.manual_seed(3)
@@ -270,7 +276,9 @@ def _engine(case: dict):
         engine, *_ = shardwise.initialize(model=model, config=cfg)
     else:
         grid = ParallelGrid(topo)
-        engine, *_ = shardwise.initialize(model=GPT(CFG), mpu=grid, config=cfg)
+        with grid.active():  # the model's tensor-parallel layers cut themselves over this grid
+            model = GPT(CFG)
+        engine, *_ = shardwise.initialize(model=model, mpu=grid, config=cfg)
     return engine
 
 

@@ -170,12 +170,22 @@ def new_group(ranks=None, **kwargs):
     return dist.new_group(ranks=ranks, **kwargs)
 
 
+_ON_DESTROY: list = []
+
+
+def on_destroy(callback) -> None:
+    """Call ``callback()`` whenever the world group is destroyed (state tied to its groups forgets them)."""
+    _ON_DESTROY.append(callback)
+
+
 def destroy_process_group() -> None:
     if is_initialized():
         _stop_watchdog()
         dist.destroy_process_group()
         ops.reset()
         ops.on_first_op = _start_watchdog
+    for callback in _ON_DESTROY:
+        callback()
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -187,6 +187,13 @@ def _pick_implementation(cls: type, params: dict[str, Any], tensors: list[torch.
     return params
 
 
+def optimizer_class(type_name: str):
+    """The class shardwise builds for ``optimizer.type`` when it is one of its own (Lamb, Lion, the 1-bit
+    optimizers), else None."""
+    own = _OWN_OPTIMIZERS.get(str(type_name).lower())
+    return own[1] if own is not None else None
+
+
 def build_optimizer(type_name: str, params: dict[str, Any] | None, model_parameters: Any) -> torch.optim.Optimizer:
     """Create the optimizer named by ``optimizer.type`` with ``optimizer.params``.
 

@@ -42,13 +42,6 @@ class PipelineEngine(Engine):
         if not isinstance(model, PipelineModule):
             raise TypeError(f"PipelineEngine needs a shardwise.pipe.PipelineModule, got {type(model).__name__}")
         self._pipe_grid = model.mpu()
-        stage = int(config.zero_optimization.stage)
-        if model.tied_comms and stage > 0:
-            raise PipelineError(f"tied layers ({', '.join(map(str, model.tied_comms))}) across pipeline stages "
-                                f"need zero_optimization.stage 0 (it is {stage}): their gradients are summed "
-                                "over the stages holding them, which partitioned gradients do not allow yet")
-        if stage == 3 and model.virtual_stages > 1:
-            raise PipelineError("the interleaved schedule (virtual_stages > 1) does not run with ZeRO stage 3")
         super().__init__(model=model, config=config, grid=self._pipe_grid, **kwargs)
         interval = int(config.pipeline.activation_checkpoint_interval)
         if interval > 0:  # as DeepSpeed: the config's interval, when set, replaces the module's
@@ -231,8 +224,9 @@ class PipelineEngine(Engine):
             sched.ReduceGrads: self._exec_reduce_grads,
             sched.OptimizerStep: self._exec_optimizer_step,
         }
-        for ins in schedule:
-            handlers[type(ins)](ins, st)
+        with self.grid.active():  # layers called without a group use this engine's grid
+            for ins in schedule:
+                handlers[type(ins)](ins, st)
         self._act_out.wait()
         self._grad_out.wait()
         return st

@@ -147,7 +147,8 @@ class PipelineModule(nn.Module):
                 f"{self._num_layers} layers cannot fill {total} pipeline stages"
                 + (f" ({self.num_stages} stages x {self.virtual_stages} virtual)" if self.virtual_stages > 1 else "")
                 + ": use fewer stages or more layers")
-        self.parts = self._partition(partition_method, total)
+        with self._grid.active():  # tensor-parallel layers in the specs cut themselves over this grid
+            self.parts = self._partition(partition_method, total)
         # Chunk c of this rank is virtual stage c * num_stages + stage_id.
         self._chunk_bounds = [(self.parts[c * self.num_stages + self.stage_id],
                                self.parts[c * self.num_stages + self.stage_id + 1])
@@ -156,7 +157,8 @@ class PipelineModule(nn.Module):
         self.forward_funcs: list[list[Callable]] = []
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
-        self._build()
+        with self._grid.active():
+            self._build()
         self.tied_comms = self._index_tied_modules()
         self._synchronize_tied_weights()
 

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from shardwise.parallel_dims import ParallelDims
+
 from .params import count_parameters
 
 __all__ = ["MemoryEstimate", "estimate_model_states", "estimate_activations", "estimate_from_model",
@@ -92,10 +94,8 @@ def estimate_model_states(num_params: float, *, num_gpus: int = 1, num_nodes: in
     _check("precision", precision, _PRECISIONS)
     _check("offload (optimizer)", offload_optimizer, _OFFLOAD)
     _check("offload_param", offload_param, _OFFLOAD)
-    if offload_optimizer != "none" and stage == 0:
-        raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer on every rank)")
-    if offload_param != "none" and stage != 3:
-        raise ValueError("parameter offload needs ZeRO stage 3")
+    ParallelDims(data=num_gpus * num_nodes, zero_stage=stage, offload_optimizer=offload_optimizer != "none",
+                 offload_param=offload_param != "none").validate()  # the one table of allowed combinations
     n = num_gpus * num_nodes
     width = 4 if precision == "fp32" else 2
 

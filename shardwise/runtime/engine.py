@@ -21,6 +21,7 @@ from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.engine_compat import EngineCompatMixin
 from shardwise.runtime.grid_norm import GridNormStep, global_grad_norm_sq, sync_sequence_parallel_grads
+from shardwise.runtime.plan import config_features, optimizer_features
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
 from shardwise.runtime.train_step import TrainingStep
@@ -42,6 +43,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         model: torch.nn.Module,
         config,
         grid,
+        dims=None,
         optimizer=None,
         model_parameters=None,
         lr_scheduler=None,
@@ -70,9 +72,9 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self._batch = config.resolve_batch_sizes(self.dp_world_size)
         config.check_supported()
 
-        if self.tp_world_size > 1 and int(config.zero_optimization.stage) == 3:
-            raise ValueError(f"zero_optimization.stage 3 with tensor parallelism (tensor size {self.tp_world_size}) "
-                             "is not supported: use stage 0, 1 or 2 (they shard over the data axis only)")
+        if dims is None:  # built directly (initialize plans and validates before it builds the grid)
+            dims = grid.dims.replace(**config_features(config, model=model)).validate(comm.get_world_size())
+        self.dims = dims
         _check_tensor_parallel_layers(model, self.tp_world_size)
         self.module = model.to(self.device)
         if self.tp_world_size > 1:  # norms/biases on sequence shards: sum their gradients over the tensor ranks
@@ -82,6 +84,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self._cast_buffers()
 
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
+        if self._compressed_optimizer and self.dims.compressed_optimizer is None:  # built by a callable
+            self.dims = self.dims.replace(**optimizer_features(self.optimizer)).validate()
         if getattr(self.optimizer, "compressed_communication", False):  # 1-bit Adam & co (docs/onebit.md)
             from shardwise.optim.onebit.engine_support import attach
 
@@ -280,7 +284,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         if self.precision.auto_cast:
             args = cast_inputs(args, self.precision.param_dtype)
             kwargs = cast_inputs(kwargs, self.precision.param_dtype)
-        out = self.module(*args, **kwargs)
+        with self.grid.active():  # layers called without a group use this engine's grid
+            out = self.module(*args, **kwargs)
         self.timers.stop("forward")
         return out
 

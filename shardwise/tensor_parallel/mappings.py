@@ -1,7 +1,7 @@
 """Autograd-aware collectives at the borders of tensor-parallel regions (Megatron's mappings).
 
 Each function takes ``group=`` (default: the current grid's tensor-parallel group, see
-``shardwise.topology.get_current_grid``); with a tensor size of 1 every one is the identity.
+``shardwise.topology.active_grid``); with a tensor size of 1 every one is the identity.
 
 =========================================  ===========================  ==========================
 function                                   forward                      backward

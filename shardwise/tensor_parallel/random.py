@@ -93,20 +93,18 @@ def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
 
 
 def _tensor_rank() -> int:
-    from shardwise.topology import get_current_grid
+    """The active grid's tensor rank (``initialize``'s grid, a ``with grid.active():`` scope, or the mpu
+    given to ``checkpointing.configure``, which activates it); 0 without one."""
+    from shardwise.topology import active_grid
 
-    grid = get_current_grid()
-    if grid is not None:
-        return grid.axis_rank("model")
-    from shardwise import checkpointing  # an mpu given to checkpointing.configure (DeepSpeed's source)
-
-    return checkpointing.get_settings().mp_rank
+    grid = active_grid()
+    return grid.axis_rank("model") if grid is not None else 0
 
 
 def model_parallel_cuda_manual_seed(seed: int, tp_rank: int | None = None) -> None:
     """Seed the default generator with ``seed`` (the same on the tensor ranks) and the tracker's
     ``"model-parallel-rng"`` stream with ``seed + 2718 + tensor rank`` (Megatron's offsets). The
-    tensor rank is the current grid's unless given."""
+    tensor rank is the active grid's unless given."""
     rank = _tensor_rank() if tp_rank is None else int(tp_rank)
     if _use_cuda():
         torch.cuda.manual_seed(seed)

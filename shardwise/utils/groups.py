@@ -1,5 +1,5 @@
 """``deepspeed.utils.groups``: the tensor / model / data-parallel groups of the current grid
-(``shardwise.topology.get_current_grid``; the grid ``initialize`` uses, or one you built), and the
+(``shardwise.topology.active_grid``: the grid ``initialize`` activated, or the one of a ``with grid.active():`` scope), and the
 sequence-parallel accessors DeepSpeed's ALST examples call.
 
 As in DeepSpeed's module (which AutoTP fills), ``get_model_parallel_*`` here means the tensor
@@ -14,7 +14,7 @@ is off: size 1, rank 0, and the sequence-data-parallel group is every rank.
 from __future__ import annotations
 
 from shardwise import comm
-from shardwise.topology import get_current_grid
+from shardwise.topology import active_grid
 
 __all__ = ["get_tensor_model_parallel_group", "get_tensor_model_parallel_world_size",
            "get_tensor_model_parallel_rank", "get_tensor_model_parallel_src_rank", "get_model_parallel_group",
@@ -23,7 +23,7 @@ __all__ = ["get_tensor_model_parallel_group", "get_tensor_model_parallel_world_s
 
 
 def _grid():
-    return get_current_grid()
+    return active_grid()
 
 
 def get_tensor_model_parallel_group():

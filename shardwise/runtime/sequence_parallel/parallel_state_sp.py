@@ -1,7 +1,7 @@
 """The sequence-parallel process groups: DeepSpeed's ``parallel_state_sp`` "mpu" module.
 
-``initialize_sequence_parallel(N)`` lays the world out as a (data, sequence) grid with the sequence
-axis varying fastest, so ranks ``[i*N, (i+1)*N)`` form sequence-parallel group ``i`` (DeepSpeed's
+``initialize_sequence_parallel(N)`` builds and activates a (data, sequence) grid (``shardwise.topology``;
+these functions are views of the active grid), the sequence axis varying fastest, so ranks ``[i*N, (i+1)*N)`` form sequence-parallel group ``i`` (DeepSpeed's
 layout). The *sequence-data-parallel* group is every rank of the grid: ZeRO shards and reduces over
 it. This module is what ``register_with_transformers`` returns and ``initialize(mpu=...)`` takes;
 like DeepSpeed's it has no ``get_data_parallel_*`` functions (the engine derives the data-parallel
@@ -11,20 +11,13 @@ size as world / N).
 from __future__ import annotations
 
 from shardwise import comm
-from shardwise.topology import ParallelGrid, ProcessTopology
-
-_GRID: ParallelGrid | None = None
-
-
-def _release_sequence_parallel_groups() -> None:
-    """Forget the groups (after the world group was destroyed)."""
-    global _GRID
-    _GRID = None
+from shardwise.parallel_dims import ParallelDims
+from shardwise.topology import ParallelGrid, active_grid
 
 
 def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
-    """Create the sequence-parallel and sequence-data-parallel groups on every rank (collective)."""
-    global _GRID
+    """Build the (data x sequence) grid on every rank (collective) and activate it: these functions
+    are views of the active grid."""
     if not comm.is_initialized():
         raise RuntimeError("initialize_sequence_parallel(): no process group yet; call "
                            "shardwise.init_distributed() first")
@@ -33,24 +26,31 @@ def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
         raise ValueError(f"sequence_parallel_size must be an integer greater than 1, got {sequence_parallel_size!r}")
     if world < sequence_parallel_size or world % sequence_parallel_size:
         raise ValueError(f"world size {world} is not a multiple of sequence_parallel_size {sequence_parallel_size}")
-    if _GRID is not None:
-        if _GRID.size("sequence") == sequence_parallel_size:
+    grid = _sequence_grid()
+    if grid is not None:
+        if grid.size("sequence") == sequence_parallel_size:
             return  # already set up with the same size (a second register_with_transformers call)
-        raise RuntimeError(f"sequence parallel groups already exist with size {_GRID.size('sequence')}; "
+        raise RuntimeError(f"sequence parallel groups already exist with size {grid.size('sequence')}; "
                            f"cannot re-create them with size {sequence_parallel_size}")
-    topo = ProcessTopology(("data", "sequence"), (world // sequence_parallel_size, sequence_parallel_size))
-    _GRID = ParallelGrid(topo)
+    dims = ParallelDims(data=world // sequence_parallel_size, sequence=sequence_parallel_size).validate(world)
+    ParallelGrid.from_dims(dims).activate()
+
+
+def _sequence_grid():
+    grid = active_grid()
+    return grid if grid is not None and grid.size("sequence") > 1 else None
 
 
 def is_initialized() -> bool:
-    return _GRID is not None
+    return _sequence_grid() is not None
 
 
 def get_grid() -> ParallelGrid:
-    if _GRID is None:
+    grid = _sequence_grid()
+    if grid is None:
         raise RuntimeError("sequence parallel groups are not initialized: call "
                            "UlyssesSPAttentionHF.register_with_transformers(...) or initialize_sequence_parallel(N)")
-    return _GRID
+    return grid
 
 
 def _world_if_none(group):

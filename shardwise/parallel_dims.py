@@ -1,0 +1,134 @@
+"""``ParallelDims``: the size of every parallel axis and the features that constrain them, in one
+frozen record, and ``validate()``, the one table of which combinations train.
+
+Everything that used to check a combination on its own (``initialize``, the engine, the pipeline
+engine, the 1-bit optimizers, the ZeRO factory, the memory estimator) asks this record. The grid of
+process groups is cut from it (``shardwise.topology.ParallelGrid.from_dims``). docs/engine.md prints
+the table (``combination_table()``); a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
+AXES = ("data", "pipe", "tensor", "sequence", "expert")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    data: int = 1
+    pipe: int = 1
+    tensor: int = 1
+    sequence: int = 1
+    expert: int = 1  # the mixture-of-experts axis: a slot, no combination trains with it yet
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    compressed_optimizer: str | None = None  # 1-bit Adam & co: the optimizer's class name
+    compressed_zero1: bool = False  # that optimizer runs at ZeRO stage 1 too (OneBitAdam)
+    tied_pipeline_layers: bool = False  # a PipelineModule with layers tied across stages
+    virtual_stages: int = 1  # interleaved pipeline schedule
+
+    @property
+    def world_size(self) -> int:
+        return self.data * self.pipe * self.tensor * self.sequence
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks holding different pieces of one replica's model (pipe x tensor)."""
+        return self.pipe * self.tensor
+
+    def replace(self, **changes) -> "ParallelDims":
+        return replace(self, **changes)
+
+    def validate(self, world_size: int | None = None) -> "ParallelDims":
+        """Raise ``ValueError`` naming the first offending size or pair; return self when all hold."""
+        for axis in AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"the {axis}-parallel size must be an integer >= 1, got {size!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        for rule in RULES:
+            if rule.applies(self):
+                raise ValueError(f"{_fill(rule.pair, self)}: not supported. {rule.why}")
+        if world_size is not None and self.world_size != world_size:
+            raise ValueError(f"data {self.data} x pipe {self.pipe} x tensor {self.tensor} x sequence {self.sequence} "
+                             f"= {self.world_size} ranks, but the world has {world_size}")
+        return self
+
+    def describe(self) -> str:
+        sizes = " x ".join(f"{a} {getattr(self, a)}" for a in AXES if getattr(self, a) > 1) or "one rank"
+        return f"{sizes}, ZeRO stage {self.zero_stage}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One refused combination, ``pair`` (with this configuration's values filled in), when ``applies``."""
+
+    pair: str  # e.g. "zero_optimization.stage 3 with tensor parallelism (tensor size {tensor})"
+    table: str  # the same pair for the docs' table
+    applies: Callable[[ParallelDims], bool]
+    why: str
+
+
+def _fill(text: str, d: ParallelDims) -> str:
+    return text.format(**{f.name: getattr(d, f.name) for f in fields(d)})
+
+
+def _compressed(d: ParallelDims) -> bool:
+    return d.compressed_optimizer is not None
+
+
+_ONEBIT = "the 1-bit optimizers average the momentum of whole, replicated tensors with their own compressed exchange"
+
+# The table of allowed combinations: anything not refused here trains (docs/engine.md prints it).
+RULES: tuple[Rule, ...] = (
+    Rule("zero_optimization.stage 3 with tensor parallelism (tensor size {tensor})",
+         "ZeRO stage 3 with tensor > 1", lambda d: d.zero_stage == 3 and d.tensor > 1,
+         "ZeRO stages 0, 1 and 2 shard over the data axis under tensor parallelism; stage 3 does not yet"),
+    Rule("sequence parallelism (sequence size {sequence}) with tensor parallelism (tensor size {tensor})",
+         "sequence > 1 with tensor > 1", lambda d: d.sequence > 1 and d.tensor > 1, "use one of them"),
+    Rule("sequence parallelism (sequence size {sequence}) with pipeline parallelism ({pipe} stages)",
+         "sequence > 1 with pipe > 1", lambda d: d.sequence > 1 and d.pipe > 1, "use one of them"),
+    Rule("expert parallelism (expert size {expert})", "expert > 1", lambda d: d.expert > 1,
+         "mixture of experts is not implemented yet"),
+    Rule("layers tied across pipeline stages with zero_optimization.stage {zero_stage}",
+         "tied pipeline layers with ZeRO stage 1-3", lambda d: d.tied_pipeline_layers and d.zero_stage > 0,
+         "tied gradients are summed over the stages holding them, which partitioned gradients do not allow yet; "
+         "use zero_optimization.stage 0"),
+    Rule("the interleaved pipeline schedule (virtual_stages {virtual_stages}) with zero_optimization.stage 3",
+         "virtual_stages > 1 with ZeRO stage 3", lambda d: d.virtual_stages > 1 and d.zero_stage == 3,
+         "use the 1F1B or GPipe schedule, or ZeRO stage 0-2"),
+    Rule("zero_optimization.offload_optimizer with zero_optimization.stage 0",
+         "optimizer offload with ZeRO stage 0", lambda d: d.offload_optimizer and d.zero_stage == 0,
+         "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer on every rank)"),
+    Rule("zero_optimization.offload_param with zero_optimization.stage {zero_stage}",
+         "parameter offload with ZeRO stage 0-2", lambda d: d.offload_param and d.zero_stage != 3,
+         "parameter offload needs ZeRO stage 3"),
+    Rule("optimizer.type={compressed_optimizer} with zero_optimization.stage=1",
+         "ZeroOneAdam or OneBitLamb with ZeRO stage 1",
+         lambda d: _compressed(d) and d.zero_stage == 1 and not d.compressed_zero1,
+         "its exchange needs the whole momentum (and for OneBitLamb whole-tensor trust ratios) on every rank; at "
+         "stage 1 a rank keeps only 1/N of it. Use zero_optimization.stage 0 (OneBitAdam also runs at stage 1)"),
+    Rule("optimizer.type={compressed_optimizer} with zero_optimization.stage={zero_stage}",
+         "a 1-bit optimizer with ZeRO stage 2 or 3", lambda d: _compressed(d) and d.zero_stage >= 2,
+         _ONEBIT + "; at stages 2 and 3 each rank keeps only its 1/N share of the gradients (at stage 3 the "
+         "parameters themselves are partitioned), so there is no whole local gradient to compress. "
+         "Use zero_optimization.stage 0 or 1 (stage 1 with OneBitAdam)"),
+    Rule("optimizer.type={compressed_optimizer} with zero_optimization.offload_optimizer",
+         "a 1-bit optimizer with optimizer offload", lambda d: _compressed(d) and d.offload_optimizer,
+         _ONEBIT + "; their step runs on the device"),
+    Rule("optimizer.type={compressed_optimizer} with pipeline parallelism ({pipe} stages)",
+         "a 1-bit optimizer with pipe > 1", lambda d: _compressed(d) and d.pipe > 1,
+         "the pipeline's gradient reduction cannot be handed over to the optimizer yet "
+         "(DeepSpeed's pipeline_enable_backward_allreduce)"),
+)
+
+
+def combination_table() -> str:
+    """The refused combinations as a Markdown table (docs/engine.md holds a copy; a test compares)."""
+    rows = ["| refused combination | why |", "|---|---|"]
+    rows += [f"| {rule.table} | {rule.why} |" for rule in RULES]
+    return "\n".join(rows)
