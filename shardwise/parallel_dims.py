@@ -52,7 +52,8 @@ class ParallelDims:
             raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         for rule in RULES:
             if rule.applies(self):
-                raise ValueError(f"{_fill(rule.pair, self)}: not supported. {rule.why}")
+                why = rule.why(self) if callable(rule.why) else rule.why
+                raise ValueError(f"{_fill(rule.pair, self)}: not supported. {why}")
         if world_size is not None and self.world_size != world_size:
             raise ValueError(f"data {self.data} x pipe {self.pipe} x tensor {self.tensor} x sequence {self.sequence} "
                              f"= {self.world_size} ranks, but the world has {world_size}")
@@ -70,7 +71,7 @@ class Rule:
     pair: str  # e.g. "zero_optimization.stage 3 with tensor parallelism (tensor size {tensor})"
     table: str  # the same pair for the docs' table
     applies: Callable[[ParallelDims], bool]
-    why: str
+    why: str | Callable[[ParallelDims], str]
 
 
 def _fill(text: str, d: ParallelDims) -> str:
@@ -81,6 +82,13 @@ def _compressed(d: ParallelDims) -> bool:
     return d.compressed_optimizer is not None
 
 
+_STAGE1_WHY = {
+    "ZeroOneAdam": "ZeroOneAdam's local steps move every rank's own copy of the whole momentum and weights "
+                   "apart between synchronisations; at stage 1 a rank keeps only 1/N of the momentum",
+    "OneBitLamb": "OneBitLamb's trust ratios need the norms of whole tensors of weights, momentum and fresh "
+                  "variance every step; at stage 1 they are cut across ranks",
+    None: "its exchange needs the whole momentum on every rank; at stage 1 a rank keeps only 1/N of it",
+}
 _ONEBIT = "the 1-bit optimizers average the momentum of whole, replicated tensors with their own compressed exchange"
 
 # The table of allowed combinations: anything not refused here trains (docs/engine.md prints it).
@@ -110,8 +118,8 @@ RULES: tuple[Rule, ...] = (
     Rule("optimizer.type={compressed_optimizer} with zero_optimization.stage=1",
          "ZeroOneAdam or OneBitLamb with ZeRO stage 1",
          lambda d: _compressed(d) and d.zero_stage == 1 and not d.compressed_zero1,
-         "its exchange needs the whole momentum (and for OneBitLamb whole-tensor trust ratios) on every rank; at "
-         "stage 1 a rank keeps only 1/N of it. Use zero_optimization.stage 0 (OneBitAdam also runs at stage 1)"),
+         lambda d: _STAGE1_WHY.get(d.compressed_optimizer, _STAGE1_WHY[None])
+         + ". Use zero_optimization.stage 0 (OneBitAdam also runs at stage 1)"),
     Rule("optimizer.type={compressed_optimizer} with zero_optimization.stage={zero_stage}",
          "a 1-bit optimizer with ZeRO stage 2 or 3", lambda d: _compressed(d) and d.zero_stage >= 2,
          _ONEBIT + "; at stages 2 and 3 each rank keeps only its 1/N share of the gradients (at stage 3 the "
@@ -127,8 +135,12 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+_TABLE_WHY = ("ZeroOneAdam's local steps move each rank's whole momentum apart between synchronisations; "
+              "OneBitLamb's trust ratios need whole-tensor norms; at stage 1 a rank keeps 1/N of them")
+
+
 def combination_table() -> str:
     """The refused combinations as a Markdown table (docs/engine.md holds a copy; a test compares)."""
     rows = ["| refused combination | why |", "|---|---|"]
-    rows += [f"| {rule.table} | {rule.why} |" for rule in RULES]
+    rows += [f"| {rule.table} | {rule.why if isinstance(rule.why, str) else _TABLE_WHY} |" for rule in RULES]
     return "\n".join(rows)

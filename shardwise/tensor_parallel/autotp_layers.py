@@ -59,7 +59,7 @@ class TensorParallel_Layer(nn.Module):  # noqa: N801 (DeepSpeed's name)
     def __init__(self, mp_group, *, name: str | None = None, tp_size: int | None = None,
                  tp_rank: int | None = None) -> None:
         super().__init__()
-        # None is the whole world here (DeepSpeed's meaning), not "the current grid" as in mappings.py
+        # None is the whole world here (DeepSpeed's meaning), not "the active grid" as in mappings.py
         self.mp_group = mp_group if mp_group is not None or not comm.is_initialized() else comm.get_world_group()
         self.tp_world_size = tp_size if tp_size is not None else comm.get_world_size(mp_group)
         self.tp_index = tp_rank if tp_rank is not None else comm.get_rank(mp_group)

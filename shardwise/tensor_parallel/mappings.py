@@ -1,6 +1,6 @@
 """Autograd-aware collectives at the borders of tensor-parallel regions (Megatron's mappings).
 
-Each function takes ``group=`` (default: the current grid's tensor-parallel group, see
+Each function takes ``group=`` (default: the active grid's tensor-parallel group, see
 ``shardwise.topology.active_grid``); with a tensor size of 1 every one is the identity.
 
 =========================================  ===========================  ==========================

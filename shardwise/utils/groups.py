@@ -1,4 +1,4 @@
-"""``deepspeed.utils.groups``: the tensor / model / data-parallel groups of the current grid
+"""``deepspeed.utils.groups``: the tensor / model / data-parallel groups of the active grid
 (``shardwise.topology.active_grid``: the grid ``initialize`` activated, or the one of a ``with grid.active():`` scope), and the
 sequence-parallel accessors DeepSpeed's ALST examples call.
 
