@@ -89,7 +89,7 @@ def _worker(rank: int, case: dict, steps: int, port: int, out: str) -> None:
 def _run(tree: str, name: str, steps: int) -> float:
     out = f"/tmp/plan_bench_{os.getpid()}.json"
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree), "OMP_NUM_THREADS": "1", "SHARDWISE_LOG_LEVEL": "warning"}
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(r), "--case", name,
                                "--steps", str(steps), "--port", str(port), "--out", out],
                               env=env, cwd=os.path.abspath(tree)) for r in range(WORLD)]
