@@ -546,15 +546,15 @@ class Engine(EngineCompatMixin, torch.nn.Module):
 
 
 def _check_tensor_parallel_layers(model: torch.nn.Module, tp: int) -> None:
-    """Tensor-parallel layers cut themselves over the grid current when they are built: one built
-    before the grid (or for another one) holds the wrong pieces."""
+    """Tensor-parallel layers cut themselves over the grid active when they are built: one built
+    outside the grid's scope (or for another grid) holds the wrong pieces."""
     from shardwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
     for name, m in model.named_modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) and m.world_size != tp:
             raise ValueError(f"layer '{name}' ({type(m).__name__}) was built for tensor size {m.world_size} but the "
-                             f"engine's grid has tensor size {tp}: build the grid (ParallelGrid / "
-                             "PipeModelDataParallelTopology) before the model, or pass mpu= the grid it was built on")
+                             f"engine's grid has tensor size {tp}: build the model inside `with grid.active():` "
+                             "and pass initialize(mpu=grid) the grid it was built on")
 
 
 def _tensor_size(grid) -> int:
