@@ -120,7 +120,8 @@ def _params(engine) -> dict:
 
 def _ckpt_agreement_async(rank: int, root: str) -> dict:
     """A pipeline save goes through the ordinary path (2 stages, ZeRO 1): a failure on rank 1 is named
-    on every rank, and so is a damaged rank-1 file on load; asked to, it saves asynchronously."""
+    on every rank, and so are rank 0 refusing client_state and a damaged rank-1 file on load; asked to,
+    it saves asynchronously."""
     import resource
     import signal
     import threading
@@ -145,6 +146,11 @@ def _ckpt_agreement_async(rank: int, root: str) -> dict:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     out["latest_after_failure"] = Path(root, "latest").read_text()
+    try:  # rank 0 alone describes client_state: the others learn why it refused
+        a.save_checkpoint(root, tag="bad_client", client_state={"bad": object()})
+        out["client_error"] = None
+    except Exception as e:
+        out["client_error"] = f"{type(e).__name__}: {e}"
 
     # rank 1's optimizer file, truncated: only rank 1 reads it, every rank names it
     damaged = Path(root, "good", "optim_rank1.safetensors")
@@ -304,6 +310,9 @@ def _check_checkpoint(results, root, tmp_path):
         assert "saving bad failed" in error and "rank 1 could not write" in error, (rank, error)
         assert str(root / ".tmp.bad") in error, (rank, error)
         assert r["latest_after_failure"] == "good"
+        assert r["client_error"] is not None and "cannot save object at 'client.bad'" in r["client_error"], \
+            (rank, r["client_error"])
+        assert r["client_error"].startswith("SaveFailed: saving bad_client failed") == (rank == 1), r["client_error"]
         damaged = str(root / "good" / "optim_rank1.safetensors")
         assert r["load_error"] is not None and damaged in r["load_error"], (rank, r["load_error"])
         assert "truncated" in r["load_error"], (rank, r["load_error"])

@@ -27,13 +27,24 @@ class LoadFailed(ValueError):
     naming each failure (a failing rank raises its own error)."""
 
 
-def agree_on_load(error: Exception | None, what: str) -> None:
-    """Every rank, after reading its part of a checkpoint: raise this rank's own ``error``, or
-    :class:`LoadFailed` naming the ranks that failed. Collective (it replaces the barrier that ends a load)."""
+def agree(error: Exception | None, raise_for_others) -> None:
+    """Every rank, after a step that may have failed locally: raise this rank's own ``error``, or call
+    ``raise_for_others(texts)`` with the other ranks' failures ("rank r: Type: message") when there
+    are any. Collective."""
     text = None if error is None else f"rank {comm.get_rank()}: {type(error).__name__}: {error}"
     failures = [t for t in gather_object(text) if t is not None]
     if error is not None:
         raise error
     if failures:
+        raise_for_others(failures)
+
+
+def agree_on_load(error: Exception | None, what: str) -> None:
+    """After every rank has read its part of a checkpoint: this rank's own ``error``, or
+    :class:`LoadFailed` naming the ranks that failed. Collective (it ends a load)."""
+
+    def others(failures: list[str]) -> None:
         raise LoadFailed(f"{what} failed on {len(failures)} rank(s); nothing can be resumed from it:\n  "
                          + "\n  ".join(failures))
+
+    agree(error, others)

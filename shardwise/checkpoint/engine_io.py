@@ -31,7 +31,7 @@ from shardwise import comm
 from shardwise.version import __version__
 from shardwise.checkpoint import state as st
 from shardwise.checkpoint import tensor_parallel as tpc
-from shardwise.checkpoint.agreement import gather_object
+from shardwise.checkpoint.agreement import agree, gather_object
 from shardwise.checkpoint.files import TMP_PREFIX
 from shardwise.checkpoint.fragments import FragmentReader, index_fragments, load_fragments, rank_fragment_files
 from shardwise.checkpoint.manifest import FORMAT, VERSION, Checkpoint
@@ -100,10 +100,15 @@ def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, cli
     all_descs = [d for part in gather_object(descs) for d in part]
 
     module = collect_module_weights(engine, weights or default_source(engine))  # rank 0: the whole module
+    error = None
     if rank == 0:
-        plan.manifest = _manifest(engine, plan, module, client_state or {}, exclude_frozen_parameters)
-        plan.manifest["tensors"].update(index_fragments(all_descs))
-        plan.manifest["tag"] = tag
+        try:  # e.g. client_state holding what cannot be stored without pickle
+            plan.manifest = _manifest(engine, plan, module, client_state or {}, exclude_frozen_parameters)
+            plan.manifest["tensors"].update(index_fragments(all_descs))
+            plan.manifest["tag"] = tag
+        except Exception as e:
+            error = e
+    agree(error, lambda failures: raise_if_failed(failures, f"saving {tag}"))  # rank 0 raises its own
     if asynchronous:
         writer.start(plan)
         return True

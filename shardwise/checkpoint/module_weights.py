@@ -52,11 +52,13 @@ def collect_module_weights(engine, source: WeightsSource) -> ModuleWeights | Non
     if source is WeightsSource.PIPELINE_STAGES:
         return _from_stages(engine)
     tp = tpc.view_of(engine)
+    gather = source is WeightsSource.TENSOR_RANKS
+    assert gather or not tp.active, "tensor-sharded weights must come from WeightsSource.TENSOR_RANKS"
     rank = comm.get_rank()
     strategy = engine.strategy
     sd = strategy.module_state_dict(engine.module) \
-        if (rank == 0 or strategy.gathers_module_state or tp.active) else None
-    if tp.active:  # whole tensors: every tensor rank takes part
+        if (rank == 0 or strategy.gathers_module_state or gather) else None
+    if gather:  # whole tensors: every tensor rank takes part
         sd = tpc.gather_state_dict(sd, tp)
     if rank != 0:
         return None
