@@ -108,7 +108,7 @@ class PipelineEngine(Engine):
         from shardwise.checkpoint.loading import check_stage_layers
 
         if load_module_strict:
-            self.wait_for_checkpoint()  # 'latest' names the tag of a save still in flight
+            self.wait_for_checkpoint()  # a save in flight is committed first, so 'latest' names it
             check_stage_layers(self, load_dir, tag, stage_id=self.stage_id)
         return super().load_checkpoint(load_dir, tag=tag, load_module_strict=False,
                                        load_optimizer_states=load_optimizer_states,
