@@ -215,11 +215,33 @@ def _ckpt_save_and_reload(ckpt_dir: str):
     c.load_checkpoint(ckpt_dir, tag="t")
     c.save_checkpoint(ckpt_dir, tag="plain")
     plain = _steps(c, 2, 2, micro=4, rows_total=4, pipeline=False)
-    d = _pipe_engine(2, rows=2)
+    d = _pipe_engine(2, rows=2, extra={"checkpoint": {"writer": {"decoupled": True}}})
     d.load_checkpoint(ckpt_dir, tag="plain")
     back = _steps(d, 2, 2, micro=4, rows_total=4)
     return {"before": before, "after": after, "resumed": resumed, "global_steps": b.global_steps,
-            "plain": plain, "back": back}
+            "plain": plain, "back": back, "async_failure": _failing_async_save(d, ckpt_dir)}
+
+
+def _failing_async_save(engine, ckpt_dir: str) -> str | None:
+    """An asynchronous save whose files rank 3 cannot write (its file-size limit at 1 KiB: EFBIG). Ranks
+    3 and 0 (whose commit waits for rank 3) learn it from their writer; ranks 1 and 2 from the others."""
+    import resource
+    import signal
+
+    from shardwise.checkpoint import SaveFailed
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if torch.distributed.get_rank() == 3:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limit[1]))
+    try:
+        engine.save_checkpoint(ckpt_dir, tag="async_bad")
+        engine.wait_for_checkpoint()
+        return None
+    except (SaveFailed, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
 
 
 def _plain_load(rank, world, ckpt_dir):
@@ -350,6 +372,13 @@ def test_pipeline_parity_four_ranks(tmp_path):
         torch.testing.assert_close(ck["plain"], ck["after"], rtol=1e-6, atol=0)  # plain model, 4 replicas
         torch.testing.assert_close(ck["back"], ck["after"], rtol=1e-6, atol=0)  # plain checkpoint -> pipeline
         assert ck["global_steps"] == 4
+    for rank, r in enumerate(results):  # every rank names rank 3's failure, none waits for it
+        error = dict(r)["checkpoint"]["async_failure"]
+        assert error is not None, f"rank {rank}: the asynchronous save that rank 3 could not write passed"
+        named = "File too large" if rank == 3 else "rank 3 could not write its files into"  # rank 3: its own
+        assert named in error, (rank, error)
+        assert error.startswith("SaveFailed") == (rank in (1, 2)), (rank, error)
+    assert (tmp_path / "latest").read_text() == "plain"
     # ... and into the same layers as a plain nn.Sequential in one process (no pipeline).
     plain = run_distributed(_plain_load, 1, args=(str(tmp_path),), timeout=120)[0]
     torch.testing.assert_close(plain["resumed"], dict(results[0])["checkpoint"]["after"], rtol=1e-6, atol=0)

@@ -54,9 +54,15 @@ def _describe(tensors: dict[str, torch.Tensor], file: str) -> dict:
 
 def wait_for_save(writer: CheckpointWriter) -> None:
     """Every rank: wait until the asynchronous save in flight (if any) is committed. Collective
-    when a save was in flight (one was on every rank then, saves being collective)."""
-    if writer.wait():
-        comm.barrier()  # rank 0 has committed: 'latest' names the new tag for everyone
+    when a save was in flight (one was on every rank then, saves being collective): the ranks agree
+    on its outcome, so a rank whose part failed is named on every rank (a failing rank raises its own)."""
+    error = None
+    try:
+        in_flight = writer.wait()
+    except RuntimeError as e:  # this rank's writing (on rank 0: the commit) failed
+        in_flight, error = True, e
+    if in_flight:  # once agreed, rank 0 has committed: 'latest' names the new tag for everyone
+        agree(error, lambda failures: raise_if_failed(failures, "the asynchronous save"))
 
 
 def _is_async(engine) -> bool:
@@ -72,7 +78,7 @@ def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, cli
 
     Every step that can fail on one rank (preparing the folder, writing, committing) ends in a gather
     of each rank's outcome, so a failure is a :class:`SaveFailed` naming it on every rank."""
-    writer.wait()  # the previous asynchronous save, if any, is committed before this one starts
+    wait_for_save(writer)  # the previous asynchronous save, if any, is committed before this one starts
     started = time.perf_counter()
     save_dir = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.counters.global_steps}"
