@@ -141,8 +141,6 @@ def _async_worker(rank, world, port, args, out_dir):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo")
-    from shardwise.checkpoint.engine_io import writer_of
-
     engine = _engine(2, args.async_width, args.async_layers, {"checkpoint": {"writer": {"decoupled": True}}})
     i = 0
     for _ in range(3):
@@ -153,14 +151,18 @@ def _async_worker(rank, world, port, args, out_dir):
         i += 1
         plain.append(_step(engine, rank, i))
     where = os.path.join(out_dir, "async")
-    writer = writer_of(engine)
+    writer = engine.checkpoint_writer
     blocking, in_flight, overlapped, write_s = [], [], [], []
     for r in range(args.repeats):
         t0 = time.perf_counter()
         engine.save_checkpoint(where, tag=f"a{r}")
         blocking.append(time.perf_counter() - t0)
         n = 0
-        while writer.busy:
+        while True:  # the ranks agree on each step (their writers finish at different times; steps are collective)
+            busy = torch.tensor([float(writer.busy)])
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+            if not busy.item():
+                break
             i += 1
             in_flight.append(_step(engine, rank, i))
             n += 1

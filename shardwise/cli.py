@@ -29,10 +29,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     def handle(ns: argparse.Namespace) -> int:
         from shardwise import launcher
 
-        if ns.autotuning:  # DeepSpeed's --autotuning tune|run
-            from shardwise.launcher.ds_flags import autotune_then_run
+        if ns.autotuning:  # DeepSpeed's --autotuning tune|run: the autotuner drives the launcher
+            from shardwise.autotuning import tune_then_run
 
-            return autotune_then_run(ns)
+            return tune_then_run(ns)
         return launcher.run(launcher.options_from_args(ns))
 
     parser.set_defaults(handler=handle)

@@ -169,3 +169,30 @@ def test_tag_resolution_without_an_engine(tmp_path):
     with pytest.raises(ValueError) as info:
         open_checkpoint(tmp_path)
     assert str(tmp_path / "latest") in str(info.value) and "not UTF-8" in str(info.value)
+
+
+def test_latest_is_read_defensively_by_both_formats(tmp_path):
+    """issue 30: the DeepSpeed-format detector runs first on every load; a non-UTF-8 'latest' is an error naming
+    the file (not a bare UnicodeDecodeError), and a tag leading out of the folder is refused by both formats."""
+    from shardwise.checkpoint import open_checkpoint
+    from shardwise.checkpoint.deepspeed_format import find_deepspeed_folder, is_deepspeed_checkpoint
+
+    save_dir = tmp_path / "ckpt"
+    save_dir.mkdir()
+    latest = save_dir / "latest"
+    latest.write_bytes(b"global_step\xff1")
+    with pytest.raises(ValueError) as info:
+        is_deepspeed_checkpoint(save_dir)
+    assert str(latest) in str(info.value) and "not UTF-8" in str(info.value)
+    # a DeepSpeed checkpoint beside the folder, which 'latest' points at
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "mp_rank_00_model_states.pt").write_bytes(b"not read")
+    assert find_deepspeed_folder(tmp_path, tag="outside") == outside  # a tag names a folder inside the directory
+    for tag in ("../outside", "..", "sub\\..\\..\\outside"):
+        latest.write_text(tag)
+        for read in (find_deepspeed_folder, open_checkpoint):
+            with pytest.raises(ValueError) as info:
+                read(save_dir)
+            assert str(latest) in str(info.value) and "does not hold a checkpoint tag" in str(info.value), \
+                (read.__name__, tag, str(info.value))

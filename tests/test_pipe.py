@@ -122,15 +122,98 @@ def _steps(engine, first: int, count: int, *, micro: int, rows_total: int, pipel
     return losses
 
 
-def _pipe_engine(stages: int, rows: int, micro: int = 4, zero: int = 0):
+def _pipe_engine(stages: int, rows: int, micro: int = 4, zero: int = 0, extra=None):
     import shardwise
     from shardwise.pipe import PipelineModule
 
     model = PipelineModule(layer_specs(), num_stages=stages, loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True)
     dp = torch.distributed.get_world_size() // stages
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_config(micro=micro, dp=dp, rows=rows, stage=zero))
+                                      config=_config(micro=micro, dp=dp, rows=rows, stage=zero, extra=extra))
     return engine
+
+
+def _params(engine) -> dict:
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _ckpt_agreement_async(rank: int, root: str) -> dict:
+    """A pipeline save goes through the ordinary path (2 stages, ZeRO 1): a failure on rank 1 is named
+    on every rank, and so are rank 0 refusing client_state and a damaged rank-1 file on load; asked to,
+    it saves asynchronously."""
+    import resource
+    import signal
+    import threading
+    from pathlib import Path
+
+    from shardwise.checkpoint import LoadFailed, SaveFailed, writer
+
+    out = {}
+    a = _pipe_engine(2, rows=2, zero=1)
+    _steps(a, 0, 1, micro=4, rows_total=2)
+    a.save_checkpoint(root, tag="good")
+    _steps(a, 1, 1, micro=4, rows_total=2)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:  # rank 1 may not write files over 1 KiB: the kernel refuses its writes (EFBIG)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limit[1]))
+    try:
+        a.save_checkpoint(root, tag="bad")
+        out["save_error"] = None
+    except SaveFailed as e:
+        out["save_error"] = str(e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    out["latest_after_failure"] = Path(root, "latest").read_text()
+    try:  # rank 0 alone describes client_state: the others learn why it refused
+        a.save_checkpoint(root, tag="bad_client", client_state={"bad": object()})
+        out["client_error"] = None
+    except Exception as e:
+        out["client_error"] = f"{type(e).__name__}: {e}"
+
+    # rank 1's optimizer file, truncated: only rank 1 reads it, every rank names it
+    damaged = Path(root, "good", "optim_rank1.safetensors")
+    torch.distributed.barrier()
+    if rank == 0:
+        data = damaged.read_bytes()
+        damaged.write_bytes(data[:100])
+    torch.distributed.barrier()
+    try:
+        _pipe_engine(2, rows=2, zero=1).load_checkpoint(root, tag="good")
+        out["load_error"] = None
+    except (ValueError, FileNotFoundError) as e:
+        out["load_error"] = f"{type(e).__name__}: {e}"
+        out["load_error_is_agreed"] = isinstance(e, LoadFailed)
+    torch.distributed.barrier()
+    if rank == 0:
+        damaged.write_bytes(data)
+    torch.distributed.barrier()
+
+    # asynchronous: the files are written after save_checkpoint returns (held back until then)
+    b = _pipe_engine(2, rows=2, zero=1, extra={"checkpoint": {"writer": {"decoupled": True}}})
+    _steps(b, 0, 2, micro=4, rows_total=2)
+    at_save = _params(b)
+    returned = threading.Event()
+    real_write_files = writer.SavePlan.write_files
+
+    def slow_write_files(plan):
+        returned.wait(timeout=30)
+        return real_write_files(plan)
+
+    writer.SavePlan.write_files = slow_write_files
+    try:
+        b.save_checkpoint(root, tag="async")
+        out["busy_after_return"] = b.checkpoint_writer.busy
+        returned.set()
+    finally:
+        writer.SavePlan.write_files = real_write_files
+    _steps(b, 2, 1, micro=4, rows_total=2)  # changes every weight while "async" is being written
+    b.wait_for_checkpoint()
+    c = _pipe_engine(2, rows=2, zero=1)
+    c.load_checkpoint(root)  # 'latest': the asynchronous save
+    out["async_saved"], out["async_loaded"] = at_save, _params(c)
+    out["async_steps"] = c.global_steps
+    return out
 
 
 def _ckpt_save_and_reload(ckpt_dir: str):
@@ -151,11 +234,33 @@ def _ckpt_save_and_reload(ckpt_dir: str):
     c.load_checkpoint(ckpt_dir, tag="t")
     c.save_checkpoint(ckpt_dir, tag="plain")
     plain = _steps(c, 2, 2, micro=4, rows_total=4, pipeline=False)
-    d = _pipe_engine(2, rows=2)
+    d = _pipe_engine(2, rows=2, extra={"checkpoint": {"writer": {"decoupled": True}}})
     d.load_checkpoint(ckpt_dir, tag="plain")
     back = _steps(d, 2, 2, micro=4, rows_total=4)
     return {"before": before, "after": after, "resumed": resumed, "global_steps": b.global_steps,
-            "plain": plain, "back": back}
+            "plain": plain, "back": back, "async_failure": _failing_async_save(d, ckpt_dir)}
+
+
+def _failing_async_save(engine, ckpt_dir: str) -> str | None:
+    """An asynchronous save whose files rank 3 cannot write (its file-size limit at 1 KiB: EFBIG). Ranks
+    3 and 0 (whose commit waits for rank 3) learn it from their writer; ranks 1 and 2 from the others."""
+    import resource
+    import signal
+
+    from shardwise.checkpoint import SaveFailed
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if torch.distributed.get_rank() == 3:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limit[1]))
+    try:
+        engine.save_checkpoint(ckpt_dir, tag="async_bad")
+        engine.wait_for_checkpoint()
+        return None
+    except (SaveFailed, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
 
 
 def _plain_load(rank, world, ckpt_dir):
@@ -230,14 +335,57 @@ def _check(results, cases, dp_of):
                     assert got["logits"] is None
 
 
-def _two_rank_body(rank, world):
-    return _body(rank, world, CASES_2) + [("errors", _errors(rank, world))]
+def _two_rank_body(rank, world, root):
+    return _body(rank, world, CASES_2) + [("errors", _errors(rank, world)),
+                                          ("checkpoint", _ckpt_agreement_async(rank, root))]
 
 
-def test_pipeline_parity_two_ranks_and_errors():
-    results = run_distributed(_two_rank_body, 2, timeout=240)
+def test_pipeline_parity_two_ranks_and_errors(tmp_path):
+    root = tmp_path / "ckpt"
+    results = run_distributed(_two_rank_body, 2, args=(str(root),), timeout=300)
     _check(results, CASES_2, lambda c: 2 // c["stages"])
     _check_errors([dict(r)["errors"] for r in results])
+    _check_checkpoint([dict(r)["checkpoint"] for r in results], root, tmp_path)
+
+
+def _check_checkpoint(results, root, tmp_path):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    for rank, r in enumerate(results):
+        error = r["save_error"]
+        assert error is not None, f"rank {rank}: the save with rank 1 unable to write passed"
+        assert "saving bad failed" in error and "rank 1 could not write" in error, (rank, error)
+        assert str(root / ".tmp.bad") in error, (rank, error)
+        assert r["latest_after_failure"] == "good"
+        assert r["client_error"] is not None and "cannot save object at 'client.bad'" in r["client_error"], \
+            (rank, r["client_error"])
+        assert r["client_error"].startswith("SaveFailed: saving bad_client failed") == (rank == 1), r["client_error"]
+        damaged = str(root / "good" / "optim_rank1.safetensors")
+        assert r["load_error"] is not None and damaged in r["load_error"], (rank, r["load_error"])
+        assert "truncated" in r["load_error"], (rank, r["load_error"])
+        assert r["load_error_is_agreed"] == (rank == 0), (rank, r["load_error"])  # rank 1 raises its own
+        assert r["busy_after_return"], f"rank {rank}: save_checkpoint waited for the writing (not asynchronous)"
+        assert r["async_saved"].keys() == r["async_loaded"].keys()
+        for name, value in r["async_saved"].items():
+            assert torch.equal(r["async_loaded"][name], value), (rank, name)
+        assert r["async_steps"] == 2
+    assert (root / "latest").read_text() == "async"
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == \
+        ["async", "good", "latest", "zero_to_fp32.py"]
+    # zero_to_fp32.py, run on its own, rebuilds every stage's fp32 weights of the asynchronous save
+    out = tmp_path / "fp32"
+    subprocess.run([sys.executable, str(root / "zero_to_fp32.py"), str(root), str(out), "--safe_serialization"],
+                   check=True, capture_output=True, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
+    whole = {}
+    for f in sorted(out.glob("*.safetensors")):
+        whole.update(load_file(str(f)))
+    saved = {**results[0]["async_saved"], **results[1]["async_saved"]}
+    assert whole.keys() == saved.keys()
+    for name, value in saved.items():
+        assert torch.equal(whole[name], value), name
 
 
 def test_pipeline_parity_four_ranks(tmp_path):
@@ -252,6 +400,13 @@ def test_pipeline_parity_four_ranks(tmp_path):
         torch.testing.assert_close(ck["plain"], ck["after"], rtol=1e-6, atol=0)  # plain model, 4 replicas
         torch.testing.assert_close(ck["back"], ck["after"], rtol=1e-6, atol=0)  # plain checkpoint -> pipeline
         assert ck["global_steps"] == 4
+    for rank, r in enumerate(results):  # every rank names rank 3's failure, none waits for it
+        error = dict(r)["checkpoint"]["async_failure"]
+        assert error is not None, f"rank {rank}: the asynchronous save that rank 3 could not write passed"
+        named = "File too large" if rank == 3 else "rank 3 could not write its files into"  # rank 3: its own
+        assert named in error, (rank, error)
+        assert error.startswith("SaveFailed") == (rank in (1, 2)), (rank, error)
+    assert (tmp_path / "latest").read_text() == "plain"
     # ... and into the same layers as a plain nn.Sequential in one process (no pipeline).
     plain = run_distributed(_plain_load, 1, args=(str(tmp_path),), timeout=120)[0]
     torch.testing.assert_close(plain["resumed"], dict(results[0])["checkpoint"]["after"], rtol=1e-6, atol=0)

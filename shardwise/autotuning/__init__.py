@@ -7,7 +7,7 @@ The engine side (measuring a trial and writing its metrics) is ``recorder``; the
 
 from __future__ import annotations
 
-__all__ = ["run"]
+__all__ = ["run", "tune_then_run"]
 
 
 def run(ns) -> int:
@@ -29,3 +29,28 @@ def run(ns) -> int:
     best = tuner.tune()
     print(write_results(tuner, best), flush=True)
     return 0 if best is not None else 1
+
+
+def tune_then_run(ns) -> int:
+    """``shardwise run --autotuning tune|run``: hand over to ``shardwise autotune``; with ``run``, then
+    train with the best config (the script's ``--deepspeed_config`` pointed at ``ds_config_optimal.json``)."""
+    import os
+
+    from shardwise import launcher
+    from shardwise.config import load_config
+
+    from .runner import find_config_arg
+
+    mode = ns.autotuning
+    ns.autotuning = ""
+    if not hasattr(ns, "trial_timeout"):
+        ns.trial_timeout = 900.0
+    rc = run(ns)
+    if mode == "tune" or rc != 0:
+        return rc
+    index, path = find_config_arg(list(ns.script_args))
+    best = os.path.join(load_config(path).autotuning.results_dir, "ds_config_optimal.json")
+    args = list(ns.script_args)
+    args[index] = best if args[index] == path else args[index].split("=", 1)[0] + "=" + best
+    ns.script_args = args
+    return launcher.run(launcher.options_from_args(ns))

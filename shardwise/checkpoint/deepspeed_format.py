@@ -19,8 +19,8 @@ A DeepSpeed checkpoint folder ``<dir>/<tag>/`` holds (``deepspeed/runtime/engine
 
 Each rank's flat data is cut into (parameter name, flat range) fragments, exactly what
 shardwise's own checkpoints store, and written as a native checkpoint (``convert_deepspeed_checkpoint``);
-``load_deepspeed_checkpoint`` does that into a temporary folder and loads it with the ordinary
-loader, which reshards to any world size and ZeRO stage.  Files are read with the restricted
+``engine.load_checkpoint`` does that into a temporary folder and loads it with the ordinary
+loader, which reshards to any world size and ZeRO stage (``loading.py`` tells the formats apart).  Files are read with the restricted
 unpickler of ``safe_unpickle.py``.
 """
 
@@ -31,19 +31,18 @@ import logging
 import math
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from shardwise import __version__
 from shardwise.checkpoint.files import TMP_PREFIX, write_tensors
 from shardwise.checkpoint.fragments import index_fragments
-from shardwise.checkpoint.manifest import FORMAT, VERSION
+from shardwise.checkpoint.manifest import FORMAT, VERSION, read_latest
 from shardwise.checkpoint.safe_unpickle import load_deepspeed_file
 from shardwise.checkpoint.serialize import split_state
 from shardwise.checkpoint.writer import SavePlan
+from shardwise.version import __version__
 
 logger = logging.getLogger("shardwise")
 
@@ -71,10 +70,10 @@ def find_deepspeed_folder(load_dir, tag=None) -> Path | None:
     ``load_dir`` itself when it is one; None when it is not a DeepSpeed checkpoint."""
     load_dir = Path(load_dir)
     candidates = []
+    if tag is None:
+        tag = read_latest(load_dir)  # a ValueError naming the file when it is not one folder's name
     if tag is not None:
         candidates.append(load_dir / str(tag))
-    elif (load_dir / "latest").is_file():
-        candidates.append(load_dir / (load_dir / "latest").read_text().strip())
     candidates.append(load_dir)
     for folder in candidates:
         if folder.is_dir() and not (folder / "manifest.json").exists() and \
@@ -512,20 +511,3 @@ def convert_deepspeed_checkpoint(ds_dir, out_dir, *, tag=None, param_names: list
         raise
     plan.commit([plan.write_files()])
     return plan.final
-
-
-def load_if_deepspeed(engine, load_dir, *, writer, tag=None, **options):
-    """``engine.load_checkpoint`` of a DeepSpeed checkpoint: converted into a temporary native
-    checkpoint on each rank and loaded from there; returns ``(DeepSpeed tag folder, client_state, counters)``.
-    None when ``load_dir`` is not a DeepSpeed checkpoint (the caller loads it as a native one)."""
-    from shardwise.checkpoint.engine_io import load_checkpoint
-
-    folder = find_deepspeed_folder(load_dir, tag)
-    if folder is None:
-        return None
-    names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
-    with tempfile.TemporaryDirectory(prefix="shardwise-from-deepspeed-") as tmp:
-        converted = convert_deepspeed_checkpoint(load_dir, tmp, tag=tag, param_names=names)
-        _, client_state, counters = load_checkpoint(engine, converted, writer=writer, **options)
-    logger.info("loaded DeepSpeed checkpoint %s", folder)
-    return str(folder), client_state, counters

@@ -1,11 +1,13 @@
-"""``engine.save_checkpoint`` / ``engine.load_checkpoint``.
+"""The native format: ``engine.save_checkpoint`` (every layout: ``module_weights.py`` says where the
+module weights come from) and reading one native checkpoint (``loading.py`` tells the formats apart).
 
 Layout of one checkpoint (``<save_dir>/<tag>/``)::
 
     manifest.json          what is where: tensors by name with their fragments, file checksums and
                            sizes, engine counters, data position, optimizer hyper-parameters,
                            scheduler, loss scaler, client_state, config, topology, library version
-    model.safetensors      the module's state_dict (16-bit weights when training in fp16/bf16)
+    model.safetensors      the module's state_dict, whole tensors (16-bit weights when training in fp16/bf16;
+                           a pipeline's layers of every stage, named by global layer index)
     master_rank<r>.safetensors  fp32 master weights (16-bit training) this rank owns, as fragments
     optim_rank<r>.safetensors   optimizer state this rank owns, keyed "<name>@<start>:<end>/<state>"
     extra.safetensors      tensors inside scheduler / client_state
@@ -29,9 +31,11 @@ from shardwise import comm
 from shardwise.version import __version__
 from shardwise.checkpoint import state as st
 from shardwise.checkpoint import tensor_parallel as tpc
+from shardwise.checkpoint.agreement import agree, gather_object
 from shardwise.checkpoint.files import TMP_PREFIX
 from shardwise.checkpoint.fragments import FragmentReader, index_fragments, load_fragments, rank_fragment_files
-from shardwise.checkpoint.manifest import FORMAT, VERSION, list_tags, open_checkpoint
+from shardwise.checkpoint.manifest import FORMAT, VERSION, Checkpoint
+from shardwise.checkpoint.module_weights import ModuleWeights, WeightsSource, collect_module_weights, default_source
 from shardwise.checkpoint.serialize import join_state, split_state
 from shardwise.checkpoint.writer import CheckpointWriter, SavePlan, raise_if_failed, snapshot, try_prepare
 from shardwise.training_state import StepCounters
@@ -50,9 +54,15 @@ def _describe(tensors: dict[str, torch.Tensor], file: str) -> dict:
 
 def wait_for_save(writer: CheckpointWriter) -> None:
     """Every rank: wait until the asynchronous save in flight (if any) is committed. Collective
-    when a save was in flight (one was on every rank then, saves being collective)."""
-    if writer.wait():
-        comm.barrier()  # rank 0 has committed: 'latest' names the new tag for everyone
+    when a save was in flight (one was on every rank then, saves being collective): the ranks agree
+    on its outcome, so a rank whose part failed is named on every rank (a failing rank raises its own)."""
+    error = None
+    try:
+        in_flight = writer.wait()
+    except RuntimeError as e:  # this rank's writing (on rank 0: the commit) failed
+        in_flight, error = True, e
+    if in_flight:  # once agreed, rank 0 has committed: 'latest' names the new tag for everyone
+        agree(error, lambda failures: raise_if_failed(failures, "the asynchronous save"))
 
 
 def _is_async(engine) -> bool:
@@ -61,10 +71,14 @@ def _is_async(engine) -> bool:
 
 
 def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, client_state=None,
-                    save_latest=True, exclude_frozen_parameters=False) -> bool:
+                    save_latest=True, exclude_frozen_parameters=False, weights: WeightsSource | None = None) -> bool:
     """``engine``: the engine's ``TrainingState`` (``shardwise/training_state.py``); ``writer``: its
-    background writer (asynchronous saves)."""
-    writer.wait()  # the previous asynchronous save, if any, is committed before this one starts
+    background writer (asynchronous saves); ``weights``: where the module weights come from
+    (``module_weights.py``; default: this rank's module, gathered over tensor ranks when sharded).
+
+    Every step that can fail on one rank (preparing the folder, writing, committing) ends in a gather
+    of each rank's outcome, so a failure is a :class:`SaveFailed` naming it on every rank."""
+    wait_for_save(writer)  # the previous asynchronous save, if any, is committed before this one starts
     started = time.perf_counter()
     save_dir = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.counters.global_steps}"
@@ -74,7 +88,7 @@ def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, cli
     plan = SavePlan(tmp=save_dir / f"{TMP_PREFIX}{tag}", final=save_dir / tag, rank=rank, world=world,
                     save_latest=save_latest, copied=asynchronous)
     # rank 0 clears debris of interrupted saves and makes .tmp.<tag>; every rank learns if it could not
-    raise_if_failed(_all_gather_object(try_prepare(save_dir, plan.tmp) if rank == 0 else None), f"saving {tag}")
+    raise_if_failed(gather_object(try_prepare(save_dir, plan.tmp) if rank == 0 else None), f"saving {tag}")
 
     descs = []
     for name, tensors, file_descs in rank_fragment_files(engine, rank):
@@ -89,34 +103,32 @@ def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, cli
     private = _rank_optimizer_state(engine)
     if private:  # per-rank optimizer state (1-bit optimizers' error feedback): one file per rank
         plan.tensors[f"optim_private_rank{rank}.safetensors"] = snapshot(private) if asynchronous else private
-    all_descs = [d for part in _all_gather_object(descs) for d in part]
+    all_descs = [d for part in gather_object(descs) for d in part]
 
-    # Stage 3 assembles the full weights collectively; other stages read them on rank 0 alone.
-    tp = tpc.view_of(engine)
-    module_sd = engine.strategy.module_state_dict(engine.module) \
-        if (rank == 0 or engine.strategy.gathers_module_state or tp.active) else None
-    if tp.active:  # model.safetensors holds whole tensors: gathered over the tensor group
-        module_sd = tpc.gather_state_dict(module_sd, tp)
+    module = collect_module_weights(engine, weights or default_source(engine))  # rank 0: the whole module
+    error = None
     if rank == 0:
-        plan.manifest = _manifest(engine, plan, module_sd, client_state or {}, exclude_frozen_parameters)
-        plan.manifest["tensors"].update(index_fragments(all_descs))
-        plan.manifest["tag"] = tag
+        try:  # e.g. client_state holding what cannot be stored without pickle
+            plan.manifest = _manifest(engine, plan, module, client_state or {}, exclude_frozen_parameters)
+            plan.manifest["tensors"].update(index_fragments(all_descs))
+            plan.manifest["tag"] = tag
+        except Exception as e:
+            error = e
+    agree(error, lambda failures: raise_if_failed(failures, f"saving {tag}"))  # rank 0 raises its own
     if asynchronous:
         writer.start(plan)
         return True
-    reports = _all_gather_object(plan.try_write_files())
+    reports = gather_object(plan.try_write_files())
     raise_if_failed(reports, f"saving {tag}")  # e.g. a full disk on one rank: an error on every rank
-    raise_if_failed(_all_gather_object(plan.try_commit(reports) if rank == 0 else None), f"saving {tag}")
+    raise_if_failed(gather_object(plan.try_commit(reports) if rank == 0 else None), f"saving {tag}")
     _log_statistics(engine, plan, reports, started)
     return True
 
 
-def _manifest(engine, plan: SavePlan, module_sd: dict, client_state: dict, exclude_frozen: bool) -> dict:
+def _manifest(engine, plan: SavePlan, module: ModuleWeights, client_state: dict, exclude_frozen: bool) -> dict:
     """Rank 0: the shared files (module weights, scheduler/client tensors) and the manifest."""
-    aliases = st.tied_names(engine.module)
-    module_keys = [k for k in engine.module.state_dict(keep_vars=True) if k in module_sd or k in aliases]
-    module_sd = {k: v for k, v in module_sd.items() if k not in aliases}
-    frozen = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)
+    aliases, module_keys, frozen = module.aliases, module.keys, module.frozen
+    module_sd = {k: v for k, v in module.state.items() if k not in aliases}
     if exclude_frozen:
         module_keys = [k for k in module_keys if aliases.get(k, k) not in frozen]
         module_sd = {k: v for k, v in module_sd.items() if k not in frozen}
@@ -138,7 +150,8 @@ def _manifest(engine, plan: SavePlan, module_sd: dict, client_state: dict, exclu
         "frozen": frozen,
         "topology": {"world_size": comm.get_world_size(), "dp_world_size": engine.dp_world_size,
                      "zero_stage": engine.strategy.stage,
-                     **({"tensor_parallel_size": tpc.view_of(engine).size} if tpc.view_of(engine).active else {})},
+                     **({"tensor_parallel_size": tpc.view_of(engine).size} if tpc.view_of(engine).active else {}),
+                     **module.topology},
         "engine": {
             "global_steps": engine.counters.global_steps,
             "global_samples": engine.counters.global_samples,
@@ -164,19 +177,11 @@ def _log_statistics(engine, plan: SavePlan, reports: list[dict], started: float)
                 per_rank)
 
 
-def _all_gather_object(obj) -> list:
-    if comm.get_world_size() == 1:
-        return [obj]
-    out = [None] * comm.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
 def _validate_tag(engine, tag: str) -> None:
     mode = str(engine.config.checkpoint.tag_validation).lower()
     if mode == "ignore" or comm.get_world_size() == 1:
         return
-    tags = set(_all_gather_object(tag))
+    tags = set(gather_object(tag))
     if len(tags) > 1:
         msg = f"save_checkpoint: ranks were given different tags {sorted(tags)}"
         if mode == "fail":
@@ -184,24 +189,12 @@ def _validate_tag(engine, tag: str) -> None:
         logger.warning(msg)
 
 
-def load_checkpoint(engine, load_dir, *, writer: CheckpointWriter, tag=None, load_module_strict=True,
-                    load_optimizer_states=True, load_lr_scheduler_states=True, load_module_only=False):
-    """Load into the parts of ``engine`` (a ``TrainingState``). Returns ``(folder, client_state, counters)``;
-    ``counters`` (``StepCounters``, None with ``load_module_only``) are for the engine to apply."""
-    wait_for_save(writer)
-    from shardwise.checkpoint.deepspeed_format import load_if_deepspeed  # DeepSpeed's own layout
-
-    loaded = load_if_deepspeed(engine, load_dir, writer=writer, tag=tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
-    if loaded is not None:
-        return loaded
-    ckpt = open_checkpoint(load_dir, tag)
-    if ckpt is None:
-        tags = list_tags(Path(load_dir))
-        logger.warning("load_checkpoint: no 'latest' file in %s and no tag given; nothing loaded%s", load_dir,
-                       f" (tags there: {', '.join(tags)})" if tags else "")
-        return None, None, None
+def read_checkpoint(engine, ckpt: Checkpoint, *, load_module_strict=True, load_optimizer_states=True,
+                    load_lr_scheduler_states=True, load_module_only=False):
+    """Load the native checkpoint ``ckpt`` into the parts of ``engine`` (a ``TrainingState``). Returns
+    ``(folder, client_state, counters)``; ``counters`` (``StepCounters``, None with ``load_module_only``)
+    are for the engine to apply. Runs no collective: every rank reads what it needs and the caller
+    (``loading.py``) agrees on the outcome."""
     manifest = ckpt.manifest
     model_state = ckpt.read("model.safetensors")
     for alias, name in manifest.get("aliases", {}).items():
@@ -238,7 +231,6 @@ def load_checkpoint(engine, load_dir, *, writer: CheckpointWriter, tag=None, loa
         if manifest["topology"]["world_size"] == comm.get_world_size() and f"rank{rank}.json" in manifest["files"]:
             meta = json.loads(ckpt.check(f"rank{rank}.json").read_text())
             st.set_rng_state(meta["rng"], ckpt.read(f"rank{rank}.safetensors"))
-    comm.barrier()
     return str(ckpt.folder), client_state, counters
 
 

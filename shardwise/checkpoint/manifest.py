@@ -99,20 +99,32 @@ def resolve_tag(load_dir: Path, tag=None) -> str | None:
     """``tag``, or the one named in ``load_dir/latest``; None when neither exists."""
     if tag is not None:
         return str(tag)
-    latest = Path(load_dir) / "latest"
-    if not latest.exists():
+    return read_latest(load_dir)
+
+
+def read_latest(load_dir) -> str | None:
+    """The tag named in ``load_dir/latest`` (None without that file), read defensively: the file must be
+    UTF-8 text naming one folder inside ``load_dir`` (no ``/``, ``..`` or NUL), whatever wrote it (this
+    format or DeepSpeed's); anything else is a ValueError naming the file."""
+    load_dir = Path(load_dir)
+    latest = load_dir / "latest"
+    if not latest.is_file():
         return None
     raw = latest.read_bytes()
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError as e:
         raise ValueError(f"{latest} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); it should "
-                         f"hold one checkpoint tag such as 'global_step100'; tags in {load_dir}: "
-                         f"{', '.join(list_tags(Path(load_dir))) or 'none'}") from None
-    if not tag or "/" in tag or "\0" in tag:
-        raise ValueError(f"{latest} does not hold a checkpoint tag (got {tag!r}); tags in {load_dir}: "
-                         f"{', '.join(list_tags(Path(load_dir))) or 'none'}")
+                         f"hold one checkpoint tag such as 'global_step100'; {_folders_hint(load_dir)}") from None
+    if not tag or any(c in tag for c in "/\\\0") or tag in (".", ".."):
+        raise ValueError(f"{latest} does not hold a checkpoint tag (got {tag!r}): a tag names one folder inside "
+                         f"{load_dir}; {_folders_hint(load_dir)}")
     return tag
+
+
+def _folders_hint(load_dir: Path) -> str:
+    tags = list_tags(load_dir) or sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return f"tags in {load_dir}: {', '.join(tags) or 'none'}"
 
 
 def checkpoint_folder(load_dir: Path, tag: str) -> Path:

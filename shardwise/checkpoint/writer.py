@@ -145,7 +145,8 @@ def _write_in_background(plan: SavePlan) -> None:
     try:
         report = {k: list(v) for k, v in plan.write_files().items()}
     except BaseException as e:  # tell rank 0, which would otherwise wait for this rank's files
-        write_json(_done_file(plan.tmp, plan.rank), {"error": f"{type(e).__name__}: {e}"})
+        write_json(_done_file(plan.tmp, plan.rank),
+                   {"error": f"rank {plan.rank} could not write its files into {plan.tmp}: {type(e).__name__}: {e}"})
         raise
     write_json(_done_file(plan.tmp, plan.rank), report)
     if plan.rank != 0:
@@ -164,8 +165,8 @@ def _write_in_background(plan: SavePlan) -> None:
     for r in range(plan.world):
         done = _done_file(plan.tmp, r)
         report = json.loads(done.read_text())
-        if "error" in report:
-            raise RuntimeError(f"rank {r} could not write its part of {plan.final}: {report['error']}")
+        if "error" in report:  # the report names the rank and the folder
+            raise RuntimeError(f"{plan.final} was not committed: {report['error']}")
         reports.append({k: tuple(v) for k, v in report.items()})
         done.unlink()
     plan.commit(reports)

@@ -12,7 +12,8 @@ declared in ``options.py``; the rest are here, with what each becomes:
   (and it turns binding on);
 * ``--venv_script PATH`` -> every worker runs after ``source PATH`` (a virtualenv's activate);
 * ``--autotuning tune|run`` -> ``shardwise autotune`` with the same flags; ``run`` then launches
-  the script with the best config found;
+  the script with the best config found (``shardwise.autotuning.tune_then_run``: the tool built on
+  the launcher calls into it, never the other way);
 * ``--log_level LEVEL`` / ``-q`` -> the launcher's own log level.
 
 No ``deepspeed`` console script is installed: it would shadow a real DeepSpeed.
@@ -89,25 +90,3 @@ def wrap_worker(opts, program: str, args: list[str]) -> tuple[str, list[str]]:
         args = ["-m", "shardwise.launcher.rank_log", os.path.abspath(opts.enable_each_rank_log), stamp, "--", program, *args]
         program = os.environ.get("PYTHON_EXEC", sys.executable)
     return program, args
-
-
-def autotune_then_run(ns: argparse.Namespace) -> int:
-    """``--autotuning tune|run``: hand over to ``shardwise autotune``; with ``run``, then train with
-    the best config (the script's ``--deepspeed_config`` pointed at ``ds_config_optimal.json``)."""
-    from shardwise import autotuning, launcher
-    from shardwise.autotuning.runner import find_config_arg
-    from shardwise.config import load_config
-
-    mode = ns.autotuning
-    ns.autotuning = ""
-    if not hasattr(ns, "trial_timeout"):
-        ns.trial_timeout = 900.0
-    rc = autotuning.run(ns)
-    if mode == "tune" or rc != 0:
-        return rc
-    index, path = find_config_arg(list(ns.script_args))
-    best = os.path.join(load_config(path).autotuning.results_dir, "ds_config_optimal.json")
-    args = list(ns.script_args)
-    args[index] = best if args[index] == path else args[index].split("=", 1)[0] + "=" + best
-    ns.script_args = args
-    return launcher.run(launcher.options_from_args(ns))

@@ -89,20 +89,26 @@ class PipelineEngine(Engine):
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False):
         """Every stage's layers in one checkpoint, named by global layer index (loads at any number of
-        stages, or into the same layers without a pipeline). Collective; written synchronously."""
-        from shardwise.pipe.checkpoint import save_checkpoint
+        stages, or into the same layers without a pipeline): the ordinary save (agreed errors, asynchronous
+        when configured, ``zero_to_fp32.py``), with the module weights sent to rank 0 by every stage."""
+        from shardwise.checkpoint import WeightsSource, save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                               exclude_frozen_parameters=exclude_frozen_parameters)
+        saved = save_checkpoint(self.training_state(), save_dir, writer=self.checkpoint_writer, tag=tag,
+                                client_state=client_state or {}, save_latest=save_latest,
+                                exclude_frozen_parameters=exclude_frozen_parameters,
+                                weights=WeightsSource.PIPELINE_STAGES)
+        self._copy_recovery_script(save_dir)
+        return saved
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """The ordinary load (names are layer-indexed, so any stage count works); ``load_module_strict``
         judges the layers this stage holds, as the checkpoint holds every stage's."""
-        from shardwise.pipe.checkpoint import check_stage_layers
+        from shardwise.checkpoint.loading import check_stage_layers
 
         if load_module_strict:
-            check_stage_layers(self, load_dir, tag)
+            self.wait_for_checkpoint()  # a save in flight is committed first, so 'latest' names it
+            check_stage_layers(self, load_dir, tag, stage_id=self.stage_id)
         return super().load_checkpoint(load_dir, tag=tag, load_module_strict=False,
                                        load_optimizer_states=load_optimizer_states,
                                        load_lr_scheduler_states=load_lr_scheduler_states,

@@ -81,6 +81,15 @@ def _layer_name(layer) -> str:
     return getattr(layer, "__name__", type(layer).__name__)
 
 
+def _layer_type_name(layer) -> str | None:
+    """The class name a ``type:<regex>`` partition method matches against."""
+    if isinstance(layer, LayerSpec):
+        return layer.typename.__name__
+    if hasattr(layer, "parameters") and hasattr(layer, "forward"):
+        return type(layer).__name__
+    return getattr(layer, "__name__", None)
+
+
 class PipelineModule(nn.Module):
     """DeepSpeed's ``PipelineModule``: ``layers`` (LayerSpec, TiedLayerSpec, modules or callables)
     run in sequence, each one's output feeding the next, cut into ``num_stages`` stages.
@@ -174,7 +183,7 @@ class PipelineModule(nn.Module):
             return partition_balanced(self._count_layer_params(), total)
         if m.startswith("type:"):
             pattern = str(method)[len("type:"):]
-            hits = set(find_layer_type(self._layer_specs, pattern))
+            hits = set(find_layer_type([_layer_type_name(x) for x in self._layer_specs], pattern))
             if not hits:
                 raise ValueError(f"partition_method={method!r}: no layer class name matches {pattern!r} "
                                  f"(layers: {sorted({_layer_name(x) for x in self._layer_specs})})")

@@ -61,20 +61,11 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     return best
 
 
-def layer_type_name(layer) -> str | None:
-    """The class name a ``type:<regex>`` partition method matches against."""
-    from shardwise.pipe.module import LayerSpec
-
-    if isinstance(layer, LayerSpec):
-        return layer.typename.__name__
-    if hasattr(layer, "parameters") and hasattr(layer, "forward"):
-        return type(layer).__name__
-    return getattr(layer, "__name__", None)
-
-
-def find_layer_type(layers: Sequence, pattern: str) -> list[int]:
+def find_layer_type(names: Sequence[str | None], pattern: str) -> list[int]:
+    """Indices of the layers whose class name (``names``, None for a nameless layer) matches ``pattern``
+    (a ``type:<regex>`` partition method), ignoring case."""
     regex = re.compile(pattern, re.IGNORECASE)
-    return [i for i, layer in enumerate(layers) if (name := layer_type_name(layer)) and regex.search(name)]
+    return [i for i, name in enumerate(names) if name and regex.search(name)]
 
 
 def check_boundaries(parts: Sequence[int], num_layers: int, num_parts: int) -> list[int]:
