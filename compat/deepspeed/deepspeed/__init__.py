@@ -13,8 +13,10 @@ import importlib.machinery
 import importlib.util
 import sys
 from importlib import metadata as _metadata
+from pathlib import Path
 
 import shardwise as _shardwise
+from shardwise import _unsupported
 
 __shardwise__ = True
 DEEPSPEED_API_VERSION = "0.19.8"  # the DeepSpeed release whose names and behaviour shardwise follows
@@ -44,11 +46,31 @@ class _AliasLoader(importlib.abc.Loader):
         module.__spec__ = self._own_spec
 
 
+_HERE = Path(__file__).resolve().parent
+
+# DeepSpeed paths whose shardwise module has another name (the rest map deepspeed.X.Y -> shardwise.X.Y).
+PATHS: dict[str, str] = {
+    "runtime.activation_checkpointing.checkpointing": "shardwise.checkpointing",  # one module, one set of settings
+}
+
+
 class _AliasFinder(importlib.abc.MetaPathFinder):
+    """``deepspeed.X.Y``: this package's own module of that path if it has one (DeepSpeed's internal
+    names, thin adapters), else the shardwise module the path table or the same name points to."""
+
     def find_spec(self, fullname, path=None, target=None):
         if not fullname.startswith("deepspeed."):
             return None
-        real = "shardwise." + fullname.removeprefix("deepspeed.")
+        parts = fullname.split(".")[1:]
+        folder = _HERE.joinpath(*parts[:-1])
+        if (folder / parts[-1] / "__init__.py").is_file() or (folder / f"{parts[-1]}.py").is_file():
+            return importlib.machinery.PathFinder.find_spec(fullname, [str(folder)])
+        tail = ".".join(parts)
+        real = PATHS.get(tail, "shardwise." + tail)
+        reason = _unsupported._reason(real)
+        if reason is not None:
+            raise _unsupported.UnsupportedPathError(f"{fullname} is not supported by shardwise: {reason}. "
+                                                    "See docs/deepspeed-compat.md", name=fullname)
         spec = importlib.util.find_spec(real)  # raises shardwise's "not supported" error for known gaps
         if spec is None:
             return None

@@ -6,7 +6,7 @@ accelerate's ``accelerate launch --use_deepspeed`` reads ``DEEPSPEED_ENVIRONMENT
 """
 from __future__ import annotations
 
-from .environment import ENV_FILE_NAMES
+from shardwise.launcher.environment import ENV_FILE_NAMES
 
 DEEPSPEED_ENVIRONMENT_NAME = ENV_FILE_NAMES[0]  # ".deepspeed_env"
 
