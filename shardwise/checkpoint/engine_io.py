@@ -172,6 +172,11 @@ def _all_gather_object(obj) -> list:
     return out
 
 
+class CheckpointTagMismatch(ValueError, AssertionError):
+    """Ranks were given different checkpoint tags (tag_validation 'Fail'). A ValueError (a user mistake)
+    that is also the AssertionError DeepSpeed raises here, so callers of either kind catch it."""
+
+
 def _validate_tag(engine, tag: str) -> None:
     mode = str(engine.config.checkpoint.tag_validation).lower()
     if mode == "ignore" or comm.get_world_size() == 1:
@@ -180,7 +185,7 @@ def _validate_tag(engine, tag: str) -> None:
     if len(tags) > 1:
         msg = f"save_checkpoint: ranks were given different tags {sorted(tags)}"
         if mode == "fail":
-            raise ValueError(msg + " (checkpoint.tag_validation is 'Fail')")
+            raise CheckpointTagMismatch(msg + " (checkpoint.tag_validation is 'Fail')")
         logger.warning(msg)
 
 

@@ -294,7 +294,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self.timers.stop("backward")
         self._loss_sum += loss.detach().float().reshape(())
         self._loss_count += 1
-        return loss
+        # DeepSpeed's return value: the loss as backpropagated, before loss scaling
+        return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
 
     def _begin_backward(self) -> None:
         """Before autograd runs: arm the strategy's gradient hooks (reduce at the boundary or, for the
