@@ -236,7 +236,7 @@ class PipelineEngine(Engine):
             sched.ReduceGrads: self._exec_reduce_grads,
             sched.OptimizerStep: self._exec_optimizer_step,
         }
-        for ins in schedule:
+        for ins in schedule.instructions():
             handlers[type(ins)](ins, st)
         self._act_out.wait()
         self._grad_out.wait()

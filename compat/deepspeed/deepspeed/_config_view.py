@@ -1,27 +1,23 @@
 """A DeepSpeed config class (``DeepSpeedZeroConfig(**block)``, ...) as a view of shardwise's model of the
 same block: the keys go through shardwise's loader (deprecated names upgraded, unknown keys and wrong
-types refused with ``shardwise.config.ConfigError``), and attributes answer under DeepSpeed's field names."""
+types refused: unknown keys with ``shardwise.config.ConfigError``, wrong values with pydantic's ``ValidationError``), and attributes answer under DeepSpeed's field names."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from shardwise.config.errors import ConfigError, validation_problems
+from shardwise.config.errors import ConfigError
 from shardwise.config.loader import Report, normalise
 
 
 def validate_block(model: type[BaseModel], data: dict[str, Any], where: str) -> BaseModel:
     report = Report()
     cleaned = normalise(dict(data), model, where, report)
-    problems = list(report.problems)
-    try:
-        value = model.model_validate(cleaned)
-    except ValidationError as exc:
-        problems += validation_problems(exc)
-    if problems:
-        raise ConfigError(problems, source=where)
-    return value
+    if report.problems:
+        raise ConfigError(report.problems, source=where)
+    # a wrong value raises pydantic's ValidationError, as DeepSpeed's pydantic config classes do
+    return model.model_validate(cleaned)
 
 
 class ConfigView:
