@@ -90,7 +90,13 @@ for _name in ("runtime.engine", "runtime.lr_schedules", "runtime.zero.partition_
 del _name
 
 
+# top-level names of DeepSpeed that live in this package rather than in shardwise
+_OWN = {"DeepSpeedConfig": "deepspeed.runtime.config"}
+
+
 def __getattr__(name: str):
+    if name in _OWN:
+        return getattr(importlib.import_module(_OWN[name]), name)
     try:
         return getattr(_shardwise, name)
     except AttributeError as exc:
