@@ -64,6 +64,8 @@ def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, cli
                     save_latest=True, exclude_frozen_parameters=False) -> bool:
     """``engine``: the engine's ``TrainingState`` (``shardwise/training_state.py``); ``writer``: its
     background writer (asynchronous saves)."""
+    if not save_dir:
+        raise ValueError(f"save_checkpoint: save_dir must name a folder, got {save_dir!r}")
     writer.wait()  # the previous asynchronous save, if any, is committed before this one starts
     started = time.perf_counter()
     save_dir = Path(save_dir)
