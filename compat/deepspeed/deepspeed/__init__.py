@@ -71,7 +71,12 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         if reason is not None:
             raise _unsupported.UnsupportedPathError(f"{fullname} is not supported by shardwise: {reason}. "
                                                     "See docs/deepspeed-compat.md", name=fullname)
-        spec = importlib.util.find_spec(real)  # raises shardwise's "not supported" error for known gaps
+        try:
+            spec = importlib.util.find_spec(real)
+        except ModuleNotFoundError as exc:
+            if exc.name == real or not real.startswith(exc.name or "?"):
+                raise
+            return None  # shardwise has no parent package of that name: "No module named 'deepspeed....'"
         if spec is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real),
