@@ -1,9 +1,11 @@
 """``deepspeed`` as a name for shardwise (the opt-in compatibility distribution, compat/deepspeed).
 
-Nothing here trains: ``deepspeed.<name>`` is ``shardwise.<name>``, and importing ``deepspeed.X.Y``
-imports ``shardwise.X.Y`` and registers that same module object under the DeepSpeed name, so
+Nothing here trains: ``deepspeed.<name>`` is ``shardwise.<name>``, and importing ``deepspeed.X.Y`` gives
+this package's own module of that path if it has one (DeepSpeed's internal names, thin adapters onto
+shardwise), else the shardwise module ``PATHS`` names, else ``shardwise.X.Y``, registered under the
+DeepSpeed name as that same module object, so
 ``deepspeed.runtime.engine.DeepSpeedEngine is shardwise.runtime.engine.DeepSpeedEngine``. Paths
-shardwise does not provide fail with shardwise's message saying why. See docs/hf-trainer.md.
+shardwise does not provide fail with shardwise's message saying why. See docs/deepspeed-compat.md.
 """
 from __future__ import annotations
 
