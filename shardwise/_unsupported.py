@@ -49,7 +49,6 @@ NOT_SUPPORTED: dict[str, str] = {
                                     "torch's flex_attention",
     "ops.quantizer": "quantization kernels are not implemented",
     "ops.deepspeed4science": "DeepSpeed4Science kernels are not implemented",
-    "ops.op_builder": "there are no C++/CUDA extensions to build: optimizers use torch's fused kernels",
     "ops.aio": "use zero_optimization.offload_* with device nvme; the raw aio handle is not public",
     "autotuning.autotuner": "use `shardwise autotune` (or `shardwise run --autotuning tune`)",
     "launcher.launch": "use `shardwise run`",

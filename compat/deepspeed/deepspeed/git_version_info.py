@@ -7,8 +7,8 @@ import shardwise
 version = shardwise.__version__
 git_hash = None
 git_branch = None
-installed_ops: dict[str, bool] = {}
-compatible_ops: dict[str, bool] = {}
+installed_ops: dict[str, bool] = {}  # no op is compiled
+compatible_ops: dict[str, bool] = {}  # filled in below from deepspeed.ops.op_builder
 accelerator_name = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -30,3 +30,13 @@ torch_info = {
     "nccl_version": _nccl(),
     "hip_version": _major_minor(getattr(torch.version, "hip", None)),
 }
+
+
+def _compatible() -> None:
+    from .ops.op_builder import ALL_OPS
+
+    installed_ops.update(dict.fromkeys(ALL_OPS, False))
+    compatible_ops.update({name: b.is_compatible() for name, b in ALL_OPS.items()})
+
+
+_compatible()
