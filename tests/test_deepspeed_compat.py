@@ -468,3 +468,13 @@ def test_compat_package_paths_and_adapters(tmp_path):
     out = subprocess.run([sys.executable, str(probe), str(compat)], env=env, capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_initialize_without_a_model_raises_value_and_assertion_error():
+    """DeepSpeed asserts a model is given; shardwise's error is a ValueError that is also an AssertionError."""
+    import shardwise
+
+    with pytest.raises(ValueError, match=r"needs model=\.\.\.$"):
+        shardwise.initialize(config={"train_batch_size": 1})
+    with pytest.raises(AssertionError, match="a model given first is taken as args"):
+        shardwise.initialize(torch.nn.Linear(2, 2), config={"train_batch_size": 1})
