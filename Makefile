@@ -1,12 +1,13 @@
 # Two entry points, both starting from a fresh machine:
 #   make demo   - create .venv, install shardwise, train the demo GPT on 2 CPU processes
 #   make test   - create .venv, install shardwise with test extras, run the test suite
+#   make deepspeed-unit-tests - DeepSpeed's own unit tests through compat/deepspeed (~10 min; own venv)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; a plain `pip install torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean deepspeed-unit-tests
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,8 +25,11 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+deepspeed-unit-tests:
+	compat/run-deepspeed-unit-tests.sh
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/zero_vs_ddp.py
 
 clean:
-	rm -rf $(VENV) checkpoints *.egg-info
+	rm -rf $(VENV) checkpoints *.egg-info .dsu-venv .dsu-out .dsu-out.summary.txt

@@ -22,6 +22,11 @@ __all__ = ["__version__", "add_config_arguments", "comm", "get_accelerator", "in
            "log_dist", "logger"]
 
 
+class MissingModelError(ValueError, AssertionError):
+    """``initialize()`` without a model: a ValueError (a user mistake) that is also the AssertionError
+    DeepSpeed raises there."""
+
+
 def initialize(
     args=None,
     model=None,
@@ -45,7 +50,8 @@ def initialize(
     from shardwise.runtime.engine import Engine
 
     if model is None:
-        raise ValueError("initialize() needs model=...")
+        hint = " (a model given first is taken as args: pass model=...)" if hasattr(args, "parameters") else ""
+        raise MissingModelError("initialize() needs model=..." + hint)
     source = _config_source(args, config, config_params)
     cfg = load_config(source)
     from shardwise.tensor_parallel.autotp import merge_tp_model_init

@@ -30,15 +30,12 @@ NOT_SUPPORTED: dict[str, str] = {
     "compile": "DeepCompile is not implemented; torch.compile the model yourself",
     "nvme": "the NVMe benchmark tools are not provided (ZeRO's NVMe offload is: zero_optimization.offload_*)",
     "io": "DeepNVMe's public I/O handles are not provided",
-    "runtime.config": "DeepSpeedConfig is not provided: shardwise.config.load_config reads the same JSON",
-    "runtime.zero.config": "the ZeRO config classes are not provided: shardwise.config.load_config reads the block",
     "runtime.checkpoint_engine": "checkpoints are written by shardwise.checkpoint (safetensors + manifest)",
     "monitor.monitor": "MonitorMaster is internal: the engine builds the monitors from the config",
     "runtime.hybrid_engine": "the RLHF hybrid engine is not implemented",
     "runtime.domino": "Domino tensor-parallel overlap is not implemented",
     "runtime.data_pipeline": "curriculum learning / data efficiency is not implemented",
     "runtime.fp16": "DeepSpeed's fp16 optimizer wrappers are internal; use the config's fp16 block",
-    "runtime.bf16_optimizer": "DeepSpeed's bf16 optimizer wrapper is internal; use the config's bf16 block",
     "runtime.zero.stage3": "ZeRO-3's internals differ; use shardwise.runtime.zero (GatheredParameters, Init)",
     "runtime.zero.stage_1_and_2": "ZeRO-1/2's internals differ; the engine builds them from the config",
     "runtime.zero.tiling": "TiledLinear is not implemented",
@@ -52,7 +49,6 @@ NOT_SUPPORTED: dict[str, str] = {
                                     "torch's flex_attention",
     "ops.quantizer": "quantization kernels are not implemented",
     "ops.deepspeed4science": "DeepSpeed4Science kernels are not implemented",
-    "ops.op_builder": "there are no C++/CUDA extensions to build: optimizers use torch's fused kernels",
     "ops.aio": "use zero_optimization.offload_* with device nvme; the raw aio handle is not public",
     "autotuning.autotuner": "use `shardwise autotune` (or `shardwise run --autotuning tune`)",
     "launcher.launch": "use `shardwise run`",
@@ -70,7 +66,8 @@ NOT_SUPPORTED_ATTRS: dict[str, str] = {
     "replace_transformer_layer": NOT_SUPPORTED["module_inject.replace_module"],
     "revert_transformer_layer": NOT_SUPPORTED["module_inject.replace_module"],
     "DeepSpeedHybridEngine": NOT_SUPPORTED["runtime.hybrid_engine"],
-    "DeepSpeedConfig": NOT_SUPPORTED["runtime.config"],
+    "DeepSpeedConfig": "DeepSpeedConfig is in the compat package (deepspeed.runtime.config); shardwise.config.load_config "
+                       "reads the same JSON",
 }
 
 

@@ -60,7 +60,7 @@ SIGNATURES = [
     ("shardwise.comm", "barrier", ["group", "async_op", "device_ids"]),
     ("shardwise.elasticity", "compute_elastic_config", ["ds_config", "target_deepspeed_version", "world_size",
                                                         "return_microbatch"]),
-    ("shardwise.runtime.zero", "GatheredParameters", ["params", "modifier_rank", "fwd_module", "enabled"]),
+    ("shardwise.zero", "GatheredParameters", ["params", "modifier_rank", "fwd_module", "enabled"]),
 ]
 
 ENGINE_METHODS = [
@@ -107,28 +107,22 @@ def test_module_paths_resolve():
     from shardwise.accelerator import get_accelerator as ga
     from shardwise.comm import get_world_group  # noqa: F401
     from shardwise.runtime.engine import DeepSpeedEngine  # noqa: F401
-    from shardwise.runtime.lr_schedules import VALID_LR_SCHEDULES, WarmupLR  # noqa: F401
+    from shardwise.optim.lr_schedules import WarmupLR  # noqa: F401
     from shardwise.runtime.utils import see_memory_usage, set_random_seed  # noqa: F401
-    from shardwise.runtime.zero import GatheredParameters  # noqa: F401
+    from shardwise.zero import GatheredParameters  # noqa: F401
     from shardwise.utils import RepeatingLoader, log_dist as ld, logger as lg  # noqa: F401
     from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: F401
 
-    from shardwise.runtime.activation_checkpointing import checkpointing
-
-    assert checkpointing is deepspeed.checkpointing  # one module under both paths (Megatron-DeepSpeed)
     with deepspeed.OnDevice(dtype=torch.bfloat16, device="meta"):
         layer = torch.nn.Linear(3, 4)
     assert layer.weight.device.type == "meta" and layer.weight.dtype == torch.bfloat16
     assert torch.get_default_dtype() == torch.float32
     assert ga is get_accelerator and ld is log_dist and lg is logger
-    assert VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
     assert deepspeed.utils.RepeatingLoader is deepspeed.RepeatingLoader
     assert isinstance(logger, logging.Logger) and logger.name == "shardwise"
-    # Megatron-DeepSpeed's pipeline imports: the same classes under DeepSpeed's paths
-    from shardwise.runtime.pipe import LayerSpec, PipelineModule, ProcessTopology  # noqa: F401
-    from shardwise.runtime.pipe.engine import PipelineEngine
-    from shardwise.runtime.pipe.schedule import TrainSchedule  # noqa: F401
-    from shardwise.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: F401
+    # the pipeline: DeepSpeed's deepspeed.runtime.pipe.* paths are the compat package's (test below)
+    from shardwise.pipe import LayerSpec, PipelineModule  # noqa: F401
+    from shardwise.pipe.engine import PipelineEngine
 
     assert PipelineEngine is deepspeed.PipelineEngine and PipelineModule is deepspeed.pipe.PipelineModule
     assert issubclass(PipelineEngine, DeepSpeedEngine)
@@ -148,7 +142,7 @@ def test_unsupported_paths_say_so():
     with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
         shardwise.no_such_thing  # noqa: B018
     # a real module is never shadowed by the table
-    assert importlib.import_module("shardwise.runtime.zero.partition_parameters").GatheredParameters
+    assert importlib.import_module("shardwise.zero.init").GatheredParameters
 
 
 def test_accelerator_on_cpu(monkeypatch):
@@ -403,3 +397,84 @@ def test_autotuning_flag_hands_over_to_autotune(tmp_path, monkeypatch):
     assert main(["run", "--autotuning", "run", str(script), f"--deepspeed_config={cfg}"]) == 0
     best = str(tmp_path / "res" / "ds_config_optimal.json")
     assert [o.script_args for o in launched] == [[f"--deepspeed_config={best}"]]
+
+
+_COMPAT_PROBE = r"""
+import sys, warnings
+import pytest, torch
+import deepspeed, shardwise
+assert deepspeed.__file__.startswith(sys.argv[1]), deepspeed.__file__
+# DeepSpeed's paths that used to be re-export modules inside shardwise/ live in the compat package now
+from deepspeed.runtime.pipe import LayerSpec, PipelineModule, ProcessTopology
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.schedule import TrainSchedule
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, _prime_factors
+from deepspeed.runtime.activation_checkpointing import checkpointing
+from deepspeed.runtime import lr_schedules as lrs
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters, MultipleAllGatherHandles
+from deepspeed.module_inject.layers import LinearLayer
+assert PipelineModule is shardwise.pipe.PipelineModule and PipelineEngine is shardwise.pipe.engine.PipelineEngine
+assert TrainSchedule is shardwise.pipe.schedule.TrainSchedule and GatheredParameters is shardwise.zero.GatheredParameters
+assert checkpointing is shardwise.checkpointing and deepspeed.runtime.engine is shardwise.runtime.engine
+assert lrs.WarmupLR is shardwise.optim.lr_schedules.WarmupLR and lrs.WARMUP_MIN_LR == "warmup_min_lr"
+assert [getattr(lrs, n).__name__ for n in lrs.VALID_LR_SCHEDULES] == lrs.VALID_LR_SCHEDULES
+assert _prime_factors(12) == [2, 2, 3] and _prime_factors(13) == [13]
+with pytest.raises(ValueError):
+    _prime_factors(0)
+# the ZeRO block under DeepSpeed's class and field names, validated by shardwise's model
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, DeepSpeedZeroOffloadOptimizerConfig
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", FutureWarning)
+    cfg = DeepSpeedZeroConfig(stage=3, stage3_prefetch_bucket_size=7, cpu_offload=True)
+assert cfg.prefetch_bucket_size == 7 and cfg.overlap_comm is True
+assert isinstance(cfg.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig) and cfg.offload_optimizer.device == "cpu"
+assert DeepSpeedZeroOffloadOptimizerConfig(pipeline_write=True).pipeline
+with pytest.raises(ValueError, match="no_such_key"):
+    DeepSpeedZeroConfig(no_such_key=1)
+# names of what shardwise does not have: importable, refusing with the reason when used
+from deepspeed.moe.layer import MoE
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+    MoE(hidden_size=4)
+with pytest.raises(NotImplementedError, match="bf16"):
+    BF16_Optimizer()
+with pytest.raises(ModuleNotFoundError, match="deepspeed.moe.experts is not supported"):
+    import deepspeed.moe.experts
+# the launcher module: hostfile and filter helpers; main() raises ValueError like DeepSpeed's
+from deepspeed.launcher import runner
+assert runner._parse_hostfile(["a slots=2", "", "b slots=1"]) == {"a": 2, "b": 1}
+assert runner.parse_resource_filter({"a": [0, 1], "b": [0]}, exclude_str="a:1") == {"a": [0], "b": [0]}
+with pytest.raises(ValueError, match="cannot be combined with --include"):
+    runner.main(["--num_nodes", "1", "-i", "localhost", __file__])
+from deepspeed.utils.numa import parse_range_list
+assert parse_range_list("0,2-4") == [0, 2, 3, 4]
+from deepspeed.accelerator import is_current_accelerator_supported
+from deepspeed.git_version_info import torch_info
+assert is_current_accelerator_supported() and torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
+print("ok")
+"""
+
+
+def test_compat_package_paths_and_adapters(tmp_path):
+    """The compat package (compat/deepspeed, imported from the source tree): DeepSpeed's module paths moved
+    out of shardwise/, the config views, the launcher helpers, and names that refuse with a reason."""
+    for moved in ("runtime/pipe", "runtime/zero", "module_inject", "runtime/lr_schedules.py", "launcher/runner.py",
+                  "runtime/activation_checkpointing/checkpointing.py"):
+        assert not (REPO / "shardwise" / moved).exists(), f"shardwise/{moved} mirrors a DeepSpeed path: compat/ holds it"
+    compat = REPO / "compat" / "deepspeed"
+    probe = tmp_path / "probe.py"
+    probe.write_text(_COMPAT_PROBE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(compat), str(REPO)])}
+    out = subprocess.run([sys.executable, str(probe), str(compat)], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_initialize_without_a_model_raises_value_and_assertion_error():
+    """DeepSpeed asserts a model is given; shardwise's error is a ValueError that is also an AssertionError."""
+    import shardwise
+
+    with pytest.raises(ValueError, match=r"needs model=\.\.\.$"):
+        shardwise.initialize(config={"train_batch_size": 1})
+    with pytest.raises(AssertionError, match="a model given first is taken as args"):
+        shardwise.initialize(torch.nn.Linear(2, 2), config={"train_batch_size": 1})

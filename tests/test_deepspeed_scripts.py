@@ -53,8 +53,7 @@ def _client_script(rank, world_size, save_dir):
     from shardwise.accelerator import get_accelerator
     from shardwise.ops.adam import DeepSpeedCPUAdam
     from shardwise.runtime.utils import see_memory_usage, set_random_seed
-    from shardwise.runtime.zero import GatheredParameters
-    from shardwise.runtime.zero.partition_parameters import ZeroParamStatus
+    from shardwise.zero import GatheredParameters, ZeroParamStatus
     from shardwise.utils import (log_dist, safe_get_full_fp32_param, safe_get_full_optimizer_state,
                                  safe_set_full_fp32_param, safe_set_full_optimizer_state, set_z3_leaf_modules)
     from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -228,7 +227,7 @@ def _get_optimizer_grouped_parameters(model, weight_decay,
 
 
 def _z3_params_to_fetch(param_list):
-    from shardwise.runtime.zero.partition_parameters import ZeroParamStatus
+    from shardwise.zero import ZeroParamStatus
 
     return [p for p in param_list if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
 

@@ -67,15 +67,15 @@ out = {
     "version": deepspeed.__version__, "dist_version": md.version("deepspeed"), "flag": deepspeed.__shardwise__,
     "hf": hf_available(), "accelerate": bool(acc_available()),
     "same_engine": DeepSpeedEngine is shardwise.runtime.engine.Engine is deepspeed.DeepSpeedEngine,
-    "same_module": sys.modules["deepspeed.runtime.zero.partition_parameters"] is pp
-                   and pp is sys.modules["shardwise.runtime.zero.partition_parameters"],
-    "spec_kept": pp.__spec__.name,
+    "same_module": sys.modules["deepspeed.runtime.engine"] is sys.modules["shardwise.runtime.engine"]
+                   and pp.GatheredParameters is shardwise.zero.GatheredParameters,
+    "spec_kept": sys.modules["deepspeed.runtime.engine"].__spec__.name,
     "same_adam": DeepSpeedCPUAdam is sys.modules["shardwise.ops.adam"].DeepSpeedCPUAdam,
     "lr_schedules": "WarmupLR" in deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES,
     "init": deepspeed.zero.Init is shardwise.zero.Init,
 }
 try:
-    import deepspeed.moe
+    import deepspeed.moe.experts
 except ModuleNotFoundError as exc:
     out["moe"] = str(exc)
 import contextlib, io
@@ -93,8 +93,8 @@ def test_compat_package_is_deepspeed_for_hf_and_maps_every_path(venv, tmp_path, 
     assert got["version"] == got["dist_version"] and got["version"].startswith("0.19.8+shardwise.")
     assert got["flag"] is True and got["hf"] and got["accelerate"]
     assert got["same_engine"] and got["same_module"] and got["same_adam"] and got["init"] and got["lr_schedules"]
-    assert got["spec_kept"] == "shardwise.runtime.zero.partition_parameters"
-    assert "deepspeed.moe" in got["moe"] and "not supported by shardwise" in got["moe"]
+    assert got["spec_kept"] == "shardwise.runtime.engine"
+    assert "deepspeed.moe.experts is not supported by shardwise" in got["moe"]
 
     assert "deepspeed: shardwise's compatibility package 0.19.8+shardwise." in got["doctor"]
 

@@ -82,13 +82,16 @@ def test_slots_exceeded_and_too_many_nodes() -> None:
 def test_cli_reports_hostfile_errors_before_launch(tmp_path, capsys) -> None:
     hf = tmp_path / "hosts"
     hf.write_text("good slots=1\nbad slots=-1\n")
+    hf.with_name("two").write_text("localhost slots=2\n")
     script = tmp_path / "train.py"
     script.write_text("")
     cases = {
         ("--hostfile", str(hf), str(script)): f"{hf}:2: slots must be a positive integer",
         ("--hostfile", str(tmp_path / "missing"), str(script)): "cannot read it",
-        ("--include", "localhost:5", "--num_procs", "2", str(script)):
+        ("--hostfile", str(hf.with_name("two")), "--include", "localhost:5", str(script)):
             "host 'localhost' has slots 0-1 (slots=2), no slot 5",
+        ("--include", "localhost", "--num_procs", "2", str(script)):
+            "--num_nodes/--num_gpus cannot be combined with --include/--exclude",
         ("--no_ssh", "--num_nodes", "2", "--master_addr", "10.0.0.1", str(script)):
             "--no_ssh on several nodes needs --node_rank",
         ("--no_ssh", "--num_nodes", "2", "--node_rank", "1", str(script)):

@@ -17,7 +17,7 @@ def simulate(schedules):
     p = schedules[0].stages
     v = schedules[0].virtual_stages
     last = p * v - 1
-    progs = [list(s) for s in schedules]
+    progs = [list(s.instructions()) for s in schedules]
     pos = [0] * p
     channels: dict[tuple, list] = {}
     done_f, done_b = set(), set()  # (virtual stage, mb)
@@ -128,6 +128,38 @@ def test_simulator_catches_a_bad_schedule():
             return order
     with pytest.raises(AssertionError, match="received the message"):
         simulate([Broken(4, 2, s) for s in range(2)])
+
+
+def test_steps_are_lists_on_deepspeeds_clock():
+    """Iterating a schedule gives one list per step (DeepSpeed's layout): 1F1B and inference on a clock
+    common to all stages, idle steps empty, at most one computation a step, each result sent at the
+    start of the next step; the flat program is the steps' instructions in order."""
+    micro, stages = 4, 3
+    for s in range(stages):
+        sched = S.TrainSchedule(micro, stages, s)
+        steps = list(sched)
+        assert len(steps) == 2 * (micro + stages - 1) and all(isinstance(st, list) for st in steps)
+        assert [i for st in steps for i in st] == list(sched.instructions())
+        for t, st in enumerate(steps):
+            passes = [i for i in st if isinstance(i, (S.ForwardPass, S.BackwardPass))]
+            assert len(passes) <= 1
+            for i in passes:  # DeepSpeed's clock: forwards on steps of the stage's parity, backwards on the other
+                mb = i.micro_batch_id
+                assert t == (2 * mb + s if isinstance(i, S.ForwardPass) else 2 * mb + 2 * stages - s - 1)
+                assert all(0 <= j.buffer_id < sched.num_pipe_buffers() for j in st if isinstance(j, S.BufferOpInstruction))
+            sends = [k for k, i in enumerate(st) if isinstance(i, (S.SendActivation, S.SendGrad))]
+            assert sends in ([], [0])
+            if sends:
+                prev = [i for i in steps[t - 1] if isinstance(i, (S.ForwardPass, S.BackwardPass))]
+                assert prev and prev[0].micro_batch_id == st[0].micro_batch_id
+        assert sched.is_first_stage == (s == 0) and sched.is_last_stage == (s == stages - 1)
+    assert [[i.name for i in st] for st in S.TrainSchedule(2, 1, 0)] == [
+        ["LoadMicroBatch", "ForwardPass"], ["BackwardPass"], ["LoadMicroBatch", "ForwardPass"],
+        ["BackwardPass", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]]
+    assert [[i.name for i in st] for st in S.InferenceSchedule(2, 3, 1)] == [
+        [], ["RecvActivation", "ForwardPass"], ["SendActivation", "RecvActivation", "ForwardPass"], ["SendActivation"]]
+    # the other schedules: one step per computation, plus one for a last send
+    assert len(list(S.GPipeSchedule(3, 2, 0))) == 2 * 3 and len(list(S.GPipeSchedule(3, 2, 1))) == 2 * 3 + 1
 
 
 def test_bubble_fraction():

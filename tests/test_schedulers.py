@@ -175,6 +175,7 @@ def test_one_cycle_lr_and_momentum():
         beta1, beta2 = opt.param_groups[0]["betas"]
         assert beta1 == pytest.approx(mom, rel=1e-9), step
         assert beta2 == 0.999
+        assert sched.get_mom() == [(beta1, 0.999)]  # DeepSpeed's layout: per group, (momentum, beta2)
 
 
 def test_one_cycle_stairs_and_no_decay():

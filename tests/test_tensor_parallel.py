@@ -48,7 +48,7 @@ def test_layers_without_a_grid_are_plain_layers():
 
     _forget_grids()  # no active grid (an earlier in-process test may have left one)
     import shardwise.utils.groups as groups  # deepspeed.utils.groups: no grid, no tensor parallelism
-    from shardwise.runtime.pipe.topology import PipelineParallelGrid  # noqa: F401 (DeepSpeed's path)
+    from shardwise.topology import PipelineParallelGrid  # noqa: F401
 
     assert groups.get_tensor_model_parallel_world_size() == 1 and groups.get_model_parallel_rank() == 0
     torch.manual_seed(0)
@@ -200,8 +200,7 @@ def test_checkpoint_layout_of_strided_and_plain_pieces():
 
 def test_rng_tracker_streams_and_recompute():
     from shardwise import checkpointing
-    from shardwise.runtime.activation_checkpointing.checkpointing import (get_cuda_rng_tracker,
-                                                                          model_parallel_cuda_manual_seed)
+    from shardwise.checkpointing import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
     def draws(tp_rank):
         model_parallel_cuda_manual_seed(11, tp_rank=tp_rank)

@@ -78,6 +78,8 @@ def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, cli
 
     Every step that can fail on one rank (preparing the folder, writing, committing) ends in a gather
     of each rank's outcome, so a failure is a :class:`SaveFailed` naming it on every rank."""
+    if not save_dir:
+        raise ValueError(f"save_checkpoint: save_dir must name a folder, got {save_dir!r}")
     wait_for_save(writer)  # the previous asynchronous save, if any, is committed before this one starts
     started = time.perf_counter()
     save_dir = Path(save_dir)
@@ -177,6 +179,11 @@ def _log_statistics(engine, plan: SavePlan, reports: list[dict], started: float)
                 per_rank)
 
 
+class CheckpointTagMismatch(ValueError, AssertionError):
+    """Ranks were given different checkpoint tags (tag_validation 'Fail'). A ValueError (a user mistake)
+    that is also the AssertionError DeepSpeed raises here, so callers of either kind catch it."""
+
+
 def _validate_tag(engine, tag: str) -> None:
     mode = str(engine.config.checkpoint.tag_validation).lower()
     if mode == "ignore" or comm.get_world_size() == 1:
@@ -185,7 +192,7 @@ def _validate_tag(engine, tag: str) -> None:
     if len(tags) > 1:
         msg = f"save_checkpoint: ranks were given different tags {sorted(tags)}"
         if mode == "fail":
-            raise ValueError(msg + " (checkpoint.tag_validation is 'Fail')")
+            raise CheckpointTagMismatch(msg + " (checkpoint.tag_validation is 'Fail')")
         logger.warning(msg)
 
 

@@ -62,6 +62,8 @@ def parse_core_list(spec: str) -> list[int]:
     try:
         for part in spec.split(","):
             lo, _, hi = part.strip().partition("-")
+            if int(hi or lo) < int(lo):  # "6-2": a range written backwards
+                raise ValueError
             cores.extend(range(int(lo), int(hi or lo) + 1))
     except ValueError:
         raise ValueError(f"--bind_core_list {spec!r}: expected core numbers and ranges, e.g. 0,2-5") from None

@@ -194,6 +194,9 @@ def validate(opts: LaunchOptions) -> None:
         raise ValueError(f"--comm_timeout must be a positive number of seconds, got {opts.comm_timeout}")
     if opts.include and opts.exclude:
         raise ValueError("--include and --exclude cannot be combined")
+    if (opts.include or opts.exclude) and (opts.num_nodes is not None or opts.num_procs is not None):
+        raise ValueError("--num_nodes/--num_gpus cannot be combined with --include/--exclude: "
+                         "the filter already says which hosts and slots to use")
     if opts.launcher not in ("ssh", "pdsh", "slurm", "mpi"):
         raise ValueError(f"--launcher must be ssh, pdsh, slurm or mpi, got {opts.launcher!r}")
     if opts.elastic is not None:

@@ -129,10 +129,7 @@ class OneCycle(_Schedule):
         factor = 1.0 + self.decay_lr_rate * self._decay_steps()
         return [lo / factor for lo in self.min_lrs]
 
-    def get_mom(self) -> list[float] | None:
-        """The momentum (beta1) per group at the current step, or None when not cycling momentum."""
-        if not self.cycle_momentum:
-            return None
+    def _beta1(self) -> list[float]:
         if self.last_batch_iteration < self.total_size:
             scale = self._get_scale_factor()
             return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
@@ -141,11 +138,17 @@ class OneCycle(_Schedule):
         factor = 1.0 + self.decay_mom_rate * self._decay_steps()
         return [hi * factor for hi in self.max_moms]
 
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """The ``betas`` per group at the current step, ``(momentum, the group's beta2)`` as DeepSpeed
+        returns them, or None when not cycling momentum."""
+        if not self.cycle_momentum:
+            return None
+        return [(mom, group["betas"][1]) for mom, group in zip(self._beta1(), self.optimizer.param_groups)]
+
     def _apply(self) -> None:
         super()._apply()
-        moms = self.get_mom()
-        if moms is None:
+        betas = self.get_mom()
+        if betas is None:
             return
-        for group, mom in zip(self.optimizer.param_groups, moms):
-            # Only beta1 cycles; the group keeps its own beta2.
-            group["betas"] = (mom, group["betas"][1])
+        for group, pair in zip(self.optimizer.param_groups, betas):
+            group["betas"] = pair  # only beta1 cycles; the group keeps its own beta2

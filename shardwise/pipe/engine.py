@@ -231,7 +231,7 @@ class PipelineEngine(Engine):
             sched.OptimizerStep: self._exec_optimizer_step,
         }
         with self.grid.active():  # layers called without a group use this engine's grid
-            for ins in schedule:
+            for ins in schedule.instructions():
                 handlers[type(ins)](ins, st)
         self._act_out.wait()
         self._grad_out.wait()

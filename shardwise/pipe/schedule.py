@@ -11,6 +11,13 @@ receive right before the pass that needs it, a send right after the pass that pr
 Sends are asynchronous and receives block, so an order that some global execution can follow
 never deadlocks. Instruction names follow DeepSpeed's ``deepspeed.runtime.pipe.schedule``.
 
+Iterating a schedule yields one *step* at a time, a list of instructions, as DeepSpeed's schedules do:
+a step holds at most one computation, preceded by the sends of the previous step's result and the
+receives it needs (a step may be empty: the stage waits). ``TrainSchedule`` (1F1B) and
+``InferenceSchedule`` follow DeepSpeed's clock: 2 * (micro_batches + stages - 1) and
+micro_batches + stages - 1 steps, the same on every stage; the other schedules use one step per
+computation. ``instructions()`` is the same program as one flat sequence (what the engine runs).
+
 Virtual stages: with ``virtual_stages = v`` each rank holds ``v`` chunks of the model; chunk
 ``c`` of rank ``s`` is virtual stage ``c * stages + s``, so activations travel
 0 -> 1 -> ... -> stages-1 -> 0 (next chunk) -> ... and gradients the other way.
@@ -18,7 +25,7 @@ Virtual stages: with ``virtual_stages = v`` each rank holds ``v`` chunks of the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 
@@ -28,6 +35,9 @@ class PipeInstruction:
 
     micro_batch_id: int = -1
     chunk: int = 0
+    # the slot among num_pipe_buffers() that a micro-batch's activations take, reused cyclically
+    # (DeepSpeed's name; shardwise's engine keys its buffers by (micro_batch_id, chunk))
+    buffer_id: int = field(default=-1, compare=False)
 
     @property
     def name(self) -> str:
@@ -39,31 +49,35 @@ class PipeInstruction:
         return f"{self.name}(mb={self.micro_batch_id}" + (f", chunk={self.chunk})" if self.chunk else ")")
 
 
-class LoadMicroBatch(PipeInstruction):
+class BufferOpInstruction(PipeInstruction):
+    """An instruction working on one micro-batch's buffers."""
+
+
+class LoadMicroBatch(BufferOpInstruction):
     """First stage: take the inputs of the micro-batch; last stage: its labels."""
 
 
-class ForwardPass(PipeInstruction):
+class ForwardPass(BufferOpInstruction):
     pass
 
 
-class BackwardPass(PipeInstruction):
+class BackwardPass(BufferOpInstruction):
     pass
 
 
-class SendActivation(PipeInstruction):
+class SendActivation(BufferOpInstruction):
     pass
 
 
-class RecvActivation(PipeInstruction):
+class RecvActivation(BufferOpInstruction):
     pass
 
 
-class SendGrad(PipeInstruction):
+class SendGrad(BufferOpInstruction):
     pass
 
 
-class RecvGrad(PipeInstruction):
+class RecvGrad(BufferOpInstruction):
     pass
 
 
@@ -107,30 +121,76 @@ class PipeSchedule:
     def virtual_stage(self, chunk: int) -> int:
         return chunk * self.stages + self.stage_id
 
-    def steps(self) -> Iterator[PipeInstruction]:
+    @property
+    def stage(self) -> int:
+        return self.stage_id
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.micro_batches
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.stages - 1
+
+    def clock(self, order: list[tuple[str, int, int]]) -> tuple[list[int], int]:
+        """The step of each computation of ``order`` and the number of steps: one step each here;
+        schedules with a common clock over all stages override it."""
+        sends_last = bool(order) and self._sends(*order[-1])
+        return list(range(len(order))), len(order) + sends_last
+
+    def _sends(self, kind: str, mb: int, chunk: int) -> bool:
+        """Whether this computation's result goes to another stage."""
+        vs = self.virtual_stage(chunk)
+        return vs < self.num_virtual - 1 if kind == "F" else vs > 0
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        """One list of instructions per step: the sends of the previous step's result, the receives and
+        load this step's computation needs, the computation; the last step ends with the reductions and
+        the optimizer step (training). Sends are asynchronous and receives block, so the program is the
+        order of computations with each receive right before the pass that needs it and each send right
+        after the pass that produced it: an order some global execution can follow never deadlocks."""
+        order = self.compute_order()
+        when, total = self.clock(order)
         last = self.num_virtual - 1
-        for kind, mb, chunk in self.compute_order():
+        buffers = max(1, self.num_pipe_buffers())
+        program: list[list[PipeInstruction]] = [[] for _ in range(total)]
+        for (kind, mb, chunk), t in zip(order, when):
             vs = self.virtual_stage(chunk)
+            here, after = program[t], program[t + 1] if t + 1 < total else []
+            b = mb % buffers
             if kind == "F":
-                if vs == 0 or vs == last:
-                    yield LoadMicroBatch(mb, chunk)
                 if vs > 0:
-                    yield RecvActivation(mb, chunk)
-                yield ForwardPass(mb, chunk)
+                    here.append(RecvActivation(mb, chunk, b))
+                if vs == 0 or vs == last:
+                    here.append(LoadMicroBatch(mb, chunk, b))
+                here.append(ForwardPass(mb, chunk, b))
                 if vs < last:
-                    yield SendActivation(mb, chunk)
+                    after.insert(0, SendActivation(mb, chunk, b))
             else:
                 if vs < last:
-                    yield RecvGrad(mb, chunk)
-                yield BackwardPass(mb, chunk)
+                    here.append(RecvGrad(mb, chunk, b))
+                here.append(BackwardPass(mb, chunk, b))
                 if vs > 0:
-                    yield SendGrad(mb, chunk)
+                    after.insert(0, SendGrad(mb, chunk, b))
         if self.train:
-            yield ReduceTiedGrads()
-            yield ReduceGrads()
-            yield OptimizerStep()
+            program[-1] += [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
+        yield from program
 
-    def __iter__(self) -> Iterator[PipeInstruction]:
+    def instructions(self) -> Iterator[PipeInstruction]:
+        """The steps' instructions as one sequence."""
+        for step in self.steps():
+            yield from step
+
+    def __iter__(self) -> Iterator[list[PipeInstruction]]:
         return self.steps()
 
     def num_pipe_buffers(self) -> int:
@@ -160,6 +220,16 @@ class TrainSchedule(PipeSchedule):
             order += [("F", warmup + i, 0), ("B", i, 0)]
         order += [("B", i, 0) for i in range(m - warmup, m)]
         return order
+
+    def clock(self, order):
+        """DeepSpeed's clock: the forward of micro-batch i at step 2i + stage_id, its backward at
+        2i + 2 * stages - stage_id - 1, of 2 * (micro_batches + stages - 1) steps (the same order as
+        compute_order; idle steps are empty)."""
+        p, s = self.stages, self.stage_id
+        when = [2 * mb + (s if k == "F" else 2 * p - s - 1) for k, mb, _ in order]
+        if any(a >= b for a, b in zip(when, when[1:])):  # not 1F1B's order (a subclass reordered it)
+            return super().clock(order)
+        return when, 2 * (self.micro_batches + p - 1)
 
 
 class GPipeSchedule(PipeSchedule):
@@ -218,6 +288,13 @@ class InferenceSchedule(PipeSchedule):
         return [("F", i, c) for i in range(self.micro_batches) for c in range(self.virtual_stages)] \
             if self.virtual_stages == 1 else [("F", *InterleavedSchedule._unit(self, k, True))
                                               for k in range(self.micro_batches * self.virtual_stages)]
+
+    def clock(self, order):
+        """DeepSpeed's clock without virtual stages: the forward of micro-batch i at step i + stage_id,
+        of micro_batches + stages - 1 steps."""
+        if self.virtual_stages > 1:
+            return super().clock(order)
+        return [mb + self.stage_id for _, mb, _ in order], self.micro_batches + self.stages - 1
 
 
 SCHEDULES = {"1f1b": TrainSchedule, "gpipe": GPipeSchedule, "interleaved": InterleavedSchedule}

@@ -299,7 +299,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self._end_backward()
         self.timers.stop("backward")
         self.train_step.record_loss(loss)
-        return loss
+        # DeepSpeed's return value: the loss as backpropagated, before loss scaling
+        return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
 
     def _begin_backward(self) -> None:
         """Before autograd runs: arm the strategy's gradient hooks (reduce at the boundary or, for the

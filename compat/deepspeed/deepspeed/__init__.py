@@ -1,9 +1,11 @@
 """``deepspeed`` as a name for shardwise (the opt-in compatibility distribution, compat/deepspeed).
 
-Nothing here trains: ``deepspeed.<name>`` is ``shardwise.<name>``, and importing ``deepspeed.X.Y``
-imports ``shardwise.X.Y`` and registers that same module object under the DeepSpeed name, so
+Nothing here trains: ``deepspeed.<name>`` is ``shardwise.<name>``, and importing ``deepspeed.X.Y`` gives
+this package's own module of that path if it has one (DeepSpeed's internal names, thin adapters onto
+shardwise), else the shardwise module ``PATHS`` names, else ``shardwise.X.Y``, registered under the
+DeepSpeed name as that same module object, so
 ``deepspeed.runtime.engine.DeepSpeedEngine is shardwise.runtime.engine.DeepSpeedEngine``. Paths
-shardwise does not provide fail with shardwise's message saying why. See docs/hf-trainer.md.
+shardwise does not provide fail with shardwise's message saying why. See docs/deepspeed-compat.md.
 """
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import importlib.machinery
 import importlib.util
 import sys
 from importlib import metadata as _metadata
+from pathlib import Path
 
 import shardwise as _shardwise
+from shardwise import _unsupported
 
 __shardwise__ = True
 DEEPSPEED_API_VERSION = "0.19.8"  # the DeepSpeed release whose names and behaviour shardwise follows
@@ -44,12 +48,37 @@ class _AliasLoader(importlib.abc.Loader):
         module.__spec__ = self._own_spec
 
 
+_HERE = Path(__file__).resolve().parent
+
+# DeepSpeed paths whose shardwise module has another name (the rest map deepspeed.X.Y -> shardwise.X.Y).
+PATHS: dict[str, str] = {
+    "runtime.activation_checkpointing.checkpointing": "shardwise.checkpointing",  # one module, one set of settings
+}
+
+
 class _AliasFinder(importlib.abc.MetaPathFinder):
+    """``deepspeed.X.Y``: this package's own module of that path if it has one (DeepSpeed's internal
+    names, thin adapters), else the shardwise module the path table or the same name points to."""
+
     def find_spec(self, fullname, path=None, target=None):
         if not fullname.startswith("deepspeed."):
             return None
-        real = "shardwise." + fullname.removeprefix("deepspeed.")
-        spec = importlib.util.find_spec(real)  # raises shardwise's "not supported" error for known gaps
+        parts = fullname.split(".")[1:]
+        folder = _HERE.joinpath(*parts[:-1])
+        if (folder / parts[-1] / "__init__.py").is_file() or (folder / f"{parts[-1]}.py").is_file():
+            return importlib.machinery.PathFinder.find_spec(fullname, [str(folder)])
+        tail = ".".join(parts)
+        real = PATHS.get(tail, "shardwise." + tail)
+        reason = _unsupported._reason(real)
+        if reason is not None:
+            raise _unsupported.UnsupportedPathError(f"{fullname} is not supported by shardwise: {reason}. "
+                                                    "See docs/deepspeed-compat.md", name=fullname)
+        try:
+            spec = importlib.util.find_spec(real)
+        except ModuleNotFoundError as exc:
+            if exc.name == real or not real.startswith(exc.name or "?"):
+                raise
+            return None  # shardwise has no parent package of that name: "No module named 'deepspeed....'"
         if spec is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real),
@@ -68,7 +97,13 @@ for _name in ("runtime.engine", "runtime.lr_schedules", "runtime.zero.partition_
 del _name
 
 
+# top-level names of DeepSpeed that live in this package rather than in shardwise
+_OWN = {"DeepSpeedConfig": "deepspeed.runtime.config"}
+
+
 def __getattr__(name: str):
+    if name in _OWN:
+        return getattr(importlib.import_module(_OWN[name]), name)
     try:
         return getattr(_shardwise, name)
     except AttributeError as exc:

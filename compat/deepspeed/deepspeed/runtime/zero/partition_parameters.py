@@ -34,3 +34,23 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype, tar
 
 
 __all__ += ["zero_wrapper_for_fp_tensor_constructor"]
+
+
+class MultipleAllGatherHandles:
+    """Several all-gather handles waited on as one (DeepSpeed's class of that name): ``wait`` passes its
+    keyword on to every handle's ``wait``."""
+
+    def __init__(self, handles) -> None:
+        self.handles = handles
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
+
+
+__all__ += ["MultipleAllGatherHandles"]
+
+# The shape of a ZeRO-3 parameter's ``.data`` while it is partitioned (released): empty, in shardwise
+# (shardwise.zero.partitioned_param) as in DeepSpeed.
+partitioned_param_data_shape = [0]
+__all__ += ["partitioned_param_data_shape"]

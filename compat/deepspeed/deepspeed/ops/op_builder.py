@@ -1,0 +1,42 @@
+"""``deepspeed.ops.op_builder``: DeepSpeed's extension builders, by name. shardwise compiles nothing: the
+optimizers of ``deepspeed.ops`` (``DeepSpeedCPUAdam``, ``FusedAdam``, ``DeepSpeedCPUAdagrad``, ``FusedLamb``,
+``DeepSpeedCPULion``, ``FusedLion``) run on torch's kernels, so their builders report ``is_compatible()``
+(the op can be used here) and every ``load()`` raises: there is no compiled module to hand back."""
+from __future__ import annotations
+
+
+class OpBuilder:
+    NAME = ""
+    # the deepspeed.ops class that does this op's work in shardwise, or None when nothing does
+    provided_by: str | None = None
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return self.provided_by is not None
+
+    def load(self, verbose: bool = True):
+        where = f"use {self.provided_by}, which runs on torch's kernels" if self.provided_by else \
+            "shardwise does not implement this op"
+        raise NotImplementedError(f"op_builder {type(self).__name__}.load(): shardwise builds no C++/CUDA "
+                                  f"extensions ({where}). See docs/deepspeed-compat.md")
+
+    def builder(self):
+        self.load()
+
+
+def _builder(name: str, op: str, provided_by: str | None) -> type[OpBuilder]:
+    return type(name, (OpBuilder,), {"NAME": op, "provided_by": provided_by, "__module__": __name__})
+
+
+CPUAdamBuilder = _builder("CPUAdamBuilder", "cpu_adam", "deepspeed.ops.adam.DeepSpeedCPUAdam")
+FusedAdamBuilder = _builder("FusedAdamBuilder", "fused_adam", "deepspeed.ops.adam.FusedAdam")
+CPUAdagradBuilder = _builder("CPUAdagradBuilder", "cpu_adagrad", "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad")
+CPULionBuilder = _builder("CPULionBuilder", "cpu_lion", "deepspeed.ops.lion.DeepSpeedCPULion")
+FusedLionBuilder = _builder("FusedLionBuilder", "fused_lion", "deepspeed.ops.lion.FusedLion")
+FusedLambBuilder = _builder("FusedLambBuilder", "fused_lamb", "deepspeed.ops.lamb.FusedLamb")
+AsyncIOBuilder = _builder("AsyncIOBuilder", "async_io", None)
+QuantizerBuilder = _builder("QuantizerBuilder", "quantizer", None)
+TransformerBuilder = _builder("TransformerBuilder", "transformer", None)
+
+ALL_OPS = {b.NAME: b() for b in (CPUAdamBuilder, FusedAdamBuilder, CPUAdagradBuilder, CPULionBuilder,
+                                 FusedLionBuilder, FusedLambBuilder, AsyncIOBuilder, QuantizerBuilder,
+                                 TransformerBuilder)}

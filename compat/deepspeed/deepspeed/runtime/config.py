@@ -1,0 +1,55 @@
+"""``deepspeed.runtime.config``: ``DeepSpeedConfig`` as a view of shardwise's validated config
+(``shardwise.config.load_config``): DeepSpeed's attribute names read the same values, and the batch
+triad is resolved with shardwise's rule (``shardwise.config.batch.resolve_batch_sizes``)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from shardwise import comm
+from shardwise.config import load_config
+from shardwise.config.batch import resolve_batch_sizes
+from shardwise.config.errors import ConfigError
+
+from .constants import GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT
+
+
+def get_gradient_clipping(param_dict: dict) -> float:
+    return param_dict.get(GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT)
+
+
+class DeepSpeedConfig:
+    """``DeepSpeedConfig(config, mpu=None)``: ``config`` a path to a JSON file or a dict. Problems in it raise
+    ``shardwise.config.ConfigError`` (a ValueError). The data-parallel size is the world size over the
+    model-parallel size of ``mpu`` (1 without a process group)."""
+
+    def __init__(self, config: str | os.PathLike | dict, mpu=None, mesh_device=None) -> None:
+        if isinstance(config, dict):
+            param_dict = config
+        else:
+            with open(config) as f:
+                param_dict = json.load(f)
+        self._param_dict = param_dict
+        self._config = load_config(param_dict if isinstance(config, dict) else config)
+        world = comm.get_world_size() if comm.is_initialized() else 1
+        mp = mpu.get_model_parallel_world_size() if mpu is not None else 1
+        self.world_size = world // mp
+        sizes = self._config.resolve_batch_sizes(self.world_size)
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = sizes
+
+    def _configure_train_batch_size(self) -> None:
+        """Fill in the batch triad from the members set (DeepSpeed's method): a triad that does not fit
+        the data-parallel size raises AssertionError, as there."""
+        try:
+            sizes = resolve_batch_sizes(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                        self.gradient_accumulation_steps, dp_world_size=self.world_size)
+        except ConfigError as exc:
+            raise AssertionError(str(exc)) from exc
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = sizes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_config"], name)
+
+
+__all__ = ["DeepSpeedConfig", "get_gradient_clipping"]
