@@ -26,9 +26,13 @@ import torch
 
 from shardwise.apps.generation import Answer, ChatModel, GenerationLimits, _TextDeltas
 
-__all__ = ["BatchedGenerator", "Job", "GenerationTimeout"]
+__all__ = ["BatchedGenerator", "Job", "GenerationTimeout", "MIN_TEMPERATURE", "RequestFailed"]
 
 logger = logging.getLogger("shardwise")
+
+
+class RequestFailed(RuntimeError):
+    """One request could not be generated (its own prompt or sampling settings); the others went on."""
 
 
 class GenerationTimeout(TimeoutError):
@@ -127,16 +131,28 @@ def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
+MIN_TEMPERATURE = 1e-3  # below this, sampling is greedy: logits / T would overflow for T near 0
+
+
 def _sample(logits: torch.Tensor, limits: GenerationLimits) -> int:
-    """Greedy at temperature 0, else nucleus sampling (``top_p``) at ``temperature``."""
-    if limits.temperature <= 0:
+    """Greedy at temperature below :data:`MIN_TEMPERATURE`, else nucleus sampling (``top_p``) at
+    ``temperature``. The most likely token is always kept, however small ``top_p`` is. Raises
+    ValueError when the distribution cannot be sampled (the request fails; the batch goes on)."""
+    if not limits.temperature >= MIN_TEMPERATURE:
+        if limits.temperature != limits.temperature:
+            raise ValueError("temperature is NaN")
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / limits.temperature, dim=-1)
     if limits.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(0) - sorted_probs  # mass of the more likely tokens
-        sorted_probs[before >= limits.top_p] = 0.0  # keep the smallest set reaching top_p
+        drop = before >= limits.top_p  # keep the smallest set reaching top_p ...
+        drop[0] = False  # ... and never less than the most likely token (top_p may round to 0 in float32)
+        sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        raise ValueError(f"cannot sample at temperature {limits.temperature!r} and top_p {limits.top_p!r}: "
+                         "the probabilities are not finite")
     return int(torch.multinomial(probs, 1))
 
 
@@ -193,15 +209,19 @@ class BatchedGenerator:
                 joining = []
                 while self._waiting and len(self._batch.jobs) + len(joining) < self.max_batch_size:
                     joining.append(self._waiting.popleft())
-            try:
-                for job in joining:
+            for job in joining:
+                try:
                     self._prefill(job)
-                self._expire_waiting()
-                if self._batch.jobs:
-                    self._step()
-            except Exception as exc:  # a model error fails the requests in flight, not the server
+                except Exception as exc:  # this request's prompt or settings: it fails alone
+                    self._fail(job, exc)
+            self._expire_waiting()
+            if not self._batch.jobs:
+                continue
+            try:
+                self._step()
+            except Exception as exc:  # the batched forward pass itself failed: every request in it fails
                 logger.exception("generation step failed")
-                for job in [*joining, *self._batch.jobs]:
+                for job in self._batch.jobs:
                     if not job.future.done():
                         job.future.set_exception(exc)
                 self._batch = _Batch()
@@ -251,12 +271,22 @@ class BatchedGenerator:
         self.largest_batch = max(self.largest_batch, len(batch.jobs))
         keep = []
         for row, job in enumerate(batch.jobs):
-            token = _sample(out.logits[row, -1], job.limits)
-            if not self._emit(job, token):
+            try:
+                token = _sample(out.logits[row, -1], job.limits)
+                finished = self._emit(job, token)
+            except Exception as exc:  # one request's sampling or decoding: it leaves, the others go on
+                self._fail(job, exc)
+                continue
+            if not finished:
                 keep.append(row)
                 batch.last[row] = token
         if len(keep) < len(batch.jobs):
             batch.keep(keep)
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        logger.warning("request failed alone (%d tokens generated): %s: %s", len(job.tokens), type(exc).__name__, exc)
+        if not job.future.done():
+            job.future.set_exception(RequestFailed(f"generation failed for this request: {exc}"))
 
     def _emit(self, job: Job, token: int) -> bool:
         """Record ``token`` for ``job``; True when the job is finished (and its future resolved)."""

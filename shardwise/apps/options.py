@@ -124,6 +124,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="a request not answered within this time gets 504 (default %(default)s)")
     parser.add_argument("--max_body_bytes", type=int, default=4 * 1024 * 1024, metavar="N",
                         help="larger request bodies get 413 before they are parsed (default %(default)s)")
+    parser.add_argument("--max_prompt_chars", type=int, default=None, metavar="N",
+                        help="prompts (with history) longer than this get 400 before they are tokenised "
+                        "(default: 16 per token of --max_length, or of the model's context)")
+    parser.add_argument("--body_timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="a request body not fully received this long after its headers gets 408 "
+                        "(default %(default)s)")
+    parser.add_argument("--header_timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="a connection that has not sent complete request headers this long after opening "
+                        "(or after its previous response) gets 408 and is closed (default %(default)s)")
+    parser.add_argument("--keep_alive_timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="an idle keep-alive connection is closed after this long (uvicorn's "
+                        "timeout_keep_alive; default %(default)s)")
+    parser.add_argument("--max_connections", type=int, default=256, metavar="N",
+                        help="open connections allowed; one more gets 503 and is closed at once "
+                        "(default %(default)s)")
+    parser.add_argument("--max_header_bytes", type=int, default=16 * 1024, metavar="N",
+                        help="request headers larger than this get 400 (uvicorn's h11_max_incomplete_event_size; "
+                        "default %(default)s)")
     parser.add_argument("--api_key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every request (401 otherwise); also read "
                         "from $SHARDWISE_API_KEY. Set it whenever --host is not 127.0.0.1")
