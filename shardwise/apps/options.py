@@ -122,8 +122,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--top_p", type=float, default=1.0, help="default nucleus sampling mass (default %(default)s)")
     parser.add_argument("--request_timeout", type=float, default=300.0, metavar="SECONDS",
                         help="a request not answered within this time gets 504 (default %(default)s)")
-    parser.add_argument("--max_body_bytes", type=int, default=4 * 1024 * 1024, metavar="N",
-                        help="larger request bodies get 413 before they are parsed (default %(default)s)")
+    parser.add_argument("--max_body_bytes", type=int, default=None, metavar="N",
+                        help="larger request bodies get 413 before they are parsed (default: 12 bytes per "
+                        "character of --max_prompt_chars plus 64 KiB, at most 4 MiB)")
     parser.add_argument("--max_prompt_chars", type=int, default=None, metavar="N",
                         help="prompts (with history) longer than this get 400 before they are tokenised "
                         "(default: 16 per token of --max_length, or of the model's context)")

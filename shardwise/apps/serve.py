@@ -62,7 +62,7 @@ class ServeSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     request_timeout: float | None = 300.0  # seconds from arrival to the last token; None: no limit
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int | None = None  # None: room for max_prompt_chars of escaped text, at most 4 MiB
     body_timeout: float | None = 30.0  # seconds to receive the whole body once the headers are in
     max_prompt_chars: int | None = None  # None: 16 characters per token of the prompt+answer limit
     api_key: str | None = None
@@ -70,6 +70,18 @@ class ServeSettings:
 
 LARGE_BODY = 64 * 1024  # bodies above this are prepared in their own lane, one at a time
 CHARS_PER_TOKEN = 16  # default --max_prompt_chars per token of context: no real tokenizer packs more
+BYTES_PER_CHAR = 12  # a character written as a JSON escaped surrogate pair: "\ud83d\ude00"
+BODY_SLACK = 64 * 1024  # room for roles, field names and the extra fields OpenAI clients send
+MAX_BODY = 4 * 1024 * 1024
+
+
+def prompt_limits(settings: ServeSettings, context_length: int | None) -> tuple[int | None, int, int]:
+    """``(tokens, characters, body bytes)`` a request may have: the prompt+answer token limit, the
+    characters tokenised at most, and the largest body that could hold such a prompt."""
+    tokens = settings.max_length or context_length
+    chars = settings.max_prompt_chars or (CHARS_PER_TOKEN * tokens if tokens else MAX_BODY)
+    body = settings.max_body_bytes or min(MAX_BODY, BYTES_PER_CHAR * chars + BODY_SLACK)
+    return tokens, chars, body
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -118,6 +130,7 @@ def create_app(chat: ChatModel, settings: ServeSettings = ServeSettings()) -> Fa
     # cannot hold up the small requests, which have two threads of their own.
     small_lane = ThreadPoolExecutor(2, thread_name_prefix="prepare")
     large_lane = ThreadPoolExecutor(1, thread_name_prefix="prepare-large")
+    max_tokens, max_chars, max_body = prompt_limits(settings, chat.context_length)
     app.state.chat, app.state.gate, app.state.engine = chat, gate, engine
     app.router.add_event_handler("shutdown", engine.close)
 
@@ -141,8 +154,9 @@ def create_app(chat: ChatModel, settings: ServeSettings = ServeSettings()) -> Fa
     async def read_body(request: Request) -> bytes:
         """The raw body, refused with 413 as soon as it is known to be over --max_body_bytes, and
         with 408 when it does not all arrive within --body_timeout."""
-        limit = settings.max_body_bytes
-        too_big = ApiError(413, f"the request body is larger than --max_body_bytes ({limit} bytes)",
+        limit = max_body
+        too_big = ApiError(413, f"the request body is larger than --max_body_bytes ({limit} bytes; by default "
+                                f"{BYTES_PER_CHAR} per character of --max_prompt_chars plus {BODY_SLACK})",
                            {"Connection": "close"})
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -167,12 +181,11 @@ def create_app(chat: ChatModel, settings: ServeSettings = ServeSettings()) -> Fa
     def check_chars(messages) -> None:
         """Refuse a prompt too long to fit before tokenising it (tokenising costs time per character)."""
         total = sum(len(m["content"]) for m in messages)
-        limit = settings.max_prompt_chars
-        if limit is None:
-            tokens = settings.max_length or chat.context_length
-            limit = CHARS_PER_TOKEN * tokens if tokens else settings.max_body_bytes
-        if total > limit:
-            raise ApiError(400, f"the prompt and history are {total} characters, more than the {limit} this server "
+        if max_tokens and len(messages) > max_tokens:  # each message renders to one token or more
+            raise ApiError(400, f"the conversation has {len(messages)} messages, more than the {max_tokens} tokens "
+                                "allowed for prompt and answer: shorten the history")
+        if total > max_chars:
+            raise ApiError(400, f"the prompt and history are {total} characters, more than the {max_chars} this server "
                                 "tokenises (--max_prompt_chars): shorten the prompt or the history")
 
     def prompt_ids(messages) -> list[int]:
@@ -377,9 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
 def check_serve_arguments(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    for name, low in (("max_batch_size", 1), ("max_queue", 0), ("max_new_tokens", 1), ("max_body_bytes", 1)):
+    for name, low in (("max_batch_size", 1), ("max_queue", 0), ("max_new_tokens", 1)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name} must be at least {low}, got {getattr(args, name)}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        raise ValueError(f"--max_body_bytes must be at least 1, got {args.max_body_bytes}")
     if args.max_length is not None and args.max_length < 2:
         raise ValueError(f"--max_length must be at least 2, got {args.max_length}")
     if not 0 <= args.temperature <= 100 or not 0 < args.top_p <= 1:  # written so NaN fails too
