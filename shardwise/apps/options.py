@@ -39,6 +39,9 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--prompt_template", choices=["auto", "chat", "round"], default="auto",
                    help="auto: the tokenizer's chat template if it has one, else the round template")
     g.add_argument("--skip_bad_lines", action="store_true", help="skip and count malformed records instead of failing")
+    g.add_argument("--max_record_bytes", type=int, default=1 << 20, metavar="N",
+                   help="a data record (a JSON line, or an element of a JSON array) longer than this is a bad "
+                   "record (default %(default)s: 1 MiB)")
     g.add_argument("--data_cache_dir", default=None, metavar="DIR",
                    help="where tokenised data is cached (default ~/.cache/shardwise/chat_data)")
     g.add_argument("--preprocessing_num_workers", type=int, default=1, metavar="N",
@@ -78,7 +81,8 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 def check_finetune_arguments(args: argparse.Namespace) -> None:
     """Raise ValueError naming the flag for values that cannot work."""
-    positive = ["max_source_length", "max_target_length", "logging_steps", "preprocessing_num_workers"]
+    positive = ["max_source_length", "max_target_length", "logging_steps", "preprocessing_num_workers",
+                "max_record_bytes"]
     for name in positive:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
