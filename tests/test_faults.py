@@ -257,7 +257,8 @@ def test_full_disk_or_read_only_storage_during_a_save(tmp_path: Path, full_disk:
         assert r["mounted"] == mounted
         error = r["error"]
         assert error is not None, f"rank {rank}: the save on a {'full' if full_disk else 'read-only'} disk passed"
-        assert error.startswith("SaveFailed: saving t2 failed; 'latest' still names the previous checkpoint"), error
+        assert error.startswith("SaveFailed: saving t2 failed; 'latest' was not changed (it names the previous "
+                                "checkpoint, if there was one)"), error
         assert ("No space left on device" if full_disk else "Read-only file system") in error, error
         assert r["latest"] == "t1", r["latest"]
         assert r["latest_after"] == "t3"
