@@ -104,6 +104,8 @@ def build_launch_config(plan: NodePlan, *, max_restarts: int, log_dir: str):
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
         log_line_prefix_template=prefix,
         shutdown_timeout=shutdown,
+        # SIGINT is turned into the SIGTERM shutdown by run() (see _stop_workers_with_sigterm_on_sigint)
+        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",
     )
 
 
@@ -273,7 +275,7 @@ def run(opts: LaunchOptions, *, out: TextIO | None = None,
 
     log_dir = tempfile.mkdtemp(prefix="shardwise-run-")
     config = build_launch_config(plan, max_restarts=opts.max_restarts, log_dir=log_dir)
-    interrupted = _stop_workers_with_sigterm_on_sigint(env)
+    interrupted = _stop_workers_with_sigterm_on_sigint()
     try:
         with _environ(env), _pid_file(opts.save_pid, say):
             elastic_launch(config, program)(*args)
@@ -293,12 +295,13 @@ def run(opts: LaunchOptions, *, out: TextIO | None = None,
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def _stop_workers_with_sigterm_on_sigint(env: dict[str, str]) -> list | None:
+def _stop_workers_with_sigterm_on_sigint() -> list | None:
     """Make Ctrl-C stop the workers as fast as SIGTERM does.
 
     The elastic agent forwards the signal it got: a worker given SIGINT raises KeyboardInterrupt,
     which waits for the collective it is in, so a Ctrl-C took 2-5 s (until the agent's SIGKILL)
-    where SIGTERM took 1 s. Here SIGINT is left out of the signals the agent handles and turned
+    where SIGTERM took 1 s. Here SIGINT is left out of the signals the agent handles (its
+    ``signals_to_handle``, in build_launch_config) and turned
     into the agent's SIGTERM shutdown; the summary still says SIGINT. Returns a list that is
     non-empty once SIGINT came (None when not on the main thread, where nothing is changed).
     """
@@ -314,8 +317,6 @@ def _stop_workers_with_sigterm_on_sigint(env: dict[str, str]) -> list | None:
         got.append(signum)
         raise SignalException(f"process {os.getpid()} got SIGINT", sigval=signal.SIGTERM)
 
-    handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s for s in handled.split(",") if s.strip() != "SIGINT")
     signal.signal(signal.SIGINT, on_sigint)
     return got
 
