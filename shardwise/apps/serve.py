@@ -5,13 +5,17 @@
          -d '{"prompt": "你好", "history": []}'
 
 Endpoints: ``POST /`` (prompt/history contract), ``POST /v1/chat/completions`` (OpenAI format,
-``"stream": true`` for server-sent events) and ``GET /health``. Concurrent requests are generated
-together (``shardwise.apps.batching``: up to ``--max_batch_size`` in one decoding step, a new
-request joining at the next step); at most ``--max_queue`` more wait, the rest get 503. Nothing
-slow runs on the event loop: reading JSON, validating and tokenising happen in a worker thread,
-generation in the batching thread. A body over ``--max_body_bytes`` gets 413 before it is parsed;
-with ``--api_key`` every request needs ``Authorization: Bearer <key>`` (401 otherwise); a request
-that outlives ``--request_timeout`` gets 504. See docs/finetune.md.
+``"stream": true`` for server-sent events), ``GET /health`` (liveness; says "busy" when full) and
+``GET /ready`` (503 when full). Concurrent requests are generated together
+(``shardwise.apps.batching``: up to ``--max_batch_size`` in one decoding step, new requests
+joining at the next step); at most ``--max_queue`` more are prepared or wait, the rest get 503.
+Nothing slow runs on the event loop: reading JSON, validating and tokenising happen in worker
+threads (bodies over 64 KiB in a lane of their own, so huge prompts cannot hold up small ones),
+generation in the batching thread. A prompt over ``--max_prompt_chars`` gets 400 before it is
+tokenised; a body over ``--max_body_bytes`` gets 413 before it is parsed; with ``--api_key``
+every request needs ``Authorization: Bearer <key>`` (401 otherwise); a request that outlives
+``--request_timeout`` gets 504; a client that disconnects leaves the batch. Connection limits
+(header and body timeouts, ``--max_connections``) are in ``serve_http.py``. See docs/finetune.md.
 """
 from __future__ import annotations
 
