@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from shardwise.apps.generation import Answer, ChatModel, GenerationLimits, _TextDeltas
+from shardwise.apps.generation import MIN_TEMPERATURE, Answer, ChatModel, GenerationLimits, _TextDeltas
 
 __all__ = ["BatchedGenerator", "Job", "GenerationTimeout", "MIN_TEMPERATURE", "RequestFailed"]
 
@@ -135,9 +135,6 @@ def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = missing
     return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-MIN_TEMPERATURE = 1e-3  # below this, sampling is greedy: logits / T would overflow for T near 0
 
 
 def _sample(logits: torch.Tensor, limits: GenerationLimits) -> int:
