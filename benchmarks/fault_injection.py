@@ -102,7 +102,8 @@ def process_fault(kind: str, save_dir: Path, resume_from: int, rng: random.Rando
         output = "".join(job.lines)
         code = job.proc.returncode
         if kind == "kill -9 a rank":
-            rank = ranks.index(victim)
+            rank = next(int(m.group(1)) for line in job.lines
+                        if (m := re.search(rf"\[rank(\d+)\]: ready pid={victim}\b", line)))
             if code == 0 or stopped > 10:
                 problems.append(f"launcher exit {code} after {stopped:.1f} s")
             if not re.search(rf"rank {rank} \(local rank {rank}, pid {victim}\) was killed by SIGKILL", output):
