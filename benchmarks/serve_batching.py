@@ -11,6 +11,11 @@ the two servers are measured alternately (batched, single, batched, single), so 
 work on the machine touches both. Reported: generated tokens per second over the whole run, and
 the p50 / p99 of the request latency (send to last byte). Output: a Markdown table.
 
+With ``--before DIR`` (a checkout of an older commit, e.g. ``git worktree add --detach DIR
+b6158b7``) the two servers are instead that checkout's ``shardwise serve`` and this one's, both
+with ``--max_batch_size 16``, measured alternately in the same way; the table gives after/before
+ratios. The load average before and after the run is printed: on a shared machine, note it.
+
 Each server gets ``OMP_NUM_THREADS=1`` unless the variable is set: on a small shared machine,
 torch's default of one thread per core made every decoding step wait for busy cores (ten times
 slower in our runs), which hides what batching does.
@@ -45,13 +50,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, batch: int, max_tokens: int) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, batch: int, max_tokens: int, source: str = ROOT) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "shardwise", "serve", "--model", model, "--port", str(port),
                              "--max_batch_size", str(batch), "--max_queue", "256", "--max_new_tokens",
                              str(max_tokens), "--log_level", "warning"],
-                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-                            stdout=subprocess.DEVNULL)
+                            env={**os.environ, "PYTHONPATH": source,
+                                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+                            stdout=subprocess.DEVNULL, cwd=source)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -96,20 +102,27 @@ def main() -> None:
     parser.add_argument("--max_tokens", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating measurements per server (default 2)")
+    parser.add_argument("--before", metavar="DIR", help="compare with the server of this checkout (see above)")
     args = parser.parse_args()
+    print(f"load average at start: {os.getloadavg()}", file=sys.stderr, flush=True)
 
     tmp = tempfile.mkdtemp(prefix="serve-bench-")
     model = make_tiny_model(os.path.join(tmp, "model"), TEXTS, chat_template=True, hidden=args.hidden,
                             layers=args.layers, vocab_size=400, init_std=0.3, seed=3)
-    servers = {"batched (--max_batch_size 16)": start_server(model, 16, args.max_tokens),
-               "one at a time (--max_batch_size 1)": start_server(model, 1, args.max_tokens)}
+    if args.before:
+        servers = {"before": start_server(model, 16, args.max_tokens, os.path.abspath(args.before)),
+                   "after": start_server(model, 16, args.max_tokens)}
+    else:
+        servers = {"batched (--max_batch_size 16)": start_server(model, 16, args.max_tokens),
+                   "one at a time (--max_batch_size 1)": start_server(model, 1, args.max_tokens)}
     try:
         for _, url in servers.values():  # warm-up
             asyncio.run(load(url, 2, 1, args.max_tokens))
         rows = []
         for clients in args.clients:
             runs: dict[str, list[dict]] = {name: [] for name in servers}
-            for _ in range(2):  # alternate, so both see the same background load
+            for _ in range(args.rounds):  # alternate, so both see the same background load
                 for name, (_, url) in servers.items():
                     runs[name].append(asyncio.run(load(url, clients, args.requests, args.max_tokens)))
             result = {}
@@ -124,7 +137,18 @@ def main() -> None:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait()
+    print(f"load average at end: {os.getloadavg()}", file=sys.stderr, flush=True)
     names = list(servers)
+    if args.before:
+        print("| clients | before tok/s | p50 / p99 s | after tok/s | p50 / p99 s | tok/s after/before | "
+              "p50 after/before |")
+        print("|---|---|---|---|---|---|---|")
+        for clients, result in rows:
+            b, a = result["before"], result["after"]
+            print(f"| {clients} | {b['tokens_per_s']:.0f} | {b['p50']:.2f} / {b['p99']:.2f} | {a['tokens_per_s']:.0f} | "
+                  f"{a['p50']:.2f} / {a['p99']:.2f} | {a['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
+                  f"{a['p50'] / b['p50']:.2f}x |")
+        return
     print(f"| clients | {names[0]} tok/s | p50 / p99 s | {names[1]} tok/s | p50 / p99 s | speed-up |")
     print("|---|---|---|---|---|---|")
     for clients, result in rows:

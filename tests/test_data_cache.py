@@ -99,7 +99,7 @@ def test_bad_lines_fail_or_are_skipped_and_counted(setup, tmp_path):
         load_chat_dataset([str(path)], enc, cache_dir=str(tmp_path / "c"))
     assert os.listdir(tmp_path / "c") == []  # nothing half-built left behind
     (tmp_path / "array.json").write_text('[{"prompt": "a", "response": "b"} {"prompt": "c"}]')
-    with pytest.raises(ValueError, match=r"array.json:1: not a valid JSON array") as err:
+    with pytest.raises(ValueError, match=r"array.json:1 \(after element 0\): not a valid JSON array") as err:
         load_chat_dataset([str(tmp_path / "array.json")], enc, cache_dir=str(tmp_path / "c"), skip_bad_lines=True)
     assert "--skip_bad_lines" not in str(err.value)  # a broken array cannot be skipped around
     ds, info = load_chat_dataset([str(path)], enc, cache_dir=str(tmp_path / "c"), skip_bad_lines=True)

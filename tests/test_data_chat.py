@@ -155,12 +155,61 @@ def test_json_array_files_and_custom_columns(tmp_path):
     path = tmp_path / "dev.json"
     path.write_text('[\n {"q": "a", "ans": "b"},\n\n {"q": "c", "ans": 5}\n]\n')
     items = list(read_records(str(path), Columns(prompt="q", response="ans", history=None)))
-    assert str(items[0][0]) == "dev.json:2" and items[0][2] == "b"
-    assert str(items[1]) == "dev.json:4: 'ans' must be a string, got int"
+    assert str(items[0][0]) == "dev.json:2 (element 0)" and items[0][2] == "b"
+    assert str(items[1]) == "dev.json:4 (element 1): 'ans' must be a string, got int"
     (tmp_path / "broken.json").write_text('[{"q": "a", "ans": "b"}\n {"q": 1}]')
-    with pytest.raises(BadRecord, match=r"broken.json:2: not a valid JSON array"):
+    with pytest.raises(BadRecord, match=r"broken.json:2 \(after element 0\): not a valid JSON array"):
         list(read_records(str(tmp_path / "broken.json"), Columns(prompt="q", response="ans")))
 
+
+
+def test_long_lines_are_refused_without_being_read_and_reading_goes_on(tmp_path):
+    """Issue 30 item 6: a 78 MB line was read whole (11.3 GB peak). Now a line over the limit is
+    a bad record naming file and line, skipped in bounded pieces; the records after it are read."""
+    import tracemalloc
+
+    path = tmp_path / "train.jsonl"
+    huge = json.dumps({"prompt": "x" * 20_000_000, "response": "r"})
+    _write(path, [json.dumps({"prompt": "a", "response": "first"}), huge,
+                  json.dumps({"prompt": "b", "response": "after"})])
+    tracemalloc.start()
+    items = list(read_records(str(path), Columns(), max_record_bytes=1 << 20))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 << 20, f"reading held {peak / 1e6:.0f} MB"
+    assert [str(i) for i in items if isinstance(i, BadRecord)] == [
+        f"train.jsonl:2: the record is {len(huge) + 1} bytes, more than the limit of {1 << 20} (--max_record_bytes); "
+        "it was not read into memory"]
+    assert [i[2] for i in items if not isinstance(i, BadRecord)] == ["first", "after"]
+    # Split into parts at arbitrary byte offsets, every record is still seen once.
+    parts = [str(i) if isinstance(i, BadRecord) else i[2]
+             for p in range(3) for i in read_records(str(path), Columns(), part=p, parts=3, max_record_bytes=1 << 20)]
+    assert len(parts) == 3 and "first" in parts and "after" in parts
+
+
+def test_duplicate_keys_are_refused_and_array_errors_name_the_element(tmp_path):
+    lines = ['{"prompt": "a", "response": "r"}', '{"prompt": "a", "response": "r", "prompt": "b"}',
+             '{"prompt": "a", "response": "r", "history": [["q", "x"]], "meta": {"k": 1, "k": 2}}']
+    _write(tmp_path / "d.jsonl", lines)
+    bad = [str(i) for i in read_records(str(tmp_path / "d.jsonl"), Columns()) if isinstance(i, BadRecord)]
+    assert bad == ["d.jsonl:2: the key 'prompt' appears twice in one object (which value counts would be a "
+                   "guess); keep one of them", "d.jsonl:3: the key 'k' appears twice in one object (which value "
+                   "counts would be a guess); keep one of them"]
+
+    array = '[{"prompt": "a", "response": "r"}, 7, {"prompt": "a", "response": "r", "response": "s"}, ' + \
+            '{"prompt": "' + "y" * 3000 + '", "response": "r"}, {"prompt": "ok", "response": "fine"}]'
+    (tmp_path / "d.json").write_text(array)
+    items = list(read_records(str(tmp_path / "d.json"), Columns(), max_record_bytes=2000))
+    assert [str(i) for i in items if isinstance(i, BadRecord)] == [
+        "d.json:1 (element 1): expected a JSON object, got int",
+        "d.json:1 (element 2): the key 'response' appears twice in one object (which value counts would be a "
+        "guess); keep one of them",
+        "d.json:1 (element 3): the record is 3031 bytes, more than the limit of 2000 (--max_record_bytes) (a JSON "
+        "array is read whole: use JSON lines for large data)"]
+    assert [str(i[0]) for i in items if not isinstance(i, BadRecord)] == ["d.json:1 (element 0)", "d.json:1 (element 4)"]
+    (tmp_path / "broken.json").write_text('[{"prompt": "a", "response": "r"}, {"prompt": "a" "response": "r"}]')
+    with pytest.raises(BadRecord, match=r"broken.json:1 \(element 1\): not a valid JSON array \(Expecting ','"):
+        list(read_records(str(tmp_path / "broken.json"), Columns()))
 
 @pytest.mark.parametrize("fmt", ["jsonl", "json"])
 def test_parts_cover_every_record_once(tmp_path, fmt):

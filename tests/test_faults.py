@@ -257,7 +257,46 @@ def test_full_disk_or_read_only_storage_during_a_save(tmp_path: Path, full_disk:
         assert r["mounted"] == mounted
         error = r["error"]
         assert error is not None, f"rank {rank}: the save on a {'full' if full_disk else 'read-only'} disk passed"
-        assert error.startswith("SaveFailed: saving t2 failed; 'latest' still names the previous checkpoint"), error
+        assert error.startswith("SaveFailed: saving t2 failed; 'latest' was not changed (it names the previous "
+                                "checkpoint, if there was one)"), error
         assert ("No space left on device" if full_disk else "Read-only file system") in error, error
         assert r["latest"] == "t1", r["latest"]
         assert r["latest_after"] == "t3"
+
+
+# ---------------------------------------------------------------- issue 30 item 8: how a stop is reported
+
+def test_sigint_stops_as_fast_as_sigterm_and_a_killed_rank_is_named(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the launcher) used to take 2-5 s against ~1 s for SIGTERM: the agent
+    forwarded SIGINT, and each worker's KeyboardInterrupt waited for its collective until the
+    agent's SIGKILL. Now both stop within 3 s. A rank killed with SIGKILL is reported as
+    "was killed by SIGKILL" (it read "failed with killed by SIGKILL")."""
+    times = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        job = _Job(tmp_path / "ckpt")
+        try:
+            job.wait_for(lambda: len(job.ranks()) == 2 and job.saved() >= 2, timeout=120)
+            ranks, started = job.ranks(), time.monotonic()
+            os.kill(job.proc.pid, sig)
+            job.proc.wait(timeout=60)
+            times[sig.name] = time.monotonic() - started
+            assert not _wait_gone(ranks, timeout=10)
+            assert job.proc.returncode == 128 + sig, job.proc.returncode
+            assert f"stopped by {sig.name}; the workers were terminated" in "".join(job.lines)
+        finally:
+            job.kill_everything()
+    assert times["SIGINT"] < 3.0, times
+
+    job = _Job(tmp_path / "ckpt")
+    try:
+        job.wait_for(lambda: len(job.ranks()) == 2 and job.saved() >= 1, timeout=120)
+        victim = next(int(m.group(1)) for line in list(job.lines)
+                      if (m := re.search(r"\[rank1\]: ready pid=(\d+)", line)))
+        os.kill(victim, signal.SIGKILL)
+        job.proc.wait(timeout=60)
+    finally:
+        job.kill_everything()
+    out = "".join(job.lines)
+    assert re.search(rf"rank 1 \(local rank 1, pid {victim}\) was killed by SIGKILL; the other ranks were stopped",
+                     out), out[-2000:]
+    assert "failed with killed" not in out

@@ -265,4 +265,17 @@ def test_user_mistakes_exit_2_with_a_message(ws, tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
     out = launch(ws, base + ["--train_file", ws["train"], "--deepspeed", str(tmp_path / "ds.json"),
                              "--per_device_train_batch_size", "4"], procs=0, expect=2)
-    assert "train_micro_batch_size_per_gpu is 8 in the config but --per_device_train_batch_size is 4" in out
+    assert (f"train_micro_batch_size_per_gpu is 8 in the config {tmp_path / 'ds.json'} (--deepspeed) but "
+            "--per_device_train_batch_size is 4") in out
+
+    # Issue 30 item 8: a learning-rate mistake names the config file; empty data names the data file.
+    cfg = json.load(open(ws["root"] / "ds0.json"))
+    cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = "fast"
+    (tmp_path / "ds_lr.json").write_text(json.dumps(cfg))
+    out = launch(ws, base + ["--train_file", ws["train"], "--deepspeed", str(tmp_path / "ds_lr.json")],
+                 procs=0, expect=2)
+    assert f"optimizer.params.lr in the config {tmp_path / 'ds_lr.json'} (--deepspeed) must be a number" in out, out
+    (tmp_path / "empty.json").write_text("\n\n")
+    out = launch(ws, base + ["--train_file", str(tmp_path / "empty.json")], procs=0, expect=2)
+    assert f"{tmp_path / 'empty.json'} (--train_file) has no usable samples: it holds no records" in out, out
+    assert "Traceback" not in out

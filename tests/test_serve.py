@@ -338,3 +338,4 @@ def test_requests_join_the_running_batch_and_answer_as_alone(model_dir):
     total = sum(a.completion_tokens for a in answers.values())
     assert engine.largest_batch == 4
     assert engine.steps < total - len(answers) - 8, (engine.steps, total)  # steps were shared
+    assert engine.prefill_passes < len(prompts), engine.prefill_passes  # joiners were prefilled together

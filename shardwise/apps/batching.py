@@ -1,10 +1,16 @@
 """Batched decoding for the chat server: concurrent requests are generated together.
 
-One thread owns the model and runs steps. Each request is first *prefilled* alone (its prompt
-through the model, filling a KV cache of its own); at the next step boundary it joins the
-running batch, whose caches are left-padded to one length and stacked, so a decoding step is
-one forward pass for every active request. A request leaves the batch when it reaches EOS, its
-token limit, its deadline (``timeout``) or is cancelled (the client went away); the others go on.
+One thread owns the model and runs steps. At each step boundary the requests that are waiting
+(up to the free places) are *prefilled* together: their prompts, left-padded to the longest, go
+through the model in one forward pass, filling a KV cache; they then join the running batch,
+whose caches are left-padded to one length and stacked, so a decoding step is one forward pass
+for every active request. A request leaves the batch when it reaches EOS, its token limit, its
+deadline (``timeout``) or is cancelled (the client went away); the others go on.
+
+One request's failure is its own: a prompt the model cannot take (the joint prefill is then
+retried one request at a time), sampling settings that cannot be computed, or a streaming
+consumer that raises fail that request with :class:`RequestFailed`; only an error in the
+batched decoding step itself fails the requests in it.
 
     engine = BatchedGenerator(chat, max_batch_size=8)
     job = engine.submit(prompt_ids, limits, on_text=print, timeout=60)
@@ -24,11 +30,15 @@ from typing import Callable
 
 import torch
 
-from shardwise.apps.generation import Answer, ChatModel, GenerationLimits, _TextDeltas
+from shardwise.apps.generation import MIN_TEMPERATURE, Answer, ChatModel, GenerationLimits, _TextDeltas
 
-__all__ = ["BatchedGenerator", "Job", "GenerationTimeout"]
+__all__ = ["BatchedGenerator", "Job", "GenerationTimeout", "MIN_TEMPERATURE", "RequestFailed"]
 
 logger = logging.getLogger("shardwise")
+
+
+class RequestFailed(RuntimeError):
+    """One request could not be generated (its own prompt or sampling settings); the others went on."""
 
 
 class GenerationTimeout(TimeoutError):
@@ -72,10 +82,10 @@ class _Batch:
         self.mask: torch.Tensor | None = None  # (batch, cached length), 1 = real token
         self.last: list[int] = []  # the newest token of each job, not yet in the cache
 
-    def add(self, job: Job, cache, first_token: int) -> None:
+    def add(self, jobs: list[Job], cache, mask: torch.Tensor, first_tokens: list[int]) -> None:
+        """Append ``jobs`` (prefilled together: ``cache`` and ``mask`` have one row per job)."""
         layers = _kv(cache)
         length = layers[0][0].shape[-2]
-        mask = torch.ones(1, length, dtype=torch.long, device=layers[0][0].device)
         if not self.jobs:
             self.cache, self.mask = cache, mask
         else:
@@ -86,8 +96,8 @@ class _Batch:
                       for (k0, v0), (k1, v1) in zip(_kv(self.cache), layers)]
             self.cache = _make_cache(merged)
             self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
-        self.jobs.append(job)
-        self.last.append(first_token)
+        self.jobs.extend(jobs)
+        self.last.extend(first_tokens)
 
     def keep(self, rows: list[int]) -> None:
         if not rows:
@@ -128,15 +138,24 @@ def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _sample(logits: torch.Tensor, limits: GenerationLimits) -> int:
-    """Greedy at temperature 0, else nucleus sampling (``top_p``) at ``temperature``."""
-    if limits.temperature <= 0:
+    """Greedy at temperature below :data:`MIN_TEMPERATURE`, else nucleus sampling (``top_p``) at
+    ``temperature``. The most likely token is always kept, however small ``top_p`` is. Raises
+    ValueError when the distribution cannot be sampled (the request fails; the batch goes on)."""
+    if not limits.temperature >= MIN_TEMPERATURE:
+        if limits.temperature != limits.temperature:
+            raise ValueError("temperature is NaN")
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / limits.temperature, dim=-1)
     if limits.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(0) - sorted_probs  # mass of the more likely tokens
-        sorted_probs[before >= limits.top_p] = 0.0  # keep the smallest set reaching top_p
+        drop = before >= limits.top_p  # keep the smallest set reaching top_p ...
+        drop[0] = False  # ... and never less than the most likely token (top_p may round to 0 in float32)
+        sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        raise ValueError(f"cannot sample at temperature {limits.temperature!r} and top_p {limits.top_p!r}: "
+                         "the probabilities are not finite")
     return int(torch.multinomial(probs, 1))
 
 
@@ -153,6 +172,7 @@ class BatchedGenerator:
         self._wake = threading.Condition()
         self._closed = False
         self.steps = 0  # decoding steps run (a step serves every job in the batch)
+        self.prefill_passes = 0  # forward passes over prompts (one serves every job joining at a boundary)
         self.largest_batch = 0
         self._thread = threading.Thread(target=self._loop, name="shardwise-generate", daemon=True)
         self._thread.start()
@@ -193,15 +213,15 @@ class BatchedGenerator:
                 joining = []
                 while self._waiting and len(self._batch.jobs) + len(joining) < self.max_batch_size:
                     joining.append(self._waiting.popleft())
+            self._prefill_all(joining)
+            self._expire_waiting()
+            if not self._batch.jobs:
+                continue
             try:
-                for job in joining:
-                    self._prefill(job)
-                self._expire_waiting()
-                if self._batch.jobs:
-                    self._step()
-            except Exception as exc:  # a model error fails the requests in flight, not the server
+                self._step()
+            except Exception as exc:  # the batched forward pass itself failed: every request in it fails
                 logger.exception("generation step failed")
-                for job in [*joining, *self._batch.jobs]:
+                for job in self._batch.jobs:
                     if not job.future.done():
                         job.future.set_exception(exc)
                 self._batch = _Batch()
@@ -217,25 +237,74 @@ class BatchedGenerator:
                     self._waiting.remove(job)
                     self._finish(job, "cancelled" if job.cancelled.is_set() else "timeout")
 
+    def _prefill_all(self, joining: list[Job]) -> None:
+        """Prefill the joining jobs in one forward pass (one pass per job costs nearly a whole
+        decoding step each on a CPU, and the running batch waits for all of them). If that pass
+        fails, each job is prefilled alone, so a bad prompt fails only its own request."""
+        jobs = []
+        for job in joining:
+            if job.cancelled.is_set():
+                self._finish(job, "cancelled")
+            else:
+                jobs.append(job)
+        if not jobs:
+            return
+        try:
+            out, mask = self._forward_prompts(jobs)
+        except Exception as exc:
+            if len(jobs) == 1:
+                self._fail(jobs[0], exc)
+                return
+            for job in jobs:
+                try:
+                    out, mask = self._forward_prompts([job])
+                except Exception as exc:  # this request's prompt: it fails alone
+                    self._fail(job, exc)
+                else:
+                    self._join([job], out, mask)
+            return
+        self._join(jobs, out, mask)
+
     @torch.no_grad()
-    def _prefill(self, job: Job) -> None:
+    def _forward_prompts(self, jobs: list[Job]):
+        """One forward pass over the prompts of ``jobs``, left-padded to the longest."""
         from transformers import DynamicCache
 
-        if job.cancelled.is_set():
-            self._finish(job, "cancelled")
-            return
         device = self.chat.device
-        ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=device)
-        cache = DynamicCache()
-        out = self.chat.model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                              position_ids=torch.arange(ids.shape[1], device=device)[None], use_cache=True)
-        token = _sample(out.logits[0, -1], job.limits)
-        if job.on_text is not None:
-            job._deltas = _TextDeltas(self.chat.tokenizer, job.on_text)
-            job._deltas._prompt_seen = True
-        if self._emit(job, token):
+        width = max(len(j.prompt_ids) for j in jobs)
+        ids = torch.full((len(jobs), width), self.chat.pad_id or 0, dtype=torch.long, device=device)
+        mask = torch.zeros((len(jobs), width), dtype=torch.long, device=device)
+        for row, job in enumerate(jobs):
+            ids[row, width - len(job.prompt_ids):] = torch.tensor(job.prompt_ids, dtype=torch.long)
+            mask[row, width - len(job.prompt_ids):] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        self.prefill_passes += 1
+        out = self.chat.model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(),
+                              position_ids=positions, use_cache=True)
+        return out, mask
+
+    def _join(self, jobs: list[Job], out, mask: torch.Tensor) -> None:
+        """Sample each prefilled job's first token; those not finished by it join the batch."""
+        keep, first = [], []
+        for row, job in enumerate(jobs):
+            try:
+                token = _sample(out.logits[row, -1], job.limits)
+                if job.on_text is not None:
+                    job._deltas = _TextDeltas(self.chat.tokenizer, job.on_text)
+                    job._deltas._prompt_seen = True
+                finished = self._emit(job, token)
+            except Exception as exc:  # this request's sampling settings: it fails alone
+                self._fail(job, exc)
+                continue
+            if not finished:
+                keep.append(row)
+                first.append(token)
+        if not keep:
             return
-        self._batch.add(job, out.past_key_values, token)
+        index = torch.tensor(keep, device=mask.device)
+        cache = _make_cache([(k.index_select(0, index), v.index_select(0, index))
+                             for k, v in _kv(out.past_key_values)])
+        self._batch.add([jobs[r] for r in keep], cache, mask.index_select(0, index), first)
 
     @torch.no_grad()
     def _step(self) -> None:
@@ -251,12 +320,22 @@ class BatchedGenerator:
         self.largest_batch = max(self.largest_batch, len(batch.jobs))
         keep = []
         for row, job in enumerate(batch.jobs):
-            token = _sample(out.logits[row, -1], job.limits)
-            if not self._emit(job, token):
+            try:
+                token = _sample(out.logits[row, -1], job.limits)
+                finished = self._emit(job, token)
+            except Exception as exc:  # one request's sampling or decoding: it leaves, the others go on
+                self._fail(job, exc)
+                continue
+            if not finished:
                 keep.append(row)
                 batch.last[row] = token
         if len(keep) < len(batch.jobs):
             batch.keep(keep)
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        logger.warning("request failed alone (%d tokens generated): %s: %s", len(job.tokens), type(exc).__name__, exc)
+        if not job.future.done():
+            job.future.set_exception(RequestFailed(f"generation failed for this request: {exc}"))
 
     def _emit(self, job: Job, token: int) -> bool:
         """Record ``token`` for ``job``; True when the job is finished (and its future resolved)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 from typing import Any
 
 __all__ = ["build_config", "DEFAULT_LR", "DEFAULT_MICRO_BATCH"]
@@ -22,13 +23,26 @@ def _is_unset(block: dict, key: str) -> bool:
     return key not in block or block[key] == "auto"
 
 
-def _merge(block: dict, key: str, flag: str, flag_value: Any, default: Any, where: str) -> None:
+def _source(args: argparse.Namespace) -> str:
+    """How errors name the config: its file, when it came from one."""
+    path = getattr(args, "deepspeed", None)
+    return f"the config {path} (--deepspeed)" if path else "the config"
+
+
+def _merge(block: dict, key: str, flag: str, flag_value: Any, default: Any, where: str, source: str) -> None:
     """Set ``block[key]`` from the flag (or the default) unless the config already has it."""
     if _is_unset(block, key):
         block[key] = default if flag_value is None else flag_value
     elif flag_value is not None and block[key] != flag_value:
-        raise ValueError(f"{where}{key} is {block[key]!r} in the config but {flag} is {flag_value!r}: "
+        raise ValueError(f"{where}{key} is {block[key]!r} in {source} but {flag} is {flag_value!r}: "
                          f"drop one of them or set the config value to \"auto\"")
+
+
+def _learning_rate(value: Any, where: str, source: str) -> float:
+    """``value`` as a learning rate, or ValueError naming the key and the file."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{where} in {source} must be a number >= 0 (or \"auto\"), got {value!r}")
+    return float(value)
 
 
 def load_json(path: str | None) -> dict:
@@ -49,10 +63,11 @@ def load_json(path: str | None) -> dict:
 def build_config(raw: dict, args: argparse.Namespace, *, total_steps: int) -> dict:
     """The config dict to pass to ``shardwise.initialize`` (``raw`` is not modified)."""
     cfg = copy.deepcopy(raw)
+    source = _source(args)
     _merge(cfg, "train_micro_batch_size_per_gpu", "--per_device_train_batch_size",
-           args.per_device_train_batch_size, DEFAULT_MICRO_BATCH, "")
+           args.per_device_train_batch_size, DEFAULT_MICRO_BATCH, "", source)
     _merge(cfg, "gradient_accumulation_steps", "--gradient_accumulation_steps",
-           args.gradient_accumulation_steps, 1, "")
+           args.gradient_accumulation_steps, 1, "", source)
     if cfg.get("train_batch_size") == "auto":
         del cfg["train_batch_size"]
     if _is_unset(cfg, "gradient_clipping"):
@@ -69,7 +84,7 @@ def _precision(cfg: dict, args: argparse.Namespace) -> None:
         if _is_unset(block, "enabled"):
             block["enabled"] = on
         elif on and not block["enabled"]:
-            raise ValueError(f"{key}.enabled is false in the config but {flag} was given")
+            raise ValueError(f"{key}.enabled is false in {_source(args)} but {flag} was given")
 
 
 def _optimizer(cfg: dict, args: argparse.Namespace) -> float:
@@ -80,7 +95,10 @@ def _optimizer(cfg: dict, args: argparse.Namespace) -> float:
                                                          "betas": [0.9, 0.999], "eps": 1e-8}}
         return lr
     params = opt.setdefault("params", {})
-    _merge(params, "lr", "--learning_rate", args.learning_rate, DEFAULT_LR, "optimizer.params.")
+    source = _source(args)
+    if not _is_unset(params, "lr"):
+        _learning_rate(params["lr"], "optimizer.params.lr", source)
+    _merge(params, "lr", "--learning_rate", args.learning_rate, DEFAULT_LR, "optimizer.params.", source)
     if _is_unset(params, "weight_decay"):
         params["weight_decay"] = args.weight_decay
     return float(params["lr"])
@@ -96,6 +114,9 @@ def _scheduler(cfg: dict, args: argparse.Namespace, lr: float, total_steps: int)
         for key, value in fills.items():
             if params.get(key) == "auto":
                 params[key] = value
+        for key in ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "lr_range_test_min_lr"):
+            if key in params:
+                _learning_rate(params[key], f"scheduler.params.{key}", _source(args))
         return
     # DeepSpeed's schedules warm up over at least 2 steps; without warm-up, start at the peak.
     if args.lr_scheduler_type == "constant":

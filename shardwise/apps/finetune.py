@@ -93,6 +93,12 @@ def _zero_stage(config: dict) -> int:
     return int(zero_block.get("stage", 0)) if isinstance(zero_block, dict) else 0
 
 
+def _check_not_empty(path: str, flag: str, samples: int, skipped: int) -> None:
+    if samples == 0:
+        why = f"all {skipped} of its records were bad and skipped" if skipped else "it holds no records"
+        raise ValueError(f"{path} ({flag}) has no usable samples: {why}")
+
+
 def total_steps(args, num_samples: int, world: int, micro_batch: int, accumulation: int) -> int:
     if args.max_steps > 0:
         return args.max_steps
@@ -149,11 +155,14 @@ def run(args: argparse.Namespace) -> dict:
                           max_target_length=args.max_target_length, template=args.prompt_template)
     columns = Columns(args.prompt_column, args.response_column, args.history_column)
     data_kw = dict(encoder=encoder, cache_dir=args.data_cache_dir or default_cache_dir(), columns=columns,
-                   skip_bad_lines=args.skip_bad_lines, workers=args.preprocessing_num_workers)
+                   skip_bad_lines=args.skip_bad_lines, workers=args.preprocessing_num_workers,
+                   max_record_bytes=args.max_record_bytes)
     train_set, train_info = load_chat_dataset([args.train_file], **data_kw)
+    _check_not_empty(args.train_file, "--train_file", len(train_set), train_info.skipped)
     eval_set = eval_info = None
     if args.validation_file:
         eval_set, eval_info = load_chat_dataset([args.validation_file], **data_kw)
+        _check_not_empty(args.validation_file, "--validation_file", len(eval_set), eval_info.skipped)
 
     probe = build_config(raw_config, args, total_steps=1)  # micro-batch and accumulation are settled here
     steps = total_steps(args, len(train_set), world, int(probe["train_micro_batch_size_per_gpu"]),

@@ -14,7 +14,7 @@ import torch
 
 from shardwise.data.chat import ChatEncoder, Message
 
-__all__ = ["ChatModel", "Answer", "GenerationLimits"]
+__all__ = ["ChatModel", "Answer", "GenerationLimits", "MIN_TEMPERATURE"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -25,6 +25,9 @@ class Answer:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # "stop" (EOS) or "length" (hit the token limit) or "cancelled"
+
+
+MIN_TEMPERATURE = 1e-3  # below this, sampling is greedy: logits / T would overflow for T near 0
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ class ChatModel:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         kwargs = dict(max_new_tokens=limits.max_new_tokens, eos_token_id=self.tokenizer.eos_token_id,
                       pad_token_id=self.pad_id, attention_mask=torch.ones_like(ids))
-        if limits.temperature > 0:
+        if limits.temperature >= MIN_TEMPERATURE:
             kwargs.update(do_sample=True, temperature=limits.temperature, top_p=limits.top_p, top_k=0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)

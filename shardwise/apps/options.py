@@ -39,6 +39,9 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--prompt_template", choices=["auto", "chat", "round"], default="auto",
                    help="auto: the tokenizer's chat template if it has one, else the round template")
     g.add_argument("--skip_bad_lines", action="store_true", help="skip and count malformed records instead of failing")
+    g.add_argument("--max_record_bytes", type=int, default=1 << 20, metavar="N",
+                   help="a data record (a JSON line, or an element of a JSON array) longer than this is a bad "
+                   "record (default %(default)s: 1 MiB)")
     g.add_argument("--data_cache_dir", default=None, metavar="DIR",
                    help="where tokenised data is cached (default ~/.cache/shardwise/chat_data)")
     g.add_argument("--preprocessing_num_workers", type=int, default=1, metavar="N",
@@ -78,7 +81,8 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 def check_finetune_arguments(args: argparse.Namespace) -> None:
     """Raise ValueError naming the flag for values that cannot work."""
-    positive = ["max_source_length", "max_target_length", "logging_steps", "preprocessing_num_workers"]
+    positive = ["max_source_length", "max_target_length", "logging_steps", "preprocessing_num_workers",
+                "max_record_bytes"]
     for name in positive:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -122,8 +126,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--top_p", type=float, default=1.0, help="default nucleus sampling mass (default %(default)s)")
     parser.add_argument("--request_timeout", type=float, default=300.0, metavar="SECONDS",
                         help="a request not answered within this time gets 504 (default %(default)s)")
-    parser.add_argument("--max_body_bytes", type=int, default=4 * 1024 * 1024, metavar="N",
-                        help="larger request bodies get 413 before they are parsed (default %(default)s)")
+    parser.add_argument("--max_body_bytes", type=int, default=None, metavar="N",
+                        help="larger request bodies get 413 before they are parsed (default: 12 bytes per "
+                        "character of --max_prompt_chars plus 64 KiB, at most 4 MiB)")
+    parser.add_argument("--max_prompt_chars", type=int, default=None, metavar="N",
+                        help="prompts (with history) longer than this get 400 before they are tokenised "
+                        "(default: 16 per token of --max_length, or of the model's context)")
+    parser.add_argument("--body_timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="a request body not fully received this long after its headers gets 408 "
+                        "(default %(default)s)")
+    parser.add_argument("--header_timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="a connection that has not sent complete request headers this long after opening "
+                        "(or after its previous response) gets 408 and is closed (default %(default)s)")
+    parser.add_argument("--keep_alive_timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="an idle keep-alive connection is closed after this long (uvicorn's "
+                        "timeout_keep_alive; default %(default)s)")
+    parser.add_argument("--max_connections", type=int, default=256, metavar="N",
+                        help="open connections allowed; one more gets 503 and is closed at once "
+                        "(default %(default)s)")
+    parser.add_argument("--max_header_bytes", type=int, default=16 * 1024, metavar="N",
+                        help="request headers larger than this get 400 (uvicorn's h11_max_incomplete_event_size; "
+                        "default %(default)s)")
     parser.add_argument("--api_key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every request (401 otherwise); also read "
                         "from $SHARDWISE_API_KEY. Set it whenever --host is not 127.0.0.1")

@@ -1,16 +1,31 @@
 """Request bodies of the chat server, validated strictly, and readable messages for bad ones.
 
-Strings must be JSON strings and numbers JSON numbers (``"0.7"`` is not a temperature);
-unknown fields are ignored, as OpenAI-style clients send extras.
+Strings must be JSON strings of valid Unicode (a lone surrogate such as ``"\\ud800"`` is refused)
+and numbers JSON numbers (``"0.7"`` is not a temperature); unknown fields are ignored, as
+OpenAI-style clients send extras. A temperature above 0 but below ``MIN_TEMPERATURE`` (1e-3)
+decodes greedily, as 0 does: dividing logits by such a number overflows.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 __all__ = ["ChatRequest", "OpenAIMessage", "OpenAIRequest", "describe_errors"]
+
+
+def _unicode(text: str) -> str:
+    """Refuse strings a UTF-8 encoder (and so the tokenizer) cannot take: lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"invalid Unicode: a lone surrogate {text[exc.start]!r} at character {exc.start} "
+                         "(send UTF-8 text; a surrogate pair must be complete)") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
 
 
 def _number(value: Any, *, low: float, high: float, low_open: bool = False) -> Any:
@@ -45,19 +60,19 @@ class _Sampling(BaseModel):
 class ChatRequest(_Sampling):
     """``{"prompt": str, "history": [[query, answer], ...], "max_length"?, "top_p"?, "temperature"?}``"""
 
-    prompt: StrictStr
-    history: Optional[list[tuple[StrictStr, StrictStr]]] = None
+    prompt: Text
+    history: Optional[list[tuple[Text, Text]]] = None
     max_length: Optional[StrictInt] = Field(None, ge=2)
 
 
 class OpenAIMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant"]
-    content: StrictStr
+    content: Text
 
 
 class OpenAIRequest(_Sampling):
-    model: Optional[StrictStr] = None
+    model: Optional[Text] = None
     messages: list[OpenAIMessage] = Field(min_length=1)
     stream: StrictBool = False
     max_tokens: Optional[StrictInt] = Field(None, ge=1)

@@ -58,7 +58,8 @@ class Trainer:
         self.sampler = ShardSampler(len(train_set), num_replicas=self.world, rank=self.rank, shuffle=True,
                                     seed=args.seed, drop_last=True)
         if self.sampler.per_rank == 0:
-            raise ValueError(f"--train_file has {len(train_set)} usable samples, fewer than the {self.world} "
+            raise ValueError(f"{args.train_file} (--train_file) has {len(train_set)} usable samples, fewer than "
+                             f"the {self.world} "
                              "data-parallel processes")
         self.loader = torch.utils.data.DataLoader(train_set, batch_size=self.micro_batch, sampler=self.sampler,
                                                   collate_fn=collator, num_workers=args.dataloader_num_workers)

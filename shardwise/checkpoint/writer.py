@@ -112,7 +112,8 @@ def raise_if_failed(outcomes: list, what: str) -> None:
     """Every rank, after gathering each rank's outcome: raise :class:`SaveFailed` if any is an error text."""
     errors = [o for o in outcomes if isinstance(o, str)]
     if errors:
-        raise SaveFailed(f"{what} failed; 'latest' still names the previous checkpoint:\n  " + "\n  ".join(errors))
+        raise SaveFailed(f"{what} failed; 'latest' was not changed (it names the previous checkpoint, if there "
+                         "was one):\n  " + "\n  ".join(errors))
 
 
 def try_prepare(save_dir: Path, tmp: Path) -> str | None:

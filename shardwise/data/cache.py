@@ -31,11 +31,11 @@ import numpy as np
 from shardwise import comm
 from shardwise.checkpoint.files import sha256
 from shardwise.data.chat import ChatEncoder
-from shardwise.data.records import BadRecord, Columns, read_records
+from shardwise.data.records import MAX_RECORD_BYTES, BadRecord, Columns, read_records
 
 logger = logging.getLogger("shardwise")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: duplicate keys and over-long records are refused
 _BATCH = 512  # samples tokenised per tokenizer call
 _SHOWN_BAD = 5  # skipped records named in the log and index
 
@@ -51,13 +51,15 @@ class CacheInfo:
     bad_examples: list[str] = field(default_factory=list)
 
 
-def cache_key(files: Sequence[str], encoder: ChatEncoder, columns: Columns, skip_bad_lines: bool) -> tuple[str, dict]:
+def cache_key(files: Sequence[str], encoder: ChatEncoder, columns: Columns, skip_bad_lines: bool,
+              max_record_bytes: int = MAX_RECORD_BYTES) -> tuple[str, dict]:
     """``(key, what it was computed from)``; the key names the cache entry."""
     fields = {
         "version": FORMAT_VERSION,
         "files": [{"name": os.path.basename(f), "sha256": sha256(f)} for f in files],
         "columns": [columns.prompt, columns.response, columns.history],
         "skip_bad_lines": skip_bad_lines,
+        "max_record_bytes": max_record_bytes,
         **encoder.describe(),
     }
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
@@ -72,7 +74,8 @@ def _same_on_all_ranks(value: Any) -> Any:
 
 
 def build_or_load_cache(files: Sequence[str], encoder: ChatEncoder, cache_dir: str, *, columns: Columns,
-                        skip_bad_lines: bool = False, workers: int = 1) -> CacheInfo:
+                        skip_bad_lines: bool = False, workers: int = 1,
+                        max_record_bytes: int = MAX_RECORD_BYTES) -> CacheInfo:
     """Return the cache entry for ``files``, building it first if needed.
 
     Call it on every rank of the job (it uses barriers); the cache folder must be visible to all
@@ -83,7 +86,7 @@ def build_or_load_cache(files: Sequence[str], encoder: ChatEncoder, cache_dir: s
         if not os.path.isfile(f):
             raise ValueError(f"data file not found: {f}")
     rank, world = comm.get_rank(), comm.get_world_size()
-    key, fields = cache_key(files, encoder, columns, skip_bad_lines) if rank == 0 else (None, None)
+    key, fields = cache_key(files, encoder, columns, skip_bad_lines, max_record_bytes) if rank == 0 else (None, None)
     key, fields, nonce = _same_on_all_ranks((key, fields, uuid.uuid4().hex[:8]))
     final = os.path.join(cache_dir, key)
     if _same_on_all_ranks(os.path.isfile(os.path.join(final, "index.json"))):
@@ -95,7 +98,7 @@ def build_or_load_cache(files: Sequence[str], encoder: ChatEncoder, cache_dir: s
     comm.barrier()
     plan = [(f, p, world * workers) for f in files for p in range(world * workers)]
     mine = [i for i in range(len(plan)) if (i // workers) % world == rank]
-    jobs = [(i, *plan[i], tmp, encoder, columns, skip_bad_lines) for i in mine]
+    jobs = [(i, *plan[i], tmp, encoder, columns, skip_bad_lines, max_record_bytes) for i in mine]
     if workers > 1 and _can_have_children():
         import multiprocessing as mp
 
@@ -136,7 +139,7 @@ def _can_have_children() -> bool:
 
 
 def _build_piece(index: int, path: str, part: int, parts: int, tmp: str, encoder: ChatEncoder,
-                 columns: Columns, skip_bad_lines: bool) -> None:
+                 columns: Columns, skip_bad_lines: bool, max_record_bytes: int) -> None:
     """Tokenise one piece into its three .bin files and a small JSON report."""
     stem = os.path.join(tmp, f"p{index:05d}")
     dtype = _token_dtype(encoder)
@@ -160,7 +163,7 @@ def _build_piece(index: int, path: str, part: int, parts: int, tmp: str, encoder
             batch.clear()
 
         try:
-            for item in read_records(path, columns, part=part, parts=parts):
+            for item in read_records(path, columns, part=part, parts=parts, max_record_bytes=max_record_bytes):
                 if isinstance(item, BadRecord):
                     if not skip_bad_lines:
                         raise item

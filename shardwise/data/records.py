@@ -8,7 +8,9 @@ be parsed whole by every reader (use JSON lines for large data sets).
 Each record must be an object with a string prompt column, a string response column, and
 optionally a history column: a list of ``[query, answer]`` string pairs (missing, null or
 empty means no history). A record that breaks these rules raises :class:`BadRecord`, which
-names the file and line.
+names the file and line (and, in a JSON array, the element's index). A record may not repeat a
+key (which value would count is a guess) nor be longer than ``max_record_bytes`` (default 1 MiB):
+a JSON line is read at most that far, so one huge line cannot exhaust memory.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from typing import Any, Iterator
 
 from shardwise.data.chat import Message, history_to_messages
 
-__all__ = ["BadRecord", "Columns", "file_format", "line_number", "read_records"]
+__all__ = ["BadRecord", "Columns", "MAX_RECORD_BYTES", "file_format", "line_number", "read_records"]
 
 _CHUNK = 1 << 20
+MAX_RECORD_BYTES = 1 << 20  # a chat record past 1 MiB is far beyond any context it will be cut to
 
 
 class BadRecord(ValueError):
@@ -75,8 +78,8 @@ def line_number(path: str, offset: int) -> int:
     return count + 1
 
 
-def read_records(path: str, columns: Columns, *, part: int = 0, parts: int = 1
-                 ) -> Iterator[tuple[str, list[Message], str] | BadRecord]:
+def read_records(path: str, columns: Columns, *, part: int = 0, parts: int = 1,
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[str, list[Message], str] | BadRecord]:
     """Yield ``(where, messages, response)`` for part ``part`` of ``parts`` of the file, in file order
     (``str(where)`` is ``file:line``, computed on demand).
 
@@ -86,19 +89,44 @@ def read_records(path: str, columns: Columns, *, part: int = 0, parts: int = 1
     """
     name = os.path.basename(path)
     if file_format(path) == "json":
-        for where, obj in _json_array_items(path, name, part, parts):
-            yield _parse(obj, where, columns)
+        for where, obj in _json_array_items(path, name, part, parts, max_record_bytes):
+            yield obj if isinstance(obj, BadRecord) else _parse(obj, where, columns)
         return
-    for offset, raw in _jsonl_lines(path, part, parts):
+    for offset, raw, length in _jsonl_lines(path, part, parts, max_record_bytes):
+        where = _LazyWhere(path, name, offset)
+        if raw is None:
+            yield BadRecord(where, _too_long(length, max_record_bytes))
+            continue
         if not raw.strip():
             continue
-        where = _LazyWhere(path, name, offset)
+        duplicates: list[str] = []
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw, object_pairs_hook=_dict_noting_duplicates(duplicates))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             yield BadRecord(where, f"not valid JSON ({_short(exc)})")
             continue
-        yield _parse(obj, where, columns)
+        yield BadRecord(where, _duplicate(duplicates)) if duplicates else _parse(obj, where, columns)
+
+
+def _too_long(length: int, limit: int) -> str:
+    return (f"the record is {length} bytes, more than the limit of {limit} (--max_record_bytes); it was not "
+            "read into memory")
+
+
+def _duplicate(keys: list[str]) -> str:
+    return (f"the key {keys[0]!r} appears twice in one object (which value counts would be a guess); keep "
+            "one of them")
+
+
+def _dict_noting_duplicates(found: list[str]):
+    """A json ``object_pairs_hook`` that builds the dict and appends repeated keys to ``found``."""
+    def hook(pairs: list[tuple[str, Any]]) -> dict:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            found.extend(k for k, _ in pairs if k in seen or seen.add(k))
+        return out
+    return hook
 
 
 class _LazyWhere:
@@ -111,23 +139,42 @@ class _LazyWhere:
         return f"{self.name}:{line_number(self.path, self.offset)}"
 
 
-def _jsonl_lines(path: str, part: int, parts: int) -> Iterator[tuple[int, bytes]]:
+def _jsonl_lines(path: str, part: int, parts: int, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """``(offset, line, length)`` of each line starting in this part; ``line`` is None for a line
+    longer than ``limit`` bytes (its newline not counted), which is skipped without being held."""
     size = os.path.getsize(path)
     start, end = size * part // parts, size * (part + 1) // parts
     with open(path, "rb") as f:
         if start > 0:
             f.seek(start - 1)
-            f.readline()  # finish the line that began before our range; it belongs to the previous part
+            _skip_line(f)  # finish the line that began before our range; it belongs to the previous part
         pos = f.tell()
         while pos < end:
-            raw = f.readline()
+            raw = f.readline(limit + 1)
             if not raw:
                 break
-            yield pos, raw
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                length = len(raw) + _skip_line(f)
+                yield pos, None, length
+                pos += length
+                continue
+            yield pos, raw, len(raw)
             pos += len(raw)
 
 
-def _json_array_items(path: str, name: str, part: int, parts: int) -> Iterator[tuple[str, Any]]:
+def _skip_line(f) -> int:
+    """Read past the next newline in bounded pieces; the number of bytes passed."""
+    passed = 0
+    while True:
+        piece = f.readline(_CHUNK)
+        passed += len(piece)
+        if not piece or piece.endswith(b"\n"):
+            return passed
+
+
+def _json_array_items(path: str, name: str, part: int, parts: int, limit: int) -> Iterator[tuple[str, Any]]:
+    """``(where, element)`` of this part's elements, ``where`` being ``file:line (element i)``; an
+    element that is too long or repeats a key comes as a :class:`BadRecord` in its place."""
     with open(path, "rb") as f:
         raw = f.read()
     try:
@@ -137,7 +184,8 @@ def _json_array_items(path: str, name: str, part: int, parts: int) -> Iterator[t
         column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
         raise BadRecord(f"{name}:{line}", f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {column}); "
                         "save the file as UTF-8", skippable=False) from None
-    decoder = json.JSONDecoder()
+    duplicates: list[str] = []
+    decoder = json.JSONDecoder(object_pairs_hook=_dict_noting_duplicates(duplicates))
     items: list[tuple[int, Any]] = []
     pos = text.index("[") + 1
     while True:
@@ -147,8 +195,14 @@ def _json_array_items(path: str, name: str, part: int, parts: int) -> Iterator[t
         try:
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
-            raise BadRecord(f"{name}:{exc.lineno}", f"not a valid JSON array ({exc.msg}, column {exc.colno})",
-                            skippable=False) from None
+            raise BadRecord(f"{name}:{exc.lineno} (element {len(items)})",
+                            f"not a valid JSON array ({exc.msg}, column {exc.colno})", skippable=False) from None
+        if duplicates:
+            obj = _Problem(_duplicate(duplicates))
+            duplicates.clear()
+        elif end - pos > limit // 4 and len(text[pos:end].encode("utf-8")) > limit:
+            obj = _Problem(_too_long(len(text[pos:end].encode("utf-8")), limit).replace(
+                "; it was not read into memory", " (a JSON array is read whole: use JSON lines for large data)"))
         items.append((pos, obj))
         pos = _skip_ws(text, end)
         if pos < len(text) and text[pos] == ",":
@@ -157,14 +211,22 @@ def _json_array_items(path: str, name: str, part: int, parts: int) -> Iterator[t
         if pos < len(text) and text[pos] == "]":
             break
         line = text.count("\n", 0, pos) + 1
-        raise BadRecord(f"{name}:{line}", "not a valid JSON array (expected ',' or ']' after an element)",
-                        skippable=False)
+        raise BadRecord(f"{name}:{line} (after element {len(items) - 1})",
+                        "not a valid JSON array (expected ',' or ']' after an element)", skippable=False)
     lo, hi = len(items) * part // parts, len(items) * (part + 1) // parts
     line, counted_to = 1, 0
-    for pos, obj in items[lo:hi]:
+    for index, (pos, obj) in enumerate(items[lo:hi], start=lo):
         line += text.count("\n", counted_to, pos)
         counted_to = pos
-        yield f"{name}:{line}", obj
+        where = f"{name}:{line} (element {index})"
+        yield where, BadRecord(where, obj.text) if isinstance(obj, _Problem) else obj
+
+
+class _Problem:
+    """What is wrong with one array element, kept in its place until its part is read."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
 
 
 def _skip_ws(text: str, pos: int) -> int:
