@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import json
 import os
@@ -133,7 +134,7 @@ def create_app(chat: ChatModel, settings: ServeSettings = ServeSettings()) -> Fa
     # --max_body_bytes) waits for the one large-body thread, so a few clients sending huge prompts
     # cannot hold up the small requests, which have two threads of their own.
     small_lane = ThreadPoolExecutor(2, thread_name_prefix="prepare")
-    large_lane = ThreadPoolExecutor(1, thread_name_prefix="prepare-large")
+    large_lane = ThreadPoolExecutor(1, thread_name_prefix="prepare-large", initializer=_lower_priority)
     max_tokens, max_chars, max_body = prompt_limits(settings, chat.context_length)
     app.state.chat, app.state.gate, app.state.engine = chat, gate, engine
     app.router.add_event_handler("shutdown", engine.close)
@@ -313,6 +314,13 @@ def create_app(chat: ChatModel, settings: ServeSettings = ServeSettings()) -> Fa
                           "total_tokens": answer.prompt_tokens + answer.completion_tokens}}
 
     return app
+
+
+def _lower_priority() -> None:
+    """Nice the calling thread (Linux threads have their own nice value): on a busy machine the
+    kernel then gives the event loop and the generation thread the cores first."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 async def _disconnected(request: Request) -> None:
