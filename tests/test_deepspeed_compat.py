@@ -448,6 +448,9 @@ with pytest.raises(ValueError, match="cannot be combined with --include"):
     runner.main(["--num_nodes", "1", "-i", "localhost", __file__])
 from deepspeed.utils.numa import parse_range_list
 assert parse_range_list("0,2-4") == [0, 2, 3, 4]
+for bad in ("1,6-2", "8,2-6", "0,2-6,5-9"):  # backwards, out of order, overlapping
+    with pytest.raises(ValueError):
+        parse_range_list(bad)
 from deepspeed.accelerator import is_current_accelerator_supported
 from deepspeed.git_version_info import torch_info
 assert is_current_accelerator_supported() and torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
