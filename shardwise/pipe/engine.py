@@ -25,7 +25,6 @@ from shardwise.pipe.module import PipelineError, PipelineModule
 from shardwise.pipe.p2p import ActivationReceiver, ActivationSender, GradSender, as_tensors, grad_slots, recv_grads
 from shardwise.runtime.dataloader import RepeatingLoader
 from shardwise.runtime.engine import Engine
-from shardwise.runtime.grid_norm import global_grad_norm_sq
 
 logger = logging.getLogger("shardwise")
 
@@ -345,7 +344,7 @@ class PipelineEngine(Engine):
         self._loss_sum = self.agg_train_loss.detach().clone().reshape(())
         self._loss_count = 1
         self.micro_steps += self.micro_batches - 1  # _take_model_step's caller counts the last one
-        self._take_model_step({})  # clips by the norm over every stage (_uses_grid_norm)
+        self._take_model_step({})  # clips by the norm over every stage (runtime/clip.py)
         self.micro_steps += 1
 
     def _aggregate_loss(self, losses) -> torch.Tensor:
@@ -358,15 +357,9 @@ class PipelineEngine(Engine):
             comm.all_reduce(total)  # only the last stage's ranks contribute
         return total
 
-    # -- gradient norm over every stage -----------------------------------------------------------
-    def _uses_grid_norm(self) -> bool:
-        return True
-
-    def global_grad_norm_sq(self, loss_scale: float) -> float:
-        """Squared L2 norm of this batch's reduced, unscaled gradients over all stages (tied ones once,
-        tensor-replicated ones once)."""
-        return global_grad_norm_sq(self.strategy, self.module, self.grid, loss_scale=loss_scale,
-                                   skip=self.module.tied_duplicate_names(), device=self.device)
+    def _norm_skip(self) -> frozenset[str]:
+        """Tied parameters this stage holds but another owns: counted once in the norm, by the owner."""
+        return frozenset(self.module.tied_duplicate_names())
 
 
 class _BatchState:

@@ -20,9 +20,10 @@ from shardwise.monitor.observer import StepObserver
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.engine_compat import EngineCompatMixin
-from shardwise.runtime.grid_norm import GridNormStep, global_grad_norm_sq, sync_sequence_parallel_grads
+from shardwise.runtime.clip import clipped_step, norm_scope
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
+from shardwise.runtime.tp_sequence_grads import sync_sequence_parallel_grads
 from shardwise.training_state import StepCounters, StepReport, TrainingState
 from shardwise.zero import ReduceSettings, build_strategy, is_partitioned
 
@@ -340,8 +341,10 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             from shardwise.optim.onebit.engine_support import agree_on_overflow
 
             agree_on_overflow(self.module, self.dp_group)  # local gradients: every rank skips together
-        strategy = GridNormStep(self.strategy, self.global_grad_norm_sq) if self._uses_grid_norm() else self.strategy
-        result = strategy.step(loss_scale=scale, clip=float(self.config.gradient_clipping or 0.0))
+        result = clipped_step(self.strategy, norm_scope(self.strategy, grid=self.grid, module=self.module,
+                                                        skip=self._norm_skip()),
+                              loss_scale=scale, clip=float(self.config.gradient_clipping or 0.0),
+                              check_overflow=self.precision.check_overflow, device=self.device)
         self._step_skipped = result.overflow
         self._step_applied = not result.overflow
         self._grad_norm = result.grad_norm
@@ -360,14 +363,9 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self._backwards_since_step = 0
         self._after_step()
 
-    def _uses_grid_norm(self) -> bool:
-        """Clip by the norm over the whole grid (not only the data-parallel group) when there are
-        pipeline stages or tensor shards."""
-        return self.grid.get_pipe_parallel_world_size() > 1 or self.tp_world_size > 1
-
-    def global_grad_norm_sq(self, loss_scale: float) -> float:
-        """Squared norm of the unscaled gradients over every rank, each element counted once."""
-        return global_grad_norm_sq(self.strategy, self.module, self.grid, loss_scale=loss_scale, device=self.device)
+    def _norm_skip(self) -> frozenset[str]:
+        """Names of parameters whose gradients another rank counts in the norm (tied duplicates)."""
+        return frozenset()
 
     def _log_overflow(self, scale: float) -> None:
         spp = self.config.steps_per_print or 1

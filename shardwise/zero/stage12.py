@@ -21,7 +21,7 @@ import contextlib
 import torch
 
 from shardwise import comm
-from shardwise.precision import PrecisionPolicy, StepResult
+from shardwise.precision import PrecisionPolicy
 from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.flat import FlatGroup, group_by_dtype
 from shardwise.zero.gradients import FlatGradients, PooledBucketGradients
@@ -137,13 +137,21 @@ class PartitionedStrategy(ZeroStrategy):
         self.partition.backward_finished()
 
     # -- step -----------------------------------------------------------------------------
-    def step(self, *, loss_scale: float, clip: float) -> StepResult:
+    def local_grad_norm_sq(self, *, counted=None) -> torch.Tensor:
         if not self.reduce_gradients:  # local gradients: the optimizer's own exchange (1-bit Adam, stage 1)
-            return self.local_step(self, precision=self.precision, loss_scale=loss_scale, clip=clip)
-        result = self.partition.step(self, precision=self.precision, loss_scale=loss_scale, clip=clip)
-        if not result.overflow:
-            self._all_gather_params()
-        return result
+            return self.local_step.grad_norm_sq()
+        return self.partition.grad_norm_sq(self, counted=counted)
+
+    @property
+    def norm_is_local(self) -> bool:
+        return not self.reduce_gradients  # whole local gradients (1-bit Adam after its warm-up)
+
+    def apply_step(self, *, coef: float, coef_fixed: bool = False) -> None:
+        if not self.reduce_gradients:
+            self.local_step.step(self, coef=coef)
+            return
+        self.partition.apply_step(self, coef=coef, coef_fixed=coef_fixed)
+        self._all_gather_params()
 
     def _all_gather_params(self) -> None:
         """All-gather every bucket in place: each rank contributes the chunks it just updated."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.precision import PrecisionPolicy, StepResult
+from shardwise.precision import PrecisionPolicy
 from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.coordinator import ParamCoordinator, Unit
 from shardwise.zero.partitioned_param import gather_full, is_partitioned, owned_range, scatter_full_, shard_param_
@@ -242,11 +242,12 @@ class Stage3Strategy(ZeroStrategy):
         self.coordinator.end_of_pass()
 
     # -- step -----------------------------------------------------------------------------
-    def step(self, *, loss_scale: float, clip: float) -> StepResult:
-        result = self.partition.step(self, precision=self.precision, loss_scale=loss_scale, clip=clip)
-        if not result.overflow:
-            self.coordinator.end_of_pass()  # shards were updated in place; the next forward gathers them
-        return result
+    def local_grad_norm_sq(self, *, counted=None) -> torch.Tensor:
+        return self.partition.grad_norm_sq(self, counted=counted)
+
+    def apply_step(self, *, coef: float, coef_fixed: bool = False) -> None:
+        self.partition.apply_step(self, coef=coef, coef_fixed=coef_fixed)
+        self.coordinator.end_of_pass()  # shards were updated in place; the next forward gathers them
 
     def zero_grad(self) -> None:
         self.gradients.zero_()

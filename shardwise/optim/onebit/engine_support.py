@@ -72,7 +72,7 @@ def bind_strategy(optimizer, strategy) -> None:
 
     exchange = Zero1Exchange(optimizer, strategy, optimizer._zero1_order)
     optimizer._zero1 = exchange
-    strategy.local_step = exchange.step
+    strategy.local_step = exchange
 
 
 def agree_on_overflow(module: torch.nn.Module, dp_group) -> None:

@@ -32,7 +32,7 @@ import math
 import torch
 
 from shardwise import comm
-from shardwise.precision import StepResult, apply_coefficient_, grad_sq_sum, unscale_and_clip
+from shardwise.precision import apply_coefficient_, grad_sq_sum
 
 logger = logging.getLogger("shardwise")
 
@@ -109,13 +109,13 @@ class Zero1Exchange:
         self.unseen = v == 0
 
     # -- the step --------------------------------------------------------------------------------------
-    def step(self, strategy, *, precision, loss_scale: float, clip: float) -> StepResult:
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Sum of squares of this rank's whole local gradients (clipping uses the local norm, as at stage 0)."""
+        return grad_sq_sum(self.strategy.gradients.buffers)
+
+    def step(self, strategy, *, coef: float) -> None:
         opt = self.optimizer
         grads = strategy.gradients.buffers
-        norm, coef = unscale_and_clip(grad_sq_sum(grads), loss_scale=loss_scale, clip=clip,
-                                      check_overflow=precision.check_overflow)
-        if coef is None:  # every rank saw the same (agree_on_overflow): all skip together
-            return StepResult(grad_norm=norm, overflow=True)
         if grads[0].dtype != torch.float32:
             grads = [g.to(torch.float32) for g in grads]
         apply_coefficient_(grads, coef)
@@ -170,4 +170,3 @@ class Zero1Exchange:
                 for f in frags:
                     strategy.weight_of(f).copy_(f.tensor.detach().reshape(-1))
             strategy._all_gather_params()
-        return StepResult(grad_norm=norm, overflow=False)
