@@ -58,7 +58,7 @@ class PartitionedStrategy(ZeroStrategy):
         if not trainable:
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
         self.groups: list[FlatGroup] = group_by_dtype(list(reversed(trainable)), world_size=self.world,
-                                                      bucket_elements=reduce.bucket_elements)
+                                                      bucket_elements=self._bucket_elements(reduce, trainable))
         self.chunks = [g.rank_chunks(self.rank) for g in self.groups]
         self.chunk_local = [_local_offsets(ch) for ch in self.chunks]
         for g in self.groups:
@@ -85,6 +85,9 @@ class PartitionedStrategy(ZeroStrategy):
 
     def _gradient_store(self):
         raise NotImplementedError
+
+    def _bucket_elements(self, reduce: ReduceSettings, trainable) -> int:
+        return reduce.bucket_elements
 
     # -- set-up ---------------------------------------------------------------------------
     def _fragments(self) -> list[list[Fragment]]:
@@ -134,6 +137,7 @@ class PartitionedStrategy(ZeroStrategy):
 
     def finish_backward(self) -> None:
         self.reducer.finish()
+        self.gradients.backward_finished()
         self.partition.backward_finished()
 
     # -- step -----------------------------------------------------------------------------
@@ -216,9 +220,19 @@ class Stage2Strategy(PartitionedStrategy):
 
     stage = 2
     shards_gradients = True
+    min_buckets = 64  # the whole gradients are cut into at least this many short-lived buckets ...
+    min_bucket_elements = 1 << 18  # ... of at least this many elements (fewer, larger collectives)
 
     def _gradient_store(self) -> PooledBucketGradients:
         return PooledBucketGradients(self.groups, self.chunk_local, self.world)
+
+    def _bucket_elements(self, reduce: ReduceSettings, trainable) -> int:
+        """At stage 2 a bucket is a short-lived full-size copy of its gradients, alive until reduced:
+        a bucket as large as the model (the default ``reduce_bucket_size``, 5e8 elements) would be a
+        whole gradient buffer, more than stage 1 holds. Buckets are cut to 1/64 of the model (at least
+        2^18 elements), so the few alive at once stay a few percent of the model states."""
+        total = sum(p.numel() for _, p in trainable)
+        return min(reduce.bucket_elements, max(self.min_bucket_elements, -(-total // self.min_buckets)))
 
 
 def _local_offsets(chunks: list[tuple[int, int]]) -> list[int]:
