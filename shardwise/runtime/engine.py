@@ -82,12 +82,6 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self._cast_buffers()
 
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
-        if getattr(self.optimizer, "compressed_communication", False):  # 1-bit Adam & co (docs/onebit.md)
-            from shardwise.optim.onebit.engine_support import attach
-
-            attach(self.optimizer, dp_group=self.dp_group, zero_stage=int(config.zero_optimization.stage),
-                   offload=getattr(config.zero_optimization.offload_optimizer, "device", "none") != "none",
-                   pipeline_stages=grid.get_pipe_parallel_world_size())
         self.strategy = build_strategy(
             config.zero_optimization,
             aio=config.aio,
@@ -96,12 +90,9 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             optimizer=self.optimizer,
             precision=self.precision,
             dp_group=self.dp_group,
+            pipeline_stages=grid.get_pipe_parallel_world_size(),
             reduce=self._reduce_settings(),
         )
-        if self._compressed_optimizer:
-            from shardwise.optim.onebit.engine_support import bind_strategy
-
-            bind_strategy(self.optimizer, self.strategy)
         self.lr_scheduler = self._configure_scheduler(lr_scheduler)
         self._publish_overflow(False)
         self.loss_scaler = create_loss_scaler(config.fp16) if self.precision.loss_scaling else None
@@ -301,8 +292,6 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         """Before autograd runs: arm the strategy's gradient hooks (reduce at the boundary or, for the
         partitioned-gradient stages, every time).  A subclass running its own schedule (pipeline)
         calls this and ``_end_backward`` around its own ``torch.autograd.backward``."""
-        if self._compressed_optimizer:  # 1-bit Adam & co decide step by step (docs/onebit.md)
-            self.enable_backward_allreduce = self.optimizer.needs_gradient_allreduce
         self.strategy.prepare_backward(boundary=self.is_gradient_accumulation_boundary(),
                                        no_sync=self._no_sync_depth > 0)
 
@@ -337,10 +326,6 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             raise ValueError("engine.step() needs an optimizer: add an 'optimizer' block to the config or pass optimizer=")
         self.timers.start("step")
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-        if self._compressed_optimizer and not self.enable_backward_allreduce and self.precision.check_overflow:
-            from shardwise.optim.onebit.engine_support import agree_on_overflow
-
-            agree_on_overflow(self.module, self.dp_group)  # local gradients: every rank skips together
         result = clipped_step(self.strategy, norm_scope(self.strategy, grid=self.grid, module=self.module,
                                                         skip=self._norm_skip()),
                               loss_scale=scale, clip=float(self.config.gradient_clipping or 0.0),
@@ -416,10 +401,6 @@ class Engine(EngineCompatMixin, torch.nn.Module):
 
     def zero_grad(self) -> None:
         self.strategy.zero_grad()
-
-    @property
-    def _compressed_optimizer(self) -> bool:
-        return bool(getattr(self.optimizer, "compressed_communication", False))
 
     @contextlib.contextmanager
     def no_sync(self):

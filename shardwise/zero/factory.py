@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shardwise.zero.compressed import CompressedDataParallelStrategy, CompressedStage1Strategy, check_supported
 from shardwise.zero.partitioned_step import offload_device
 from shardwise.zero.stage0 import DataParallelStrategy
 from shardwise.zero.stage3 import Stage3Strategy
@@ -9,10 +10,16 @@ from shardwise.zero.stage12 import Stage1Strategy, Stage2Strategy
 from shardwise.zero.strategy import ZeroStrategy
 
 
-def build_strategy(zero_config, *, aio=None, module, dp_group=None, **kwargs) -> ZeroStrategy:
+def build_strategy(zero_config, *, aio=None, module, optimizer, dp_group=None, pipeline_stages: int = 1,
+                   **kwargs) -> ZeroStrategy:
     """The strategy for ``zero_config.stage`` (a ``zero_optimization`` config block), reducing over
-    ``dp_group`` (the data-parallel process group; ``None``: every rank)."""
+    ``dp_group`` (the data-parallel process group; ``None``: every rank). An optimizer with
+    ``compressed_communication`` (1-bit Adam & co) gets the compressed variant of stage 0 or 1
+    (``zero/compressed.py``); ``pipeline_stages`` is only checked for those."""
     stage = int(zero_config.stage)
+    compressed = bool(getattr(optimizer, "compressed_communication", False))
+    if compressed:
+        check_supported(optimizer, zero_config, pipeline_stages=pipeline_stages)
     opt_off = offload_device(zero_config.offload_optimizer)
     param_off = offload_device(zero_config.offload_param)
     if opt_off != "none" and stage == 0:
@@ -20,18 +27,21 @@ def build_strategy(zero_config, *, aio=None, module, dp_group=None, **kwargs) ->
     if param_off != "none" and stage != 3:
         raise ValueError(f"zero_optimization.offload_param needs ZeRO stage 3 (stage is {stage})")
     if stage == 0:
-        return DataParallelStrategy(dp_group=dp_group, **kwargs)
+        cls = CompressedDataParallelStrategy if compressed else DataParallelStrategy
+        return cls(optimizer=optimizer, dp_group=dp_group, **kwargs)
     if stage in (1, 2):
-        cls = Stage1Strategy if stage == 1 else Stage2Strategy
+        cls = Stage2Strategy if stage == 2 else CompressedStage1Strategy if compressed else Stage1Strategy
         return cls(
             allgather_bucket_elements=int(zero_config.allgather_bucket_size),
             use_reduce_scatter=bool(zero_config.reduce_scatter),
             offload_optimizer=zero_config.offload_optimizer,
             sub_group_size=int(zero_config.sub_group_size),
             aio=aio,
+            optimizer=optimizer,
             dp_group=dp_group,
             **kwargs,
         )
     if stage == 3:
-        return Stage3Strategy(module=module, zero_config=zero_config, aio=aio, dp_group=dp_group, **kwargs)
+        return Stage3Strategy(module=module, zero_config=zero_config, aio=aio, optimizer=optimizer, dp_group=dp_group,
+                              **kwargs)
     raise ValueError(f"not implemented yet: zero_optimization.stage={stage}")

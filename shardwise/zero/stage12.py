@@ -142,18 +142,9 @@ class PartitionedStrategy(ZeroStrategy):
 
     # -- step -----------------------------------------------------------------------------
     def local_grad_norm_sq(self, *, counted=None) -> torch.Tensor:
-        if not self.reduce_gradients:  # local gradients: the optimizer's own exchange (1-bit Adam, stage 1)
-            return self.local_step.grad_norm_sq()
         return self.partition.grad_norm_sq(self, counted=counted)
 
-    @property
-    def norm_is_local(self) -> bool:
-        return not self.reduce_gradients  # whole local gradients (1-bit Adam after its warm-up)
-
     def apply_step(self, *, coef: float, coef_fixed: bool = False) -> None:
-        if not self.reduce_gradients:
-            self.local_step.step(self, coef=coef)
-            return
         self.partition.apply_step(self, coef=coef, coef_fixed=coef_fixed)
         self._all_gather_params()
 

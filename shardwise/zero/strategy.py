@@ -44,10 +44,6 @@ class ZeroStrategy(abc.ABC):
     shards_parameters = False  # True when a rank keeps only its share of the weights (stage 3)
     gathers_module_state = False  # True when ``module_state_dict`` is collective (stage 3)
     _reduce_gradients = True
-    # A partitioned stage that keeps whole local gradients (stage 1) can hand the step over to an
-    # optimizer exchanging them itself: ``local_step(strategy, precision=, loss_scale=, clip=)``
-    # runs instead of the partitioned step while ``reduce_gradients`` is False (1-bit Adam).
-    local_step = None
 
     @property
     def reduce_gradients(self) -> bool:
@@ -55,16 +51,21 @@ class ZeroStrategy(abc.ABC):
 
         Set it to False when the optimizer exchanges gradient information itself, as 1-bit Adam does
         with compressed momentum after its warm-up (DeepSpeed's ``engine.enable_backward_allreduce``);
-        each rank's ``param.grad`` is then its local gradient. Stage 0 allows it; stage 1 once such an
-        optimizer has set ``local_step``."""
+        each rank's ``param.grad`` is then its local gradient. Stage 0 allows it, and the compressed
+        variant of stage 1 (``zero/compressed.py``)."""
         return self._reduce_gradients
 
     @reduce_gradients.setter
     def reduce_gradients(self, on: bool) -> None:
-        if not on and not self.replicated and self.local_step is None:
+        if not on and not self.can_keep_local_gradients:
             raise ValueError(f"switching off the gradient reduction needs ZeRO stage 0 (stage is {self.stage}): "
                              "partitioned stages keep only their share of the reduced gradients")
         self._reduce_gradients = bool(on)
+
+    @property
+    def can_keep_local_gradients(self) -> bool:
+        """Whether backward may leave each rank its own local gradients (``reduce_gradients`` False)."""
+        return self.replicated
 
     @abc.abstractmethod
     def prepare_backward(self, *, boundary: bool, no_sync: bool = False) -> None:
