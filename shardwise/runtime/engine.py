@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import time
-import weakref
 
 import torch
 
@@ -26,6 +25,7 @@ from shardwise.runtime.timers import Timers
 from shardwise.runtime.tp_sequence_grads import sync_sequence_parallel_grads
 from shardwise.training_state import StepCounters, StepReport, TrainingState
 from shardwise.zero import ReduceSettings, build_strategy, is_partitioned
+from shardwise.zero import registry as zero_registry
 
 logger = logging.getLogger("shardwise")
 
@@ -96,9 +96,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self.lr_scheduler = self._configure_scheduler(lr_scheduler)
         self._publish_overflow(False)
         self.loss_scaler = create_loss_scaler(config.fp16) if self.precision.loss_scaling else None
-        owner = weakref.ref(self)
-        for name, p in self.module.named_parameters():  # for shardwise.utils.safe_get_full_*
-            p._shardwise_owner = (owner, name)
+        zero_registry.set_loss_scaler(self.strategy, self.loss_scaler)  # for shardwise.utils.safe_get_full_grad
 
         self.training_dataloader = None
         if training_data is not None:

@@ -14,6 +14,7 @@ import torch
 
 from shardwise import comm
 from shardwise.malloc import return_large_frees_to_the_os
+from shardwise.zero import registry
 from shardwise.zero.partitioned_param import (ZeroParamStatus, gather_full, is_partitioned, scatter_full_,
                                               shard_param_, unit_of)
 
@@ -70,10 +71,10 @@ def _refresh_owner(p: torch.nn.Parameter) -> None:
     unit = unit_of(p)
     if unit is not None and unit.gathered:
         unit.release()  # stale now; the next use gathers the new values
-    owner = getattr(p, "_shardwise_owner", None)
-    engine = owner[0]() if owner is not None else None
-    if engine is not None:
-        engine.strategy.refresh_master(owner[1], p)
+    owner = registry.owner_of(p)
+    if owner is not None:
+        strategy, name = owner
+        strategy.refresh_master(name, p)
 
 
 class Init:

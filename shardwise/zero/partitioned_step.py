@@ -302,10 +302,6 @@ class PartitionedOptimizer:
     def master_bytes(self) -> int:
         return sum(t.nbytes for t in self.master_buffers) if self.master_buffers is not None else 0
 
-    def swap_buffer_bytes(self) -> int:
-        """NVMe offload: the reused swap buffers (allocated once, kept between steps)."""
-        return self.swapper.resident_bytes() if self.swapper is not None else 0
-
     def disk_bytes(self) -> int:
         return self.swapper.store.disk_bytes() if self.swapper is not None else 0
 

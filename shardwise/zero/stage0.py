@@ -20,6 +20,7 @@ import torch
 
 from shardwise import comm
 from shardwise.precision import PrecisionPolicy, apply_coefficient_, grad_sq_sum
+from shardwise.zero import registry
 from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.flat import FlatGroup, group_by_dtype
 from shardwise.zero.gradients import FlatGradients
@@ -44,6 +45,7 @@ class DataParallelStrategy(ZeroStrategy):
         self.dp_group = dp_group
         self.dp_world_size = comm.get_world_size(dp_group)
         self.reduce = reduce
+        registry.register(self, named_params)
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")

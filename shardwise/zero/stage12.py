@@ -22,6 +22,7 @@ import torch
 
 from shardwise import comm
 from shardwise.precision import PrecisionPolicy
+from shardwise.zero import registry
 from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.flat import FlatGroup, group_by_dtype
 from shardwise.zero.gradients import FlatGradients, PooledBucketGradients
@@ -54,6 +55,7 @@ class PartitionedStrategy(ZeroStrategy):
         self.world = self.dp_world_size = comm.get_world_size(dp_group)
         self.rank = comm.get_rank(dp_group)
         self.allgather_bucket_elements = allgather_bucket_elements
+        registry.register(self, named_params)
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
@@ -74,17 +76,19 @@ class PartitionedStrategy(ZeroStrategy):
             if g.dtype != precision.param_dtype and g.dtype.is_floating_point:
                 g.cast_(precision.param_dtype)
         self.gradients = self._gradient_store()
-        self.reducer = BucketReducer(self.groups, self.gradients, reduce=reduce, dp_group=dp_group,
-                                     scatter=use_reduce_scatter)
         # The fragments whose gradients a bucket's reduction makes final (for the overlapped offload step).
         self._bucket_frags: list[list[Fragment]] = []
         for gi, g in enumerate(self.groups):
             for (a, b) in self.chunks[gi]:
                 self._bucket_frags.append([f for f in self.fragments[gi] if a <= f.buffer_start < b])
-        self.reducer.on_reduced = lambda bucket: self.partition.grads_ready(self._bucket_frags[bucket.index])
+        self.reducer = BucketReducer(self.groups, self.gradients, reduce=reduce, dp_group=dp_group,
+                                     scatter=use_reduce_scatter, on_reduced=self._bucket_reduced)
 
     def _gradient_store(self):
         raise NotImplementedError
+
+    def _bucket_reduced(self, bucket: Bucket) -> None:
+        self.partition.grads_ready(self._bucket_frags[bucket.index])
 
     def _bucket_elements(self, reduce: ReduceSettings, trainable) -> int:
         return reduce.bucket_elements

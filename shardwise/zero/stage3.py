@@ -20,6 +20,7 @@ import torch
 
 from shardwise import comm
 from shardwise.precision import PrecisionPolicy
+from shardwise.zero import registry
 from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.coordinator import ParamCoordinator, Unit
 from shardwise.zero.partitioned_param import gather_full, is_partitioned, owned_range, scatter_full_, shard_param_
@@ -136,6 +137,7 @@ class Stage3Strategy(ZeroStrategy):
         self.dp_group = dp_group
         self.world = self.dp_world_size = comm.get_world_size(dp_group)
         self.rank = comm.get_rank(dp_group)
+        registry.register(self, named_params)
         if not any(p.requires_grad for _, p in named_params):
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
         zc = zero_config
@@ -166,9 +168,7 @@ class Stage3Strategy(ZeroStrategy):
         self._offload_params(param_offload, aio)
         self.gradients = UnitGradients(self.units, self.world)
         self.reducer = BucketReducer([self.gradients.layout], self.gradients, reduce=reduce, dp_group=dp_group,
-                                     scatter=True)
-        unit_of_bucket = self.gradients.layout.unit_of_bucket  # a unit's reduction makes its fragments final
-        self.reducer.on_reduced = lambda b: self.partition.grads_ready(self.fragments[unit_of_bucket[b.position].index])
+                                     scatter=True, on_reduced=self._unit_reduced)
         self.coordinator = ParamCoordinator(
             self.units, module_units, group=dp_group,
             prefetch_elements=int(zc.stage3_prefetch_bucket_size) if zc is not None else 0,
@@ -202,6 +202,11 @@ class Stage3Strategy(ZeroStrategy):
                                          queue_depth=aio.queue_depth if aio is not None else 8)
             for u in self.units:
                 u.offload_to_nvme(self.param_store)
+
+    def _unit_reduced(self, bucket: Bucket) -> None:
+        """A unit's reduction makes its fragments' gradients final (for the overlapped offload step)."""
+        unit = self.gradients.layout.unit_of_bucket[bucket.position]
+        self.partition.grads_ready(self.fragments[unit.index])
 
     # -- what the partitioned step asks (FragmentSource) ---------------------------------------
     def owned_grads(self) -> list[torch.Tensor]:
