@@ -25,6 +25,7 @@ import torch
 
 from shardwise import comm
 from shardwise.comm import direct
+from shardwise.param_attrs import grad_is_ready
 from shardwise.zero.flat import FlatGroup
 from shardwise.zero.strategy import ReduceSettings
 
@@ -133,7 +134,7 @@ class BucketReducer:
 
     def _make_hook(self, gi: int, i: int):
         def hook(p: torch.Tensor) -> None:
-            if not getattr(p, "ds_grad_is_ready", True):
+            if not grad_is_ready(p):
                 return  # a tiled computation (sequence_parallel.tiled) adds more of this gradient first
             bucket = self._bucket_of[id(p)]
             if self.active:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
+from shardwise.param_attrs import external_params, is_z3_leaf, zero_unit
 from shardwise.precision import PrecisionPolicy
 from shardwise.zero import registry
 from shardwise.zero.buckets import Bucket, BucketReducer
@@ -261,7 +262,7 @@ class Stage3Strategy(ZeroStrategy):
         """After ``GatheredParameters(modifier_rank=...)`` rewrote ``p``'s shard: update its fp32 copy."""
         if not self.partition.separate_master:
             return  # the optimizer steps views of the shard itself
-        u = p._ds_unit
+        u = zero_unit(p)
         for batch in self.partition.batches():
             with u.resident(write=False):
                 for f in batch:
@@ -353,7 +354,7 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
         subtree = fresh(p for p in m.parameters())
         container = isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))  # never called itself
         fits = sum(p.ds_numel for p in subtree) <= unit_elements and not container
-        fits = fits or getattr(m, "_z3_leaf", False)  # set_z3_leaf_modules: the whole subtree is one unit
+        fits = fits or is_z3_leaf(m)  # set_z3_leaf_modules: the whole subtree is one unit
         if fits or not any(True for _ in m.children()):
             claim(m, subtree)
             return
@@ -376,7 +377,7 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
         own = roots.get(id(m))
         covered = covered | ({own.index} if own is not None else set())
         used = [p for p in m._parameters.values() if p is not None]
-        used += list(getattr(m, "_sw_external_params", []))
+        used += external_params(m)
         extra = []
         for p in used:
             u = unit_of.get(id(p))
