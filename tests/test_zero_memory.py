@@ -110,3 +110,41 @@ def test_safe_accessors_agree_across_stages_and_with_reference():
                 torch.testing.assert_close(got["param"][n], p.detach(), rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(got["model"][n], p.detach(), rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(got["exp_avg"][n], opt.state[p]["exp_avg"], rtol=1e-5, atol=1e-8)
+
+
+def _live_peak_body(rank, world):
+    import shardwise
+    from shardwise.profiling import LiveTensorPeak, live_tensor_bytes
+
+    out = {}
+    for stage in (1, 2):
+        before = live_tensor_bytes()  # what the previous case left (not this engine's)
+        torch.manual_seed(0)
+        # 32 layers of 256 x 256 (2.1M parameters): stage 2 cuts them into several buckets.
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(32)])
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": stage}}  # the default reduce_bucket_size (5e8 elements)
+        engine, *_ = shardwise.initialize(model=model, config=cfg)
+        peak, at_step = LiveTensorPeak(), LiveTensorPeak()
+        for i in range(2):
+            if i == 1:  # the optimizer's states exist from the first step on
+                peak.watch(engine.module)
+            engine.backward(engine(torch.randn(2, 256)).square().mean())
+            if i == 1:
+                at_step.sample()
+            engine.step()
+        peak.close()
+        out[stage] = (peak.bytes - before, at_step.bytes - before)
+    return out
+
+
+def test_stage2_holds_less_than_stage1_live_tensors():
+    """Live tensor bytes per rank (fp32 AdamW, 2 ranks): between backward and step stage 2 holds what
+    its formula says (4Ψ + 12Ψ/N: no bucket-sized buffer outlives backward), and its peak during
+    backward, short-lived buckets included, stays below stage 1's."""
+    psi = 32 * (256 * 256 + 256)
+    for per_rank in run_distributed(_live_peak_body, 2, timeout=240):
+        (peak1, step1), (peak2, step2) = per_rank[1], per_rank[2]
+        assert abs(step2 - _formula(2, psi, 2, False)) <= 0.05 * _formula(2, psi, 2, False), (step2, psi)
+        assert abs(step1 - _formula(1, psi, 2, False)) <= 0.05 * _formula(1, psi, 2, False), (step1, psi)
+        assert peak2 < peak1, (peak2, peak1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from pydantic import BaseModel
 
 from .errors import ConfigError, describe_value
 from .tensor_parallel import AUTOTP_PRESETS
@@ -20,10 +19,6 @@ __all__ = ["NOT_IMPLEMENTED", "unsupported_features", "check_supported"]
 
 # optimizer types (compared case-insensitively) that are not implemented yet
 UNIMPLEMENTED_OPTIMIZERS: set[str] = set()
-
-
-def _changed(block: BaseModel) -> bool:
-    return block != type(block)()
 
 
 def _switched_on(block: dict[str, Any]) -> bool:

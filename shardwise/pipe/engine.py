@@ -26,7 +26,6 @@ from shardwise.pipe.module import PipelineError, PipelineModule
 from shardwise.pipe.p2p import ActivationReceiver, ActivationSender, GradSender, as_tensors, grad_slots, recv_grads
 from shardwise.runtime.dataloader import RepeatingLoader
 from shardwise.runtime.engine import Engine
-from shardwise.runtime.grid_norm import global_grad_norm_sq
 
 logger = logging.getLogger("shardwise")
 
@@ -358,15 +357,9 @@ class PipelineEngine(Engine):
             comm.all_reduce(vec)
         return vec
 
-    # -- gradient norm over every stage -----------------------------------------------------------
-    def _uses_grid_norm(self) -> bool:
-        return True
-
-    def global_grad_norm_sq(self, loss_scale: float) -> float:
-        """Squared L2 norm of this batch's reduced, unscaled gradients over all stages (tied ones once,
-        tensor-replicated ones once)."""
-        return global_grad_norm_sq(self.strategy, self.module, self.grid, loss_scale=loss_scale,
-                                   skip=self.module.tied_duplicate_names(), device=self.device)
+    def _norm_skip(self) -> frozenset[str]:
+        """Tied parameters this stage holds but another owns: counted once in the norm, by the owner."""
+        return frozenset(self.module.tied_duplicate_names())
 
 
 class _BatchState:

@@ -15,6 +15,8 @@ _LAZY = {
     "estimate_from_hf_config": "estimator",
     "MemoryEstimate": "estimator",
     "PeakMemory": "memory",
+    "LiveTensorPeak": "memory",
+    "live_tensor_bytes": "memory",
 }
 
 __all__ = sorted(_LAZY)

@@ -8,6 +8,9 @@ Accelerators use the allocator's peak statistics. On the CPU (Linux) the process
 resident size (``VmHWM``) is reset through ``/proc/self/clear_refs`` at entry; glibc is told
 to give large blocks back to the system when freed (a fixed ``M_MMAP_THRESHOLD``), so memory
 freed before the block does not hide the block's own peak.
+
+``LiveTensorPeak`` counts tensors instead of memory: the bytes of every storage Python can reach,
+sampled during backward and around the step (what ZeRO's formulas speak of, whatever the load).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from shardwise.malloc import return_large_frees_to_the_os
 
-__all__ = ["PeakMemory"]
+__all__ = ["LiveTensorPeak", "PeakMemory", "live_tensor_bytes"]
 
 
 
@@ -66,3 +69,50 @@ class PeakMemory:
             mod = getattr(torch, self.device.type)
             mod.synchronize()
             self.bytes = mod.max_memory_allocated(self.device) - self._start
+
+
+def live_tensor_bytes() -> int:
+    """Bytes held by the distinct storages of every tensor Python can reach now (parameters, their
+    ``.grad``, optimizer states, buffers kept by the framework; not autograd's saved activations).
+    Independent of the machine's load and of the allocator; a walk of the garbage collector's objects,
+    so slow: for measurements, not for training."""
+    gc.collect()  # unreachable cycles (an engine dropped a moment ago) are not live
+    seen: dict[tuple, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.is_meta or obj.layout != torch.strided:
+            continue
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+            continue
+        seen[(storage.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
+class LiveTensorPeak:
+    """The highest ``live_tensor_bytes`` seen at the sampling points: ``sample()`` where you like,
+    and, once ``watch(module)`` is called, whenever a parameter's gradient has been accumulated in
+    backward (after the hooks registered before it, such as ZeRO's gradient reduction)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._hooks = []
+
+    def sample(self) -> int:
+        now = live_tensor_bytes()
+        self.bytes = max(self.bytes, now)
+        return now
+
+    def watch(self, module: torch.nn.Module) -> "LiveTensorPeak":
+        for p in module.parameters():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        return self
+
+    def _on_grad(self, _param) -> None:
+        self.sample()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

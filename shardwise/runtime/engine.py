@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import time
-import weakref
 
 import torch
 
@@ -20,13 +19,14 @@ from shardwise.monitor.observer import StepObserver
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.engine_compat import EngineCompatMixin
-from shardwise.runtime.grid_norm import GridNormStep, global_grad_norm_sq, sync_sequence_parallel_grads
 from shardwise.runtime.plan import config_features, optimizer_features
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
+from shardwise.runtime.tp_sequence_grads import sync_sequence_parallel_grads
 from shardwise.runtime.train_step import TrainingStep
 from shardwise.training_state import StepReport, TrainingState
 from shardwise.zero import ReduceSettings, build_strategy, is_partitioned
+from shardwise.zero import registry as zero_registry
 
 logger = logging.getLogger("shardwise")
 
@@ -84,14 +84,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self._cast_buffers()
 
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
-        if self._compressed_optimizer and self.dims.compressed_optimizer is None:  # built by a callable
-            self.dims = self.dims.replace(**optimizer_features(self.optimizer)).validate()
-        if getattr(self.optimizer, "compressed_communication", False):  # 1-bit Adam & co (docs/onebit.md)
-            from shardwise.optim.onebit.engine_support import attach
-
-            attach(self.optimizer, dp_group=self.dp_group, zero_stage=int(config.zero_optimization.stage),
-                   offload=getattr(config.zero_optimization.offload_optimizer, "device", "none") != "none",
-                   pipeline_stages=grid.get_pipe_parallel_world_size())
+        if self.dims.compressed_optimizer is None and getattr(self.optimizer, "compressed_communication", False):
+            self.dims = self.dims.replace(**optimizer_features(self.optimizer)).validate()  # built by a callable
         self.strategy = build_strategy(
             config.zero_optimization,
             aio=config.aio,
@@ -100,18 +94,13 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             optimizer=self.optimizer,
             precision=self.precision,
             dp_group=self.dp_group,
+            dims=self.dims,
             reduce=self._reduce_settings(),
         )
-        if self._compressed_optimizer:
-            from shardwise.optim.onebit.engine_support import bind_strategy
-
-            bind_strategy(self.optimizer, self.strategy)
         scheduler = self._configure_scheduler(lr_scheduler)
         self._publish_overflow(False)
         self.loss_scaler = create_loss_scaler(config.fp16) if self.precision.loss_scaling else None
-        owner = weakref.ref(self)
-        for name, p in self.module.named_parameters():  # for shardwise.utils.safe_get_full_*
-            p._shardwise_owner = (owner, name)
+        zero_registry.set_loss_scaler(self.strategy, self.loss_scaler)  # for shardwise.utils.safe_get_full_grad
 
         self.training_dataloader = None
         if training_data is not None:
@@ -120,7 +109,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self.train_step = TrainingStep(
             strategy=self.strategy, loss_scaler=self.loss_scaler, lr_scheduler=scheduler,
             gradient_accumulation_steps=self.gradient_accumulation_steps, train_batch_size=self.train_batch_size,
-            clip_step=self._clipped_step, device=self.device)
+            grid=grid, module=self.module, norm_skip=self._norm_skip(), device=self.device,
+            clip=float(config.gradient_clipping or 0.0), check_overflow=self.precision.check_overflow)
         self._grad_norm: float | None = None
         self._step_skipped = False
         self._last_step_loss: float | None = None
@@ -306,8 +296,6 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         """Before autograd runs: arm the strategy's gradient hooks (reduce at the boundary or, for the
         partitioned-gradient stages, every time).  A subclass running its own schedule (pipeline)
         calls this and ``_end_backward`` around its own ``torch.autograd.backward``."""
-        if self._compressed_optimizer:  # 1-bit Adam & co decide step by step (docs/onebit.md)
-            self.enable_backward_allreduce = self.optimizer.needs_gradient_allreduce
         self.train_step.begin_backward()
 
     def _end_backward(self) -> None:
@@ -332,16 +320,6 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         if self.optimizer is None:
             raise ValueError("engine.step() needs an optimizer: add an 'optimizer' block to the config or pass optimizer=")
 
-    def _clipped_step(self, loss_scale: float):
-        """The strategy's unscale / overflow check / clip / optimizer step on this rank's share, the norm
-        taken over the whole grid when there are pipeline stages or tensor shards."""
-        if self._compressed_optimizer and not self.enable_backward_allreduce and self.precision.check_overflow:
-            from shardwise.optim.onebit.engine_support import agree_on_overflow
-
-            agree_on_overflow(self.module, self.dp_group)  # local gradients: every rank skips together
-        strategy = GridNormStep(self.strategy, self.global_grad_norm_sq) if self._uses_grid_norm() else self.strategy
-        return strategy.step(loss_scale=loss_scale, clip=float(self.config.gradient_clipping or 0.0))
-
     def _after_update(self, outcome) -> None:
         """After a boundary update: overflow flags, logging, monitors."""
         self._step_skipped = outcome.overflow
@@ -354,14 +332,9 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self._last_step_loss = outcome.loss
         self._after_step()
 
-    def _uses_grid_norm(self) -> bool:
-        """Clip by the norm over the whole grid (not only the data-parallel group) when there are
-        pipeline stages or tensor shards."""
-        return self.grid.get_pipe_parallel_world_size() > 1 or self.tp_world_size > 1
-
-    def global_grad_norm_sq(self, loss_scale: float) -> float:
-        """Squared norm of the unscaled gradients over every rank, each element counted once."""
-        return global_grad_norm_sq(self.strategy, self.module, self.grid, loss_scale=loss_scale, device=self.device)
+    def _norm_skip(self) -> frozenset[str]:
+        """Names of parameters whose gradients another rank counts in the norm (tied duplicates)."""
+        return frozenset()
 
     def _log_overflow(self, scale: float) -> None:
         spp = self.config.steps_per_print or 1
@@ -407,10 +380,6 @@ class Engine(EngineCompatMixin, torch.nn.Module):
 
     def zero_grad(self) -> None:
         self.strategy.zero_grad()
-
-    @property
-    def _compressed_optimizer(self) -> bool:
-        return bool(getattr(self.optimizer, "compressed_communication", False))
 
     @contextlib.contextmanager
     def no_sync(self):

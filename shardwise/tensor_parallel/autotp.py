@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.param_attrs import autotp_grad_allreduce, mark_autotp_grad_allreduce
 from shardwise.tensor_parallel.autotp_layers import LinearAllreduce, LinearLayer, is_conv1d
 from shardwise.utils.logging import log_dist
 
@@ -155,9 +156,9 @@ class AutoTP:
             if child_name in sharded:
                 continue
             for p in child.parameters():
-                if p.requires_grad and not getattr(p, "_autotp_grad_allreduce", False):
+                if p.requires_grad and not autotp_grad_allreduce(p):
                     p.register_hook(_sum_over_group(self.mp_group))
-                    p._autotp_grad_allreduce = True
+                    mark_autotp_grad_allreduce(p)
 
 
 def _sum_over_group(group):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.utils.tensor_fragment import _owner
+from shardwise.zero import registry
 from shardwise.zero.partitioned_param import full_shape, is_partitioned, scatter_full_
 
 __all__ = ["safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
@@ -17,10 +17,10 @@ __all__ = ["safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set the fp32 (master) weights of ``param`` to ``value`` (the whole tensor, on every rank);
     the model's (possibly 16-bit, possibly sharded) weights follow. Call it on every rank."""
-    engine, name = _owner(param)
+    strategy, name = _owner(param)
     full = _whole(param, value)
     if param.requires_grad:
-        _write_fragments(engine, name, full, state_key=None)
+        _write_fragments(strategy, name, full, state_key=None)
     with torch.no_grad():
         if is_partitioned(param):
             scatter_full_(param, full.to(param.ds_tensor.dtype))
@@ -30,8 +30,15 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
 
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set one per-element optimizer state of ``param`` (e.g. ``"exp_avg"``) to ``value`` (whole)."""
-    engine, name = _owner(param)
-    _write_fragments(engine, name, _whole(param, value), state_key=optim_state_key)
+    strategy, name = _owner(param)
+    _write_fragments(strategy, name, _whole(param, value), state_key=optim_state_key)
+
+
+def _owner(param: torch.nn.Parameter):
+    owner = registry.owner_of(param)
+    if owner is None:
+        raise ValueError("this parameter does not belong to a model wrapped by shardwise.initialize()")
+    return owner
 
 
 def _whole(param: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor:
@@ -41,18 +48,18 @@ def _whole(param: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor:
     return value.detach().reshape(-1).float()
 
 
-def _write_fragments(engine, name: str, full: torch.Tensor, *, state_key: str | None) -> None:
-    if engine.zero_offload_optimizer() is not None and engine.zero_offload_optimizer().device == "nvme":
+def _write_fragments(strategy, name: str, full: torch.Tensor, *, state_key: str | None) -> None:
+    if getattr(strategy, "swapper", None) is not None:  # the optimizer's tensors live in files
         raise NotImplementedError("safe_set_full_*: not supported with the optimizer offloaded to NVMe "
                                   "(zero_optimization.offload_optimizer.device is 'nvme')")
     with torch.no_grad():
-        for fname, start, end, t in (x for batch in engine.strategy.fragment_batches() for x in batch):
+        for fname, start, end, t in (x for batch in strategy.fragment_batches() for x in batch):
             if fname != name:
                 continue
             if state_key is None:
                 t.view(-1).copy_(full[start:end].to(t.device))
                 continue
-            state = engine.optimizer.state.get(t, {}) if engine.optimizer is not None else {}
+            state = strategy.optimizer.state.get(t, {}) if strategy.optimizer is not None else {}
             if state_key not in state:
                 raise KeyError(f"no optimizer state '{state_key}' for {name} (has the optimizer stepped yet?)")
             state[state_key].view(-1).copy_(full[start:end].to(state[state_key].device))

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.param_attrs import is_z3_leaf, set_z3_leaf
+
 
 def z3_leaf_module(model: torch.nn.Module) -> bool:
-    return bool(getattr(model, "_z3_leaf", False))
+    return is_z3_leaf(model)
 
 
 def z3_leaf_parameter(model: torch.nn.Parameter) -> bool:
@@ -24,7 +26,7 @@ def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def set_z3_leaf_module(model: torch.nn.Module, flag: bool) -> None:
-    model._z3_leaf = flag
+    set_z3_leaf(model, flag)
 
 
 def _matches(module: torch.nn.Module, wanted) -> bool:
@@ -41,7 +43,7 @@ def _set_flags(model, leaf_module_classes, flag: bool, raise_if_not_found: bool)
     found = []
     for module in model.modules():
         if any(_matches(module, c) for c in leaf_module_classes):
-            module._z3_leaf = flag
+            set_z3_leaf(module, flag)
             found.append(module)
     if not found and raise_if_not_found:
         raise ValueError(f"no modules of type {list(leaf_module_classes)} found in the model "

@@ -25,6 +25,7 @@ import torch
 
 from shardwise import comm
 from shardwise.comm import direct
+from shardwise.param_attrs import grad_is_ready
 from shardwise.zero.flat import FlatGroup
 from shardwise.zero.strategy import ReduceSettings
 
@@ -69,10 +70,11 @@ class BucketReducer:
     The ``store`` (a ``GradientStore``) says where each bucket's gradients live.
     ``dp_group`` is the data-parallel process group reduced over (``None``: the world).
     With ``scatter`` the result is only this rank's chunk of each bucket.
+    ``on_reduced(bucket)``, if given, is called once a bucket's reduction is complete and stored.
     """
 
     def __init__(self, groups: list[FlatGroup], store: GradientStore, *, reduce: ReduceSettings, dp_group,
-                 scatter: bool) -> None:
+                 scatter: bool, on_reduced=None) -> None:
         self.groups = groups
         self.store = store
         self.reduce = reduce
@@ -90,7 +92,7 @@ class BucketReducer:
                 for i in members:
                     self._bucket_of[id(g.params[i])] = b
         self.active = False
-        self.on_reduced = None  # called with each bucket once its reduction is complete (and stored)
+        self.on_reduced = on_reduced  # called with each bucket once its reduction is complete (and stored)
         self._launched = 0
         self._arrived: set[tuple[int, int]] = set()
         self._in_flight: deque[Bucket] = deque()
@@ -132,7 +134,7 @@ class BucketReducer:
 
     def _make_hook(self, gi: int, i: int):
         def hook(p: torch.Tensor) -> None:
-            if not getattr(p, "ds_grad_is_ready", True):
+            if not grad_is_ready(p):
                 return  # a tiled computation (sequence_parallel.tiled) adds more of this gradient first
             bucket = self._bucket_of[id(p)]
             if self.active:

@@ -17,6 +17,7 @@ import contextlib
 import torch
 
 from shardwise import comm
+from shardwise.param_attrs import set_zero_unit
 from shardwise.zero.partitioned_param import ZeroParamStatus
 
 
@@ -42,7 +43,7 @@ class Unit:
         for p, o, c in zip(params, self.offsets, self.chunks):
             self.shard[o : o + c].copy_(p.ds_tensor)
             p.ds_tensor = self.shard[o : o + c]
-            p._ds_unit = self
+            set_zero_unit(p, self)
         self.full_numel = sum(self.numels)
         self.positions, pos = [], 0
         for n in self.numels:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from shardwise.parallel_dims import ParallelDims
+from shardwise.zero.compressed import CompressedDataParallelStrategy, CompressedStage1Strategy
 from shardwise.zero.partitioned_step import offload_device
 from shardwise.zero.stage0 import DataParallelStrategy
 from shardwise.zero.stage3 import Stage3Strategy
@@ -9,29 +11,36 @@ from shardwise.zero.stage12 import Stage1Strategy, Stage2Strategy
 from shardwise.zero.strategy import ZeroStrategy
 
 
-def build_strategy(zero_config, *, aio=None, module, dp_group=None, **kwargs) -> ZeroStrategy:
+def build_strategy(zero_config, *, aio=None, module, optimizer, dp_group=None, dims: ParallelDims | None = None,
+                   **kwargs) -> ZeroStrategy:
     """The strategy for ``zero_config.stage`` (a ``zero_optimization`` config block), reducing over
-    ``dp_group`` (the data-parallel process group; ``None``: every rank)."""
+    ``dp_group`` (the data-parallel process group; ``None``: every rank). An optimizer with
+    ``compressed_communication`` (1-bit Adam & co) gets the compressed variant of stage 0 or 1
+    (``zero/compressed.py``). ``dims``: the engine's validated ``ParallelDims``; without it the
+    combination of stage, offload and optimizer is checked against the same table here."""
     stage = int(zero_config.stage)
-    opt_off = offload_device(zero_config.offload_optimizer)
-    param_off = offload_device(zero_config.offload_param)
-    if opt_off != "none" and stage == 0:
-        raise ValueError("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (stage is 0)")
-    if param_off != "none" and stage != 3:
-        raise ValueError(f"zero_optimization.offload_param needs ZeRO stage 3 (stage is {stage})")
+    compressed = bool(getattr(optimizer, "compressed_communication", False))
+    if dims is None:
+        dims = ParallelDims(zero_stage=stage, offload_optimizer=offload_device(zero_config.offload_optimizer) != "none",
+                            offload_param=offload_device(zero_config.offload_param) != "none",
+                            compressed_optimizer=type(optimizer).__name__ if compressed else None,
+                            compressed_zero1=bool(getattr(optimizer, "supports_zero1", False))).validate()
     if stage == 0:
-        return DataParallelStrategy(dp_group=dp_group, **kwargs)
+        cls = CompressedDataParallelStrategy if compressed else DataParallelStrategy
+        return cls(optimizer=optimizer, dp_group=dp_group, **kwargs)
     if stage in (1, 2):
-        cls = Stage1Strategy if stage == 1 else Stage2Strategy
+        cls = Stage2Strategy if stage == 2 else CompressedStage1Strategy if compressed else Stage1Strategy
         return cls(
             allgather_bucket_elements=int(zero_config.allgather_bucket_size),
             use_reduce_scatter=bool(zero_config.reduce_scatter),
             offload_optimizer=zero_config.offload_optimizer,
             sub_group_size=int(zero_config.sub_group_size),
             aio=aio,
+            optimizer=optimizer,
             dp_group=dp_group,
             **kwargs,
         )
     if stage == 3:
-        return Stage3Strategy(module=module, zero_config=zero_config, aio=aio, dp_group=dp_group, **kwargs)
+        return Stage3Strategy(module=module, zero_config=zero_config, aio=aio, optimizer=optimizer, dp_group=dp_group,
+                              **kwargs)
     raise ValueError(f"not implemented yet: zero_optimization.stage={stage}")

@@ -11,7 +11,7 @@ answers the partitioned step's questions about gradients (``owned_grads``,
   every backward, gets a short-lived buffer from a small pool whose views
   become the members' ``param.grad`` (autograd accumulates straight into it);
   once reduced, this rank's chunk is added to a partition-sized buffer and the
-  bucket buffer goes back to the pool.
+  bucket buffer goes back to the pool, which is emptied when backward ends.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ class FlatGradients:
         for buf in self.buffers:
             buf.zero_()
         self.attach()
+
+    def backward_finished(self) -> None:
+        """Nothing: the buffers persist."""
 
     # -- GradientStore ----------------------------------------------------------------------
     def storage(self, b: Bucket) -> torch.Tensor:
@@ -89,6 +92,10 @@ class PooledBucketGradients:
 
     def attach(self) -> None:
         """Nothing: ``param.grad`` are bucket views handed out as buckets are prepared."""
+
+    def backward_finished(self) -> None:
+        """Every bucket is reduced: the pool lives for one backward, nothing bucket-sized outlives it."""
+        self._spare.clear()
 
     def zero_(self) -> None:
         for buf in self.partitions:

@@ -14,6 +14,8 @@ import torch
 
 from shardwise import comm
 from shardwise.malloc import return_large_frees_to_the_os
+from shardwise.param_attrs import add_external_param
+from shardwise.zero import registry
 from shardwise.zero.partitioned_param import (ZeroParamStatus, gather_full, is_partitioned, scatter_full_,
                                               shard_param_, unit_of)
 
@@ -22,9 +24,7 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     """Declare that ``module``'s forward uses ``parameter`` although another module owns it
     (e.g. a tied LM head reading the embedding weight functionally): stage 3 then gathers it
     around ``module``'s forward and backward too."""
-    external = module.__dict__.setdefault("_sw_external_params", [])
-    if not any(p is parameter for p in external):
-        external.append(parameter)
+    add_external_param(module, parameter)
 
 
 class GatheredParameters:
@@ -70,10 +70,10 @@ def _refresh_owner(p: torch.nn.Parameter) -> None:
     unit = unit_of(p)
     if unit is not None and unit.gathered:
         unit.release()  # stale now; the next use gathers the new values
-    owner = getattr(p, "_shardwise_owner", None)
-    engine = owner[0]() if owner is not None else None
-    if engine is not None:
-        engine.strategy.refresh_master(owner[1], p)
+    owner = registry.owner_of(p)
+    if owner is not None:
+        strategy, name = owner
+        strategy.refresh_master(name, p)
 
 
 class Init:

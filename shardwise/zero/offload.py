@@ -124,10 +124,6 @@ class OptimizerSwapper:
         return {key: slot.buf[off:off + sg.numel * torch.tensor([], dtype=dtype).element_size()].view(dtype)
                 for key, dtype, off in layout}
 
-    def resident_bytes(self) -> int:
-        """Bytes of the reused swap buffers (kept between steps)."""
-        return sum(s.buf.numel() for s in self.slots)
-
     def _swap_in(self, sg: _SubGroup) -> tuple[_Slot, Future]:
         slot = self.slots[self._next_slot % len(self.slots)]
         self._next_slot += 1

@@ -33,6 +33,7 @@ from enum import Enum
 import torch
 
 from shardwise import comm
+from shardwise.param_attrs import zero_unit
 
 
 class ZeroParamStatus(Enum):
@@ -97,7 +98,7 @@ def shard_param_(param: torch.nn.Parameter, *, group=None, src_rank: int = 0, br
 
 def unit_of(param: torch.nn.Parameter):
     """The stage-3 unit (``coordinator.Unit``) that holds ``param``'s shard, once an engine built one."""
-    return getattr(param, "_ds_unit", None)
+    return zero_unit(param)
 
 
 def _resident(param, *, write: bool):

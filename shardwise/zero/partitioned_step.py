@@ -9,7 +9,9 @@ training, CPU offload), or lives in a file between steps (NVMe offload, where
 
 The strategies compose a ``PartitionedOptimizer`` and hand it, at step time, the
 place of each fragment's reduced gradient and of its model weights
-(``FragmentSource``).  ``step_batch`` steps one resident list of fragments.
+(``FragmentSource``).  ``grad_norm_sq`` reports this rank's share of the squared
+norm; ``apply_step`` steps with the coefficient the caller derived from the sum
+over every rank; ``step_batch`` steps one resident list of fragments.
 
 With the optimizer offloaded (cpu or nvme), the step of the accumulation boundary
 overlaps backward when its result cannot depend on what backward has yet to
@@ -18,8 +20,9 @@ produce: no gradient clipping and no overflow check (fp32, or bf16 with
 starts a worker thread that steps sub-group after sub-group (``sub_group_size``
 elements) as soon as every gradient in it is reduced (``grads_ready``, from the
 bucket reducer), while autograd computes the rest; with NVMe it also reads the
-next sub-groups and writes the previous ones meanwhile.  ``step`` then only
-waits for the worker, computes the norm and steps what is left.  Every sub-group
+next sub-groups and writes the previous ones meanwhile.  The norm is then taken
+as usual (``grad_norm_sq``) and ``apply_step`` only waits for the worker and
+steps what is left.  Every sub-group
 steps exactly as in the plain step (same kernels, same coefficient 1.0), so the
 result is bitwise the same.  With clipping or fp16/bf16 overflow checks the
 global norm (all gradients, all ranks) decides the coefficient or whether the
@@ -34,7 +37,7 @@ from typing import Protocol
 import torch
 
 from shardwise import comm
-from shardwise.precision import StepResult, apply_coefficient_, grad_sq_sum, unscale_and_clip
+from shardwise.precision import apply_coefficient_, grad_sq_sum
 
 
 class Fragment:
@@ -135,7 +138,7 @@ class PartitionedOptimizer:
         # Overlap the boundary step with backward (offload only; see the module docstring).  Switch it off
         # with ``engine.strategy.partition.overlap_step = False``.
         self.overlap_step = self.device in ("cpu", "nvme") and optimizer is not None
-        self._last_settings: tuple | None = None  # (loss_scale, clip, check_overflow) of the last step
+        self._last_fixed = False  # the last step's coefficient was 1.0 whatever the gradients
         self._overlap: _Overlap | None = None
 
     @property
@@ -175,18 +178,25 @@ class PartitionedOptimizer:
             yield f.name, f.param_start, f.param_end, f.tensor
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self, source: FragmentSource, *, precision, loss_scale: float, clip: float) -> StepResult:
-        """Global norm over every rank's partition (one all-reduce, which also spreads an overflow),
-        then unscale/clip/step every resident batch (what the overlapped step left, if it ran)."""
-        settings = (float(loss_scale), float(clip), bool(precision.check_overflow))
+    def grad_norm_sq(self, source: FragmentSource, *, counted=None) -> torch.Tensor:
+        """Sum of squares of this rank's reduced (still scaled) gradients, fp32, no collective. With
+        ``counted`` (a predicate on parameter names) only the fragments of the parameters it accepts."""
+        if counted is None:
+            return grad_sq_sum(source.owned_grads())
+        return grad_sq_sum([source.grad_of(f) for f in self.all_fragments() if counted(f.name)])
+
+    def apply_step(self, source: FragmentSource, *, coef: float, coef_fixed: bool = False) -> None:
+        """Multiply the gradients by ``coef`` and step every resident batch (what the overlapped step
+        left, if it ran). ``coef_fixed``: the coefficient is 1.0 whatever the gradients (loss scale 1, no
+        clipping, no overflow check), so the next boundary step may overlap backward."""
         overlap, self._overlap = self._overlap, None
         done: set[int] = set()
         if overlap is not None:
             overlap.join()
             done = overlap.done
-            if settings != overlap.settings:
-                raise RuntimeError(f"the offloaded optimizer step overlapped backward assuming (loss scale, "
-                                   f"clipping, overflow check) = {overlap.settings}, but the step has {settings}")
+            if not coef_fixed or coef != 1.0:
+                raise RuntimeError("the offloaded optimizer step overlapped backward assuming a fixed coefficient "
+                                   f"1.0 (loss scale 1, no clipping, no overflow check), but the step has {coef}")
             if _hyper(self.optimizer) != overlap.hyper:
                 raise RuntimeError(
                     "the optimizer's hyper-parameters (lr, betas, weight decay, ...) changed between "
@@ -195,18 +205,11 @@ class PartitionedOptimizer:
                     "backward, or set engine.strategy.partition.overlap_step = False")
         else:
             self.trace.clear()
-        self._last_settings = settings
-        sq = grad_sq_sum(source.owned_grads())
-        if self.world > 1:
-            comm.all_reduce(sq, group=self.dp_group)
-        norm, coef = unscale_and_clip(sq, loss_scale=loss_scale, clip=clip, check_overflow=precision.check_overflow)
-        if coef is None:
-            assert not done, "a step that can be skipped must not overlap backward"
-            return StepResult(grad_norm=norm, overflow=True)
+        self._last_fixed = bool(coef_fixed)
         if overlap is None:
             for frags in self.batches():
                 self.step_batch(frags, source, coef)
-            return StepResult(grad_norm=norm, overflow=False)
+            return
         left = [k for k in range(len(self.subgroups)) if k not in done]
         if self.swapper is not None:
             batches = self.swapper.batches([self.swapper.subgroups[k] for k in left])
@@ -217,25 +220,23 @@ class PartitionedOptimizer:
         others = self._others if self.swapper is None else []  # (as the plain step: NVMe steps fragments only)
         if others:
             self._step_params(others)
-        return StepResult(grad_norm=norm, overflow=False)
 
     # -- the step overlapped with backward --------------------------------------------------
     def arm(self, source: FragmentSource) -> None:
         """Before the boundary backward: start stepping sub-groups as their gradients are reduced, if
-        the step cannot depend on the rest (the last step ran with loss scale 1, no clipping and no
-        overflow check; the first step never overlaps, it learns these)."""
+        the step cannot depend on the rest (the last step's coefficient was fixed: loss scale 1, no
+        clipping and no overflow check; the first step never overlaps, it learns this)."""
         if self._overlap is not None:  # the previous boundary backward never reached step()
             stale, self._overlap = self._overlap, None
             stale.cancel()
             if stale.done:
                 raise RuntimeError("a boundary backward ran again before engine.step(): the offloaded "
                                    "optimizer had already stepped sub-groups with the previous gradients")
-        settings = self._last_settings
-        if not (self.overlap_step and settings is not None and settings[0] == 1.0 and settings[1] <= 0
-                and not settings[2] and getattr(source, "overlap_safe", False) and self.subgroups):
+        if not (self.overlap_step and self._last_fixed and getattr(source, "overlap_safe", False)
+                and self.subgroups):
             return
         self.trace.clear()
-        self._overlap = _Overlap(self, source, settings)
+        self._overlap = _Overlap(self, source)
 
     def grads_ready(self, frags: list[Fragment]) -> None:
         """The reduced gradients of ``frags`` are final for this step (called as buckets complete)."""
@@ -301,10 +302,6 @@ class PartitionedOptimizer:
     def master_bytes(self) -> int:
         return sum(t.nbytes for t in self.master_buffers) if self.master_buffers is not None else 0
 
-    def swap_buffer_bytes(self) -> int:
-        """NVMe offload: the reused swap buffers (allocated once, kept between steps)."""
-        return self.swapper.resident_bytes() if self.swapper is not None else 0
-
     def disk_bytes(self) -> int:
         return self.swapper.store.disk_bytes() if self.swapper is not None else 0
 
@@ -323,9 +320,8 @@ class _Overlap:
     """One boundary backward's overlapped step: a worker thread steps sub-group after sub-group, in
     order, each once its gradients are final; with NVMe it swaps them in ahead and out behind."""
 
-    def __init__(self, owner: PartitionedOptimizer, source: FragmentSource, settings: tuple) -> None:
+    def __init__(self, owner: PartitionedOptimizer, source: FragmentSource) -> None:
         self.owner = owner
-        self.settings = settings
         self.hyper = _hyper(owner.optimizer)
         self.left = [len(frags) for frags in owner.subgroups]  # gradients still to come, per sub-group
         self.done: set[int] = set()

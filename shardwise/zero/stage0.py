@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.precision import PrecisionPolicy, StepResult, apply_coefficient_, grad_sq_sum, unscale_and_clip
+from shardwise.precision import PrecisionPolicy, apply_coefficient_, grad_sq_sum
+from shardwise.zero import registry
 from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.flat import FlatGroup, group_by_dtype
 from shardwise.zero.gradients import FlatGradients
@@ -44,6 +45,7 @@ class DataParallelStrategy(ZeroStrategy):
         self.dp_group = dp_group
         self.dp_world_size = comm.get_world_size(dp_group)
         self.reduce = reduce
+        registry.register(self, named_params)
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
@@ -115,12 +117,14 @@ class DataParallelStrategy(ZeroStrategy):
             for mp in masters:
                 mp.grad = None
 
-    def step(self, *, loss_scale: float, clip: float) -> StepResult:
-        # Every rank holds the whole (already all-reduced) gradients: the norm is local.
-        norm, coef = unscale_and_clip(grad_sq_sum(self.grad_buffers), loss_scale=loss_scale, clip=clip,
-                                      check_overflow=self.precision.check_overflow)
-        if coef is None:
-            return StepResult(grad_norm=norm, overflow=True)
+    def local_grad_norm_sq(self, *, counted=None) -> torch.Tensor:
+        # Every rank holds the whole (already all-reduced) gradients: every element is reported.
+        if counted is None:
+            return grad_sq_sum(self.grad_buffers)
+        return grad_sq_sum([v for g, views in zip(self.groups, self.gradients.views)
+                            for name, v in zip(g.names, views) if counted(name)])
+
+    def apply_step(self, *, coef: float, coef_fixed: bool = False) -> None:
         grads = self._step_grads()
         apply_coefficient_(grads, coef)
         self.optimizer.step()
@@ -128,7 +132,6 @@ class DataParallelStrategy(ZeroStrategy):
         if self.master_buffers is not None:
             for g, master in zip(self.groups, self.master_buffers):
                 g.param_buffer.copy_(master)
-        return StepResult(grad_norm=norm, overflow=False)
 
     def zero_grad(self) -> None:
         self.gradients.zero_()

@@ -21,7 +21,8 @@ import contextlib
 import torch
 
 from shardwise import comm
-from shardwise.precision import PrecisionPolicy, StepResult
+from shardwise.precision import PrecisionPolicy
+from shardwise.zero import registry
 from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.flat import FlatGroup, group_by_dtype
 from shardwise.zero.gradients import FlatGradients, PooledBucketGradients
@@ -54,11 +55,12 @@ class PartitionedStrategy(ZeroStrategy):
         self.world = self.dp_world_size = comm.get_world_size(dp_group)
         self.rank = comm.get_rank(dp_group)
         self.allgather_bucket_elements = allgather_bucket_elements
+        registry.register(self, named_params)
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
         self.groups: list[FlatGroup] = group_by_dtype(list(reversed(trainable)), world_size=self.world,
-                                                      bucket_elements=reduce.bucket_elements)
+                                                      bucket_elements=self._bucket_elements(reduce, trainable))
         self.chunks = [g.rank_chunks(self.rank) for g in self.groups]
         self.chunk_local = [_local_offsets(ch) for ch in self.chunks]
         for g in self.groups:
@@ -74,17 +76,22 @@ class PartitionedStrategy(ZeroStrategy):
             if g.dtype != precision.param_dtype and g.dtype.is_floating_point:
                 g.cast_(precision.param_dtype)
         self.gradients = self._gradient_store()
-        self.reducer = BucketReducer(self.groups, self.gradients, reduce=reduce, dp_group=dp_group,
-                                     scatter=use_reduce_scatter)
         # The fragments whose gradients a bucket's reduction makes final (for the overlapped offload step).
         self._bucket_frags: list[list[Fragment]] = []
         for gi, g in enumerate(self.groups):
             for (a, b) in self.chunks[gi]:
                 self._bucket_frags.append([f for f in self.fragments[gi] if a <= f.buffer_start < b])
-        self.reducer.on_reduced = lambda bucket: self.partition.grads_ready(self._bucket_frags[bucket.index])
+        self.reducer = BucketReducer(self.groups, self.gradients, reduce=reduce, dp_group=dp_group,
+                                     scatter=use_reduce_scatter, on_reduced=self._bucket_reduced)
 
     def _gradient_store(self):
         raise NotImplementedError
+
+    def _bucket_reduced(self, bucket: Bucket) -> None:
+        self.partition.grads_ready(self._bucket_frags[bucket.index])
+
+    def _bucket_elements(self, reduce: ReduceSettings, trainable) -> int:
+        return reduce.bucket_elements
 
     # -- set-up ---------------------------------------------------------------------------
     def _fragments(self) -> list[list[Fragment]]:
@@ -134,16 +141,16 @@ class PartitionedStrategy(ZeroStrategy):
 
     def finish_backward(self) -> None:
         self.reducer.finish()
+        self.gradients.backward_finished()
         self.partition.backward_finished()
 
     # -- step -----------------------------------------------------------------------------
-    def step(self, *, loss_scale: float, clip: float) -> StepResult:
-        if not self.reduce_gradients:  # local gradients: the optimizer's own exchange (1-bit Adam, stage 1)
-            return self.local_step(self, precision=self.precision, loss_scale=loss_scale, clip=clip)
-        result = self.partition.step(self, precision=self.precision, loss_scale=loss_scale, clip=clip)
-        if not result.overflow:
-            self._all_gather_params()
-        return result
+    def local_grad_norm_sq(self, *, counted=None) -> torch.Tensor:
+        return self.partition.grad_norm_sq(self, counted=counted)
+
+    def apply_step(self, *, coef: float, coef_fixed: bool = False) -> None:
+        self.partition.apply_step(self, coef=coef, coef_fixed=coef_fixed)
+        self._all_gather_params()
 
     def _all_gather_params(self) -> None:
         """All-gather every bucket in place: each rank contributes the chunks it just updated."""
@@ -208,9 +215,19 @@ class Stage2Strategy(PartitionedStrategy):
 
     stage = 2
     shards_gradients = True
+    min_buckets = 64  # the whole gradients are cut into at least this many short-lived buckets ...
+    min_bucket_elements = 1 << 18  # ... of at least this many elements (fewer, larger collectives)
 
     def _gradient_store(self) -> PooledBucketGradients:
         return PooledBucketGradients(self.groups, self.chunk_local, self.world)
+
+    def _bucket_elements(self, reduce: ReduceSettings, trainable) -> int:
+        """At stage 2 a bucket is a short-lived full-size copy of its gradients, alive until reduced:
+        a bucket as large as the model (the default ``reduce_bucket_size``, 5e8 elements) would be a
+        whole gradient buffer, more than stage 1 holds. Buckets are cut to 1/64 of the model (at least
+        2^18 elements), so the few alive at once stay a few percent of the model states."""
+        total = sum(p.numel() for _, p in trainable)
+        return min(reduce.bucket_elements, max(self.min_bucket_elements, -(-total // self.min_buckets)))
 
 
 def _local_offsets(chunks: list[tuple[int, int]]) -> list[int]:

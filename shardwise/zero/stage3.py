@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.precision import PrecisionPolicy, StepResult
+from shardwise.param_attrs import external_params, is_z3_leaf, zero_unit
+from shardwise.precision import PrecisionPolicy
+from shardwise.zero import registry
 from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.coordinator import ParamCoordinator, Unit
 from shardwise.zero.partitioned_param import gather_full, is_partitioned, owned_range, scatter_full_, shard_param_
@@ -136,6 +138,7 @@ class Stage3Strategy(ZeroStrategy):
         self.dp_group = dp_group
         self.world = self.dp_world_size = comm.get_world_size(dp_group)
         self.rank = comm.get_rank(dp_group)
+        registry.register(self, named_params)
         if not any(p.requires_grad for _, p in named_params):
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
         zc = zero_config
@@ -166,9 +169,7 @@ class Stage3Strategy(ZeroStrategy):
         self._offload_params(param_offload, aio)
         self.gradients = UnitGradients(self.units, self.world)
         self.reducer = BucketReducer([self.gradients.layout], self.gradients, reduce=reduce, dp_group=dp_group,
-                                     scatter=True)
-        unit_of_bucket = self.gradients.layout.unit_of_bucket  # a unit's reduction makes its fragments final
-        self.reducer.on_reduced = lambda b: self.partition.grads_ready(self.fragments[unit_of_bucket[b.position].index])
+                                     scatter=True, on_reduced=self._unit_reduced)
         self.coordinator = ParamCoordinator(
             self.units, module_units, group=dp_group,
             prefetch_elements=int(zc.stage3_prefetch_bucket_size) if zc is not None else 0,
@@ -202,6 +203,11 @@ class Stage3Strategy(ZeroStrategy):
                                          queue_depth=aio.queue_depth if aio is not None else 8)
             for u in self.units:
                 u.offload_to_nvme(self.param_store)
+
+    def _unit_reduced(self, bucket: Bucket) -> None:
+        """A unit's reduction makes its fragments' gradients final (for the overlapped offload step)."""
+        unit = self.gradients.layout.unit_of_bucket[bucket.position]
+        self.partition.grads_ready(self.fragments[unit.index])
 
     # -- what the partitioned step asks (FragmentSource) ---------------------------------------
     def owned_grads(self) -> list[torch.Tensor]:
@@ -242,11 +248,12 @@ class Stage3Strategy(ZeroStrategy):
         self.coordinator.end_of_pass()
 
     # -- step -----------------------------------------------------------------------------
-    def step(self, *, loss_scale: float, clip: float) -> StepResult:
-        result = self.partition.step(self, precision=self.precision, loss_scale=loss_scale, clip=clip)
-        if not result.overflow:
-            self.coordinator.end_of_pass()  # shards were updated in place; the next forward gathers them
-        return result
+    def local_grad_norm_sq(self, *, counted=None) -> torch.Tensor:
+        return self.partition.grad_norm_sq(self, counted=counted)
+
+    def apply_step(self, *, coef: float, coef_fixed: bool = False) -> None:
+        self.partition.apply_step(self, coef=coef, coef_fixed=coef_fixed)
+        self.coordinator.end_of_pass()  # shards were updated in place; the next forward gathers them
 
     def zero_grad(self) -> None:
         self.gradients.zero_()
@@ -255,7 +262,7 @@ class Stage3Strategy(ZeroStrategy):
         """After ``GatheredParameters(modifier_rank=...)`` rewrote ``p``'s shard: update its fp32 copy."""
         if not self.partition.separate_master:
             return  # the optimizer steps views of the shard itself
-        u = p._ds_unit
+        u = zero_unit(p)
         for batch in self.partition.batches():
             with u.resident(write=False):
                 for f in batch:
@@ -347,7 +354,7 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
         subtree = fresh(p for p in m.parameters())
         container = isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))  # never called itself
         fits = sum(p.ds_numel for p in subtree) <= unit_elements and not container
-        fits = fits or getattr(m, "_z3_leaf", False)  # set_z3_leaf_modules: the whole subtree is one unit
+        fits = fits or is_z3_leaf(m)  # set_z3_leaf_modules: the whole subtree is one unit
         if fits or not any(True for _ in m.children()):
             claim(m, subtree)
             return
@@ -370,7 +377,7 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
         own = roots.get(id(m))
         covered = covered | ({own.index} if own is not None else set())
         used = [p for p in m._parameters.values() if p is not None]
-        used += list(getattr(m, "_sw_external_params", []))
+        used += external_params(m)
         extra = []
         for p in used:
             u = unit_of.get(id(p))

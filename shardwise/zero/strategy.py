@@ -2,9 +2,11 @@
 
 The engine calls only these methods, in this order, per micro-step:
 ``prepare_backward(boundary=..., no_sync=...)`` -> autograd runs (hooks reduce gradients as
-they become ready) -> ``finish_backward()``; and at an accumulation
-boundary ``step(...)`` then ``zero_grad()``.  Stages 1-3 and offload are
-further implementations of this class; the engine does not branch on stage.
+they become ready) -> ``finish_backward()``; and at an accumulation boundary the step
+(``runtime/train_step.py: clipped_step``): ``local_grad_norm_sq()`` on every rank, summed once over the
+ranks holding other pieces, the overflow check and the coefficient (``shardwise.precision``), then
+``apply_step(coef=...)``; then ``zero_grad()``.  Stages 1-3 and offload are further
+implementations of this class; the engine does not branch on stage.
 
 A strategy reduces over the data-parallel process group it is given (``dp_group``;
 ``None`` is the whole world), so a data x pipe x tensor grid hands it the data axis.
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise import comm
-from shardwise.precision import StepResult
+from shardwise.precision import StepResult  # noqa: F401 (re-exported)
 
 __all__ = ["ReduceSettings", "StepResult", "ZeroStrategy"]
 
@@ -35,16 +37,13 @@ class ReduceSettings:
 
 
 class ZeroStrategy(abc.ABC):
-    stage: int  # for reports and checkpoints only; nothing branches on it
+    stage: int  # the ZeRO stage number: the memory report picks its formula by it, checkpoints record it;
+    # the training step never branches on it
     replicated: bool  # True when every rank holds the whole optimizer state (stage 0)
     shards_gradients = False  # True when a rank keeps only its share of the reduced gradients (stages 2-3)
     shards_parameters = False  # True when a rank keeps only its share of the weights (stage 3)
     gathers_module_state = False  # True when ``module_state_dict`` is collective (stage 3)
     _reduce_gradients = True
-    # A partitioned stage that keeps whole local gradients (stage 1) can hand the step over to an
-    # optimizer exchanging them itself: ``local_step(strategy, precision=, loss_scale=, clip=)``
-    # runs instead of the partitioned step while ``reduce_gradients`` is False (1-bit Adam).
-    local_step = None
 
     @property
     def reduce_gradients(self) -> bool:
@@ -52,16 +51,21 @@ class ZeroStrategy(abc.ABC):
 
         Set it to False when the optimizer exchanges gradient information itself, as 1-bit Adam does
         with compressed momentum after its warm-up (DeepSpeed's ``engine.enable_backward_allreduce``);
-        each rank's ``param.grad`` is then its local gradient. Stage 0 allows it; stage 1 once such an
-        optimizer has set ``local_step``."""
+        each rank's ``param.grad`` is then its local gradient. Stage 0 allows it, and the compressed
+        variant of stage 1 (``zero/compressed.py``)."""
         return self._reduce_gradients
 
     @reduce_gradients.setter
     def reduce_gradients(self, on: bool) -> None:
-        if not on and not self.replicated and self.local_step is None:
+        if not on and not self.can_keep_local_gradients:
             raise ValueError(f"switching off the gradient reduction needs ZeRO stage 0 (stage is {self.stage}): "
                              "partitioned stages keep only their share of the reduced gradients")
         self._reduce_gradients = bool(on)
+
+    @property
+    def can_keep_local_gradients(self) -> bool:
+        """Whether backward may leave each rank its own local gradients (``reduce_gradients`` False)."""
+        return self.replicated
 
     @abc.abstractmethod
     def prepare_backward(self, *, boundary: bool, no_sync: bool = False) -> None:
@@ -71,9 +75,32 @@ class ZeroStrategy(abc.ABC):
     def finish_backward(self) -> None:
         """Called after each backward: flush outstanding reductions (if syncing) and wait for them."""
 
+    @property
+    def norm_is_local(self) -> bool:
+        """True when ``local_grad_norm_sq`` already covers every element of this rank's part of the
+        model (stage 0: every data rank holds the whole reduced gradients), so the norm is summed over
+        the model-parallel ranks only; False when each data rank holds a disjoint share of it."""
+        return self.replicated
+
     @abc.abstractmethod
-    def step(self, *, loss_scale: float, clip: float) -> StepResult:
-        """Unscale, check overflow, clip and run the optimizer on this rank's share."""
+    def local_grad_norm_sq(self, *, counted=None) -> torch.Tensor:
+        """Sum of squares (fp32, 0-d) of the gradients this rank holds for its share, still loss-scaled;
+        each element of the model counted once over the data axis (a replicated stage reports every
+        element: the caller decides which ranks count). ``counted``: a predicate on parameter names,
+        only those parameters count (tensor-replicated ones on one tensor rank, tied duplicates
+        skipped). No collective."""
+
+    @abc.abstractmethod
+    def apply_step(self, *, coef: float, coef_fixed: bool = False) -> None:
+        """Multiply the gradients by ``coef`` (unscale x clip), run the optimizer on this rank's share,
+        write back / gather the weights. ``coef_fixed``: the coefficient is 1.0 whatever the gradients
+        (loss scale 1, no clipping, no overflow check); an offloaded step may then overlap the next
+        backward. Whether to skip an overflowing step is the caller's decision."""
+
+    def overflow_anywhere(self, overflow: bool) -> bool:
+        """Whether any rank found an inf/NaN, from this rank's finding on the summed norm. The norm was
+        summed over every rank holding pieces, so they all found the same: nothing to agree on."""
+        return overflow
 
     @abc.abstractmethod
     def zero_grad(self) -> None: ...

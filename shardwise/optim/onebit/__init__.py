@@ -1,10 +1,10 @@
 """Optimizers that exchange 1-bit compressed momentum: DeepSpeed's ``OneBitAdam``, ``ZeroOneAdam``
 and ``OneBitLamb`` config types (docs/onebit.md).
 
-They train with the engine's full-precision gradient all-reduce during warm-up and then
-communicate themselves through ``shardwise.comm.compressed_all_reduce``; before each backward the
-engine sets ``engine.enable_backward_allreduce`` to ``optimizer.needs_gradient_allreduce`` (see
-:mod:`.engine_support`).
+They train with the full-precision gradient all-reduce during warm-up and then communicate
+themselves through ``shardwise.comm.compressed_all_reduce``; the ZeRO factory gives them a
+compressed variant of stage 0 or 1 (``shardwise/zero/compressed.py``), which asks
+``optimizer.needs_gradient_allreduce`` before each backward.
 """
 
 from shardwise.optim.onebit.adam import OneBitAdam

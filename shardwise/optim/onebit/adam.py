@@ -46,7 +46,7 @@ def _implementation(params) -> dict:
 class OneBitAdam(CompressedComm, torch.optim.AdamW):
     """1-bit Adam: AdamW during warm-up, then frozen variance and 1-bit compressed momentum."""
 
-    supports_zero1 = True  # at ZeRO stage 1 the compressed step is optim/onebit/zero1.py
+    supports_zero1 = True  # at ZeRO stage 1 the compressed step is optim/onebit/zero1.py (zero/compressed.py)
 
     def __init__(
         self,
@@ -109,7 +109,7 @@ class OneBitAdam(CompressedComm, torch.optim.AdamW):
             else:
                 self._manual_step(t, compressed=False)
         else:
-            if self.__dict__.get("_zero1") is not None:
+            if self.partitioned_exchange is not None:
                 raise RuntimeError("OneBitAdam at ZeRO stage 1: after warm-up the step runs through engine.step() "
                                    "(the strategy hands it the local gradients), not optimizer.step()")
             if t == self.freeze_step + 1 and self.world_size > 1:

@@ -4,9 +4,9 @@
 * The momentum exchange: all tensors of the optimizer concatenated into one flat fp32 buffer and
   sent through ``shardwise.comm.compressed_all_reduce`` (one all-to-all and one all-gather per step,
   whatever the number of parameters), with this rank's error-feedback buffers.
-* ``needs_gradient_allreduce``: the engine asks it before each backward; once the optimizer
-  exchanges compressed momentum itself, the engine's full-precision gradient all-reduce is off
-  (DeepSpeed's ``enable_backward_allreduce``).
+* ``needs_gradient_allreduce``: the ZeRO strategy asks it before each backward; once the optimizer
+  exchanges compressed momentum itself, the full-precision gradient all-reduce is off (DeepSpeed's
+  ``enable_backward_allreduce``; ``zero/compressed.py``).
 * Per-rank state for checkpoints (``rank_state_dict`` / ``load_rank_state_dict``): the error
   buffers differ on every rank, so each rank saves its own; they only fit the same number of ranks.
 
@@ -52,7 +52,7 @@ def mask_unseen(pairs) -> None:
 class CompressedComm:
     """Mixin: the data-parallel group, the compressed exchange and its per-rank error buffers."""
 
-    compressed_communication = True  # the engine checks this to apply the integration below
+    compressed_communication = True  # zero/factory.py then builds the compressed variant (zero/compressed.py)
 
     def _init_comm(self, comm_backend_name: str | None, cuda_aware: bool) -> None:
         self.comm_backend_name = comm_backend_name
@@ -61,6 +61,7 @@ class CompressedComm:
         self._bound = False
         self._errors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.backend = compressed.check_backend(comm_backend_name, None)
+        self.partitioned_exchange = None  # ZeRO stage 1's exchange (optim/onebit/zero1.py), once it exists
 
     # -- engine integration -------------------------------------------------------------------
     def bind_group(self, group) -> None:
@@ -68,6 +69,11 @@ class CompressedComm:
         self._group = group
         self._bound = True
         self.backend = compressed.check_backend(self.comm_backend_name, group)
+
+    def use_partitioned_exchange(self, exchange) -> None:
+        """At ZeRO stage 1 the step after warm-up is ``exchange``'s (``zero1.Zero1Exchange``), which
+        must rebuild its full tensors after a checkpoint load."""
+        self.partitioned_exchange = exchange
 
     @property
     def world_size(self) -> int:
@@ -136,9 +142,8 @@ class CompressedComm:
     def load_rank_state_dict(self, tensors: dict[str, torch.Tensor] | None) -> None:
         """Restore what :meth:`rank_state_dict` returned (``None``: the checkpoint had none: reset)."""
         self._errors = {}
-        zero1 = self.__dict__.get("_zero1")
-        if zero1 is not None:  # ZeRO stage 1: the full momentum and denominator come from the loaded fragments
-            zero1.stale()
+        if self.partitioned_exchange is not None:  # ZeRO stage 1: full tensors come from the loaded fragments
+            self.partitioned_exchange.stale()
         for name, t in (tensors or {}).items():
             key, _, kind = name.rpartition(".")
             if kind not in ("worker_error", "server_error"):

@@ -4,9 +4,10 @@ At stage 1 each rank keeps the momentum, the variance (and, with fp16/bf16, the 
 weights) of its own 1/N of the parameters, and the whole local gradient. During warm-up nothing
 changes: the gradients are reduced at the boundary and AdamW steps this rank's fragments.
 
-After warm-up the engine stops the gradient reduction (``reduce_gradients`` False) and the strategy
-hands the step to :class:`Zero1Exchange`, which runs the same arithmetic as OneBitAdam at stage 0,
-operation for operation, so the two give the same weights bit for bit:
+After warm-up the gradients stay local (``reduce_gradients`` False) and the compressed stage 1
+strategy (``zero/compressed.py``) hands the step to :class:`Zero1Exchange`, which runs the same
+arithmetic as OneBitAdam at stage 0, operation for operation, so the two give the same weights bit
+for bit:
 
 * the full momentum of the last step is ``update x denominator``, both full: the update is the
   decompressed exchange result (kept in the exchange buffer), the denominator is the frozen one;
@@ -16,8 +17,8 @@ operation for operation, so the two give the same weights bit for bit:
   the 1-bit compressed all-reduce in stage 0's tensor order and chunking;
 * every rank then holds the whole averaged update. It writes its own fragments' momentum (the
   only momentum kept between steps) and moves the weights: fp32 weights everywhere at once, with
-  no parameter all-gather; with fp16/bf16 its fp32 master fragments, then the usual all-gather of
-  the 16-bit weights.
+  no parameter all-gather; with fp16/bf16 its fp32 master fragments (the strategy then writes them
+  back and all-gathers the 16-bit weights, as in any stage 1 step).
 
 Memory per element, besides the exchange buffers stage 0 also has (the worker error and the update):
 the frozen denominator (4 bytes) and a 1-byte mask of never-seen elements, instead of stage 0's
@@ -32,7 +33,7 @@ import math
 import torch
 
 from shardwise import comm
-from shardwise.precision import StepResult, apply_coefficient_, grad_sq_sum, unscale_and_clip
+from shardwise.precision import apply_coefficient_
 
 logger = logging.getLogger("shardwise")
 
@@ -52,15 +53,21 @@ class _Item:
 class Zero1Exchange:
     """OneBitAdam's compressed step on a ZeRO stage 1 strategy (see the module docstring)."""
 
-    def __init__(self, optimizer, strategy, order: list[list[int]]) -> None:
-        """``order``: per param group, the ids of the model parameters as the optimizer was built with
-        them (stage 0's order), taken before the strategy replaced them by fragments."""
+    def __init__(self, optimizer, *, groups, fragments, dp_group, order: list[list[int]],
+                 separate_master: bool) -> None:
+        """The strategy's layout: ``groups`` (its flat groups: parameters, names, offsets), ``fragments``
+        (per group, this rank's optimizer fragments), ``dp_group``; ``order``: per param group, the ids of
+        the model parameters as the optimizer was built with them (stage 0's order), taken before the
+        strategy replaced them by fragments; ``separate_master``: the fragments are fp32 copies (16-bit
+        training), written back by the strategy after the step."""
         self.optimizer = optimizer
-        self.strategy = strategy
-        where = {id(p): (gi, i) for gi, g in enumerate(strategy.groups) for i, p in enumerate(g.params)}
+        self.dp_group = dp_group
+        self.separate_master = separate_master
+        where = {id(p): (gi, i) for gi, g in enumerate(groups) for i, p in enumerate(g.params)}
         frags_of: dict[str, list] = {}
-        for f in strategy.partition.all_fragments():
-            frags_of.setdefault(f.name, []).append(f)
+        for frags in fragments:
+            for f in frags:
+                frags_of.setdefault(f.name, []).append(f)
         self.items: list[_Item] = []
         start = 0
         for group, ids in zip(optimizer.param_groups, order):
@@ -68,18 +75,19 @@ class Zero1Exchange:
                 if pid not in where:  # frozen: no gradient, stage 0 skips it too
                     continue
                 gi, i = where[pid]
-                g = strategy.groups[gi]
+                g = groups[gi]
                 item = _Item(group, g.params[i], gi, g.offsets[i], frags_of.get(g.names[i], []), start)
                 self.items.append(item)
                 start += item.numel
         self.sizes = [it.numel for it in self.items]
         self.total = start
         owned = torch.tensor([float(sum(len(it.frags) for it in self.items) > 0)])
-        comm.all_reduce(owned, op=comm.ReduceOp.MIN, group=strategy.dp_group)
+        comm.all_reduce(owned, op=comm.ReduceOp.MIN, group=dp_group)
         if owned.item() == 0:
             raise ValueError("OneBitAdam at zero_optimization.stage 1: a rank owns no piece of any parameter "
                              "(the model is too small for this many ranks); use zero_optimization.stage 0")
         self.stale()
+        optimizer.use_partitioned_exchange(self)
 
     def stale(self) -> None:
         """Forget the full frozen denominator and the update: rebuild them from the fragments next step
@@ -97,7 +105,7 @@ class Zero1Exchange:
             for f in it.frags:
                 src = self.optimizer.state[f.tensor][what]
                 out[it.start + f.param_start : it.start + f.param_end] = src.reshape(-1)
-        comm.all_reduce(out, group=self.strategy.dp_group)
+        comm.all_reduce(out, group=self.dp_group)
         return out
 
     def _freeze(self, bc2_of) -> None:
@@ -109,13 +117,10 @@ class Zero1Exchange:
         self.unseen = v == 0
 
     # -- the step --------------------------------------------------------------------------------------
-    def step(self, strategy, *, precision, loss_scale: float, clip: float) -> StepResult:
+    def step(self, grads: list[torch.Tensor], *, coef: float) -> None:
+        """One compressed step from this rank's whole local gradients ``grads`` (the strategy's flat
+        gradient buffers), multiplied by ``coef`` (unscale x clip) first."""
         opt = self.optimizer
-        grads = strategy.gradients.buffers
-        norm, coef = unscale_and_clip(grad_sq_sum(grads), loss_scale=loss_scale, clip=clip,
-                                      check_overflow=precision.check_overflow)
-        if coef is None:  # every rank saw the same (agree_on_overflow): all skip together
-            return StepResult(grad_norm=norm, overflow=True)
         if grads[0].dtype != torch.float32:
             grads = [g.to(torch.float32) for g in grads]
         apply_coefficient_(grads, coef)
@@ -145,7 +150,7 @@ class Zero1Exchange:
         flat.masked_fill_(self.unseen, 0.0)
         self.have_update = True
 
-        separate = strategy.partition.separate_master
+        separate = self.separate_master
         for it in self.items:
             lr, wd = it.group["lr"], it.group["weight_decay"]
             bc1 = 1 - it.group["betas"][0] ** t if opt.bias_correction else 1.0
@@ -165,9 +170,3 @@ class Zero1Exchange:
                 if wd != 0:
                     w.mul_(1 - lr * wd)
                 w.add_(update.view_as(w), alpha=-lr / bc1)
-        if separate:
-            for frags in strategy.partition.fragments:
-                for f in frags:
-                    strategy.weight_of(f).copy_(f.tensor.detach().reshape(-1))
-            strategy._all_gather_params()
-        return StepResult(grad_norm=norm, overflow=False)

@@ -27,12 +27,14 @@ import math
 
 import torch
 
+from shardwise.param_attrs import set_grad_is_ready
+
 __all__ = ["TiledMLP", "TiledFusedLogitsLoss", "SequenceTiledCompute", "sequence_tiled_compute"]
 
 
 def _mark_ready(params, ready: bool) -> None:
     for p in params:
-        p.ds_grad_is_ready = ready
+        set_grad_is_ready(p, ready)
 
 
 def _trainable(params) -> list[torch.Tensor]:
