@@ -1,8 +1,10 @@
 """The training engine: sequences forward, backward, step and checkpoints.
 
-The engine holds no stage-specific math.  Gradient reduction, master weights,
-clipping and the optimizer step live in a ``ZeroStrategy`` (``shardwise.zero``);
-loss scaling in ``shardwise.precision``; saving in ``shardwise.checkpoint``.
+The engine holds no stage-specific math.  Gradient reduction, master weights and the
+optimizer step live in a ``ZeroStrategy`` (``shardwise.zero``); counters, loss scaling, the
+accumulation boundary and the clipped update in the ``TrainingStep`` it shares with the pipeline
+(``runtime/train_step.py``); the parallel sizes in its validated ``ParallelDims`` (``runtime/plan.py``);
+saving in ``shardwise.checkpoint``.
 """
 
 from __future__ import annotations
@@ -258,8 +260,9 @@ class Engine(EngineCompatMixin, torch.nn.Module):
     @property
     def enable_backward_allreduce(self) -> bool:
         """Whether backward passes reduce gradients across the data-parallel group (DeepSpeed's
-        attribute).  1-bit Adam sets it to False after its warm-up and exchanges compressed momentum
-        itself; only ZeRO stage 0 allows that (``ZeroStrategy.reduce_gradients``)."""
+        attribute).  1-bit Adam's strategy variant sets it to False after the warm-up and exchanges
+        compressed momentum itself; stage 0 allows that, and stage 1 in the compressed variant
+        (``ZeroStrategy.reduce_gradients``, ``can_keep_local_gradients``)."""
         return self.strategy.reduce_gradients
 
     @enable_backward_allreduce.setter
