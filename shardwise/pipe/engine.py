@@ -85,19 +85,13 @@ class PipelineEngine(Engine):
         """Kept for DeepSpeed scripts: shapes are re-sent whenever they change."""
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False):
+    def _weights_source(self):
         """Every stage's layers in one checkpoint, named by global layer index (loads at any number of
         stages, or into the same layers without a pipeline): the ordinary save (agreed errors, asynchronous
         when configured, ``zero_to_fp32.py``), with the module weights sent to rank 0 by every stage."""
-        from shardwise.checkpoint import WeightsSource, save_checkpoint
+        from shardwise.checkpoint import WeightsSource
 
-        saved = save_checkpoint(self.training_state(), save_dir, writer=self.checkpoint_writer, tag=tag,
-                                client_state=client_state or {}, save_latest=save_latest,
-                                exclude_frozen_parameters=exclude_frozen_parameters,
-                                weights=WeightsSource.PIPELINE_STAGES)
-        self._copy_recovery_script(save_dir)
-        return saved
+        return WeightsSource.PIPELINE_STAGES
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):

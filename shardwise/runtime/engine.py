@@ -252,10 +252,10 @@ class Engine(EngineCompatMixin, torch.nn.Module):
                               lambda self, v: setattr(self.train_step, "global_samples", v))
     micro_steps = property(lambda self: self.train_step.micro_steps,
                            lambda self, v: setattr(self.train_step, "micro_steps", v))
-    lr_scheduler = property(lambda self: self.train_step.lr_scheduler,
-                            lambda self, v: setattr(self.train_step, "lr_scheduler", v))
     skipped_steps = property(lambda self: self.train_step.skipped_steps,
                              lambda self, v: setattr(self.train_step, "skipped_steps", v))
+    lr_scheduler = property(lambda self: self.train_step.lr_scheduler,  # the step steps it
+                            lambda self, v: setattr(self.train_step, "lr_scheduler", v))
 
     @property
     def enable_backward_allreduce(self) -> bool:
@@ -450,13 +450,18 @@ class Engine(EngineCompatMixin, torch.nn.Module):
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False):
+        """One save path for every layout (``checkpoint/engine_io.py``); only where the module weights
+        come from differs (``_weights_source``: None is this rank's module, gathered over tensor ranks)."""
         from shardwise.checkpoint import save_checkpoint
 
         saved = save_checkpoint(self.training_state(), save_dir, writer=self.checkpoint_writer, tag=tag,
                                 client_state=client_state or {}, save_latest=save_latest,
-                                exclude_frozen_parameters=exclude_frozen_parameters)
+                                exclude_frozen_parameters=exclude_frozen_parameters, weights=self._weights_source())
         self._copy_recovery_script(save_dir)  # zero_to_fp32.py, as DeepSpeed does
         return saved
+
+    def _weights_source(self):
+        return None
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -123,14 +123,10 @@ def _registered_sequence_grid(sp: int):
 
 def _reuse_or_build(dims: ParallelDims) -> ParallelGrid:
     current = active_grid()
-    if isinstance(current, ParallelGrid) and current.dims == dims.replace(**_NO_FEATURES) \
+    if isinstance(current, ParallelGrid) and current.dims == ParallelDims(data=dims.data, tensor=dims.tensor) \
             and current.topology.axes == ("pipe", "data", "model"):
         return current
     return ParallelGrid.from_dims(dims)
-
-
-_NO_FEATURES = {"zero_stage": 0, "offload_optimizer": False, "offload_param": False, "compressed_optimizer": None,
-                "compressed_zero1": False, "tied_pipeline_layers": False, "virtual_stages": 1}
 
 
 def _active_tensor_grid(world: int):
