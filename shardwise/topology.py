@@ -115,6 +115,7 @@ class _Activatable:
                             sequence=self.size("sequence"))
 
 
+_AXES = ("pipe", "data", "model", "sequence")  # every axis a grid hands out groups for
 _SCOPES: list = []
 _DEFAULT: list = [None]
 
@@ -153,11 +154,18 @@ class ParallelGrid(_Activatable):
                 self._groups[axis] = None  # the default group: no new communicator needed
                 continue
             for ranks in groups:  # every rank creates every group, in the same order
-                # A size-1 data axis still needs its own group: None would mean the whole world to the
-                # ZeRO strategy reducing over it (a pipeline with one replica per stage).
-                g = comm.new_group(ranks) if topology.get_dim(axis) > 1 or axis == "data" else None
+                # A size-1 axis gets a group of its own too: None means the whole world everywhere
+                # (the ZeRO strategy reducing over a size-1 data axis, a user's all-reduce over the
+                # tensor group at tensor size 1), as in Megatron's and DeepSpeed's grids.
+                g = comm.new_group(ranks)
                 if self.rank in ranks:
                     self._groups[axis] = g
+        for axis in _AXES:  # an axis the topology lacks has size 1: each rank a group of its own
+            if axis not in topology.axes:
+                for r in range(topology.world_size):
+                    g = comm.new_group([r])
+                    if r == self.rank:
+                        self._groups[axis] = g
         self.coord = topology.get_coord(self.rank)
         self._model_parallel_group = self._build_model_parallel_group(whole_world)
         self._seq_data_group = self._groups.get("data")
@@ -178,8 +186,6 @@ class ParallelGrid(_Activatable):
 
     def _build_model_parallel_group(self, whole_world: bool):
         """The ranks sharing this rank's data coordinate (every pipe and model coordinate)."""
-        if self.size("pipe") * self.size("model") == 1:
-            return None
         if self.size("data") == 1 and whole_world:
             return None  # the whole world
         mine = None
@@ -221,7 +227,9 @@ class ParallelGrid(_Activatable):
         return cls(topology)
 
     def group(self, axis: str):
-        return self._groups.get(axis)  # an axis the topology lacks has size 1: no group
+        """This rank's group along ``axis``: None when the axis spans the whole world (None is the
+        world everywhere), a group of this rank alone when the axis has size 1."""
+        return self._groups[axis]
 
     def size(self, axis: str) -> int:
         return self.topology.get_dim(axis) if axis in self.topology.axes else 1
@@ -338,15 +346,35 @@ class ParallelGrid(_Activatable):
         return self.axis_rank("data") * self.size("sequence") + self.axis_rank("sequence")
 
 
-def tensor_parallel_group_and_size(group=None):
-    """(group, size) of a tensor-parallel region: ``group`` if given, else the active grid's
-    model axis, else no tensor parallelism (size 1)."""
-    if group is not None:
+class _GroupMarker:
+    """A named stand-in for a process group in ``shardwise.tensor_parallel`` (never passed to ``comm``)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+# ``group=None`` means the whole world everywhere in shardwise (comm, zero, tensor_parallel, as in
+# torch.distributed). The tensor-parallel layers and regions default to TENSOR_AXIS instead: the active
+# grid's tensor axis, resolved once when a layer is built (or a region called). ONE_RANK is what that
+# resolves to without tensor parallelism: a group of this rank alone, so nothing is communicated.
+TENSOR_AXIS = _GroupMarker("TENSOR_AXIS")
+ONE_RANK = _GroupMarker("ONE_RANK")
+
+
+def tensor_parallel_group_and_size(group=TENSOR_AXIS):
+    """(group, size) of a tensor-parallel region: ``group`` itself (None: the whole world), or for
+    TENSOR_AXIS the active grid's tensor axis (ONE_RANK, size 1, when there is none or it has size 1)."""
+    if group is ONE_RANK:
+        return ONE_RANK, 1
+    if group is not TENSOR_AXIS:
         return group, comm.get_world_size(group)
     grid = active_grid()
     if grid is None or grid.size("model") == 1:
-        return None, 1
-    return grid.group("model"), grid.size("model")
+        return ONE_RANK, 1
+    return grid.group("model"), grid.size("model")  # None when the tensor axis is the whole world
 
 
 def PipeDataParallelTopology(num_pp: int, num_dp: int) -> ProcessTopology:  # noqa: N802 (DeepSpeed's name)

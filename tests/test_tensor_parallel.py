@@ -70,9 +70,25 @@ def test_layers_without_a_grid_are_plain_layers():
 def _check_layers(tp, rank, world):
     from shardwise.topology import ParallelGrid
 
+    from shardwise import comm
+    from shardwise.tensor_parallel import ColumnParallelLinear, reduce_from_tensor_model_parallel_region
+
     grid = ParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=world // tp))
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    ones = torch.ones(2, dtype=torch.float64)
     with grid.active():  # layers and regions without group= use the active grid's tensor axis
-        return _check_layers_on(grid, tp)
+        result = _check_layers_on(grid, tp)
+        col = ColumnParallelLinear(8, 12, dtype=torch.float64)
+        inside = col(x)
+        assert reduce_from_tensor_model_parallel_region(ones).tolist() == [tp, tp]
+        # group=None is the whole world, as in comm and zero, not the tensor axis
+        assert reduce_from_tensor_model_parallel_region(ones, None).tolist() == [world, world]
+    # A layer keeps the tensor group it was built with (at tp == world too, where that group is None).
+    assert torch.equal(col(x), inside)
+    # Size-1 axes get a group of this rank alone, never None (which would mean the world).
+    for g in (grid.get_pipe_parallel_group(), grid.get_sequence_parallel_group()):
+        assert g is not None and comm.get_world_size(g) == 1
+    return result
 
 
 def _check_layers_on(grid, tp):

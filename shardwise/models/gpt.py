@@ -22,7 +22,7 @@ from torch import nn
 from shardwise.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                        get_cuda_rng_tracker, scatter_to_sequence_parallel_region,
                                        vocab_parallel_cross_entropy)
-from shardwise.topology import tensor_parallel_group_and_size
+from shardwise.topology import TENSOR_AXIS, tensor_parallel_group_and_size
 
 __all__ = ["GPTConfig", "GPT", "gpt_layer_specs", "gpt_loss", "gpt_pipeline_module"]
 
@@ -40,7 +40,7 @@ class GPTConfig:
 
 
 def _tp_size() -> int:
-    return tensor_parallel_group_and_size(None)[1]
+    return tensor_parallel_group_and_size()[1]
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool, *, sharded: bool) -> torch.Tensor:
@@ -60,13 +60,14 @@ class GPTEmbedding(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden)
+        self.tp_group = self.wte.group  # resolved once, here: the model keeps its grid's tensor group
         self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.wte(tokens) + self.wpe(pos)
         if self.cfg.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x, dim=1)
+            x = scatter_to_sequence_parallel_region(x, self.tp_group, dim=1)
             return _dropout(x, self.cfg.dropout, self.training, sharded=True)
         return _dropout(x, self.cfg.dropout, self.training, sharded=False)
 
@@ -85,6 +86,7 @@ class GPTBlock(nn.Module):
         if cfg.n_heads % tp:
             raise ValueError(f"GPTConfig.n_heads ({cfg.n_heads}) is not divisible by the tensor-parallel size ({tp})")
         self.cfg = cfg
+        self.tp_size = tp
         self.local_heads = cfg.n_heads // tp
         self.head_dim = cfg.hidden // cfg.n_heads
         sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=1)
@@ -100,7 +102,7 @@ class GPTBlock(nn.Module):
         self.fc2 = RowParallelLinear(cfg.mlp_ratio * cfg.hidden, cfg.hidden, input_is_parallel=True, **sp)
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
-        b, s = x.shape[0], (x.shape[1] * _tp_size() if self.cfg.sequence_parallel else x.shape[1])
+        b, s = x.shape[0], (x.shape[1] * self.tp_size if self.cfg.sequence_parallel else x.shape[1])
 
         def heads(t):
             return t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
@@ -133,9 +135,10 @@ class GPTHead(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def gpt_loss(vocab_parallel_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss from vocabulary-parallel logits (``ignore_index`` -100)."""
-    losses = vocab_parallel_cross_entropy(vocab_parallel_logits, labels)
+def gpt_loss(vocab_parallel_logits: torch.Tensor, labels: torch.Tensor, *, group=TENSOR_AXIS) -> torch.Tensor:
+    """Mean next-token loss from vocabulary-parallel logits (``ignore_index`` -100); ``group``: the
+    tensor group the logits are sharded over (default: the active grid's, as the pipeline's loss)."""
+    losses = vocab_parallel_cross_entropy(vocab_parallel_logits, labels, group=group)
     return losses.sum() / (labels != -100).sum().clamp(min=1)
 
 
@@ -158,7 +161,7 @@ class GPT(nn.Sequential):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None):
         logits = super().forward(tokens)
-        return logits if labels is None else gpt_loss(logits, labels)
+        return logits if labels is None else gpt_loss(logits, labels, group=self[-1].lm_head.group)
 
 
 def gpt_pipeline_module(cfg: GPTConfig, *, topology=None, num_stages=None, seed: int = 1234, **kwargs):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.topology import tensor_parallel_group_and_size
+from shardwise.topology import TENSOR_AXIS, tensor_parallel_group_and_size
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -52,7 +52,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, label_smoothing=0.0,
-                                 *, group=None, ignore_index: int = -100) -> torch.Tensor:
+                                 *, group=TENSOR_AXIS, ignore_index: int = -100) -> torch.Tensor:
     """Per-token loss (no reduction, as Megatron's), the same on every tensor rank; tokens whose
     target is ``ignore_index`` get 0 loss and 0 gradient. The logits are this rank's vocabulary
     slice (e.g. a ``ColumnParallelLinear(gather_output=False)`` output); they are upcast to fp32."""

@@ -22,7 +22,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.tensor_parallel import mappings as M
-from shardwise.topology import tensor_parallel_group_and_size
+from shardwise.topology import TENSOR_AXIS, tensor_parallel_group_and_size
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "set_tensor_model_parallel_attributes", "param_is_not_tensor_parallel_duplicate",
@@ -40,7 +40,7 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, group=None) -> bool:
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, group=TENSOR_AXIS) -> bool:
     """True on every tensor rank for a sharded parameter, on tensor rank 0 only for a replicated one
     (count each element once, e.g. in a norm)."""
     group, size = tensor_parallel_group_and_size(group)
@@ -92,7 +92,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True,
                  init_method=None, stride: int = 1, keep_master_weight_for_test: bool = False,
                  skip_bias_add: bool = False, *, sequence_parallel: bool = False, sequence_dim: int = 0,
-                 group=None, dtype=None, device=None) -> None:
+                 group=TENSOR_AXIS, dtype=None, device=None) -> None:
         super().__init__()
         if stride != 1:
             raise ValueError(f"ColumnParallelLinear: stride={stride} is not supported (only 1)")
@@ -140,7 +140,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = False,
                  init_method=None, stride: int = 1, keep_master_weight_for_test: bool = False,
                  skip_bias_add: bool = False, *, sequence_parallel: bool = False, sequence_dim: int = 0,
-                 group=None, dtype=None, device=None) -> None:
+                 group=TENSOR_AXIS, dtype=None, device=None) -> None:
         super().__init__()
         if stride != 1:
             raise ValueError(f"RowParallelLinear: stride={stride} is not supported (only 1)")
@@ -187,7 +187,7 @@ class VocabParallelEmbedding(nn.Module):
     in its range (zeros elsewhere) and the partial results are all-reduced."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 init_method=None, *, group=None, dtype=None, device=None) -> None:
+                 init_method=None, *, group=TENSOR_AXIS, dtype=None, device=None) -> None:
         super().__init__()
         self.group, self.world_size, self.rank = _tp(group)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx

@@ -1,6 +1,7 @@
 """Autograd-aware collectives at the borders of tensor-parallel regions (Megatron's mappings).
 
-Each function takes ``group=`` (default: the active grid's tensor-parallel group, see
+Each function takes ``group=``: a process group, None for the whole world (as everywhere in shardwise),
+or by default ``TENSOR_AXIS``, the active grid's tensor-parallel group (see
 ``shardwise.topology.active_grid``); with a tensor size of 1 every one is the identity.
 
 =========================================  ===========================  ==========================
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.topology import tensor_parallel_group_and_size
+from shardwise.topology import TENSOR_AXIS, tensor_parallel_group_and_size
 
 __all__ = ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
            "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
@@ -130,32 +131,32 @@ class _ReduceScatter(torch.autograd.Function):
         return _all_gather(g, ctx.dim, ctx.group, ctx.size), None, None, None
 
 
-def copy_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, group=TENSOR_AXIS) -> torch.Tensor:
     group, size = tensor_parallel_group_and_size(group)
     return x if size == 1 else _Copy.apply(x, group, size)
 
 
-def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group=TENSOR_AXIS) -> torch.Tensor:
     group, size = tensor_parallel_group_and_size(group)
     return x if size == 1 else _Reduce.apply(x, group, size)
 
 
-def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group=TENSOR_AXIS) -> torch.Tensor:
     group, size = tensor_parallel_group_and_size(group)
     return x if size == 1 else _Scatter.apply(x, group, size, x.dim() - 1)
 
 
-def gather_from_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group=TENSOR_AXIS) -> torch.Tensor:
     group, size = tensor_parallel_group_and_size(group)
     return x if size == 1 else _Gather.apply(x, group, size, x.dim() - 1)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group=None, *, dim: int = 0) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group=TENSOR_AXIS, *, dim: int = 0) -> torch.Tensor:
     group, size = tensor_parallel_group_and_size(group)
     return x if size == 1 else _Scatter.apply(x, group, size, dim)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, *, dim: int = 0,
+def gather_from_sequence_parallel_region(x: torch.Tensor, group=TENSOR_AXIS, *, dim: int = 0,
                                          tensor_parallel_output_grad: bool = True) -> torch.Tensor:
     """All-gather the sequence shards. Backward reduce-scatters (the consumer is tensor-parallel, so each
     rank's gradient is a partial sum), or only splits with ``tensor_parallel_output_grad=False``."""
@@ -166,6 +167,6 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, *, dim: in
     return fn.apply(x, group, size, dim)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None, *, dim: int = 0) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=TENSOR_AXIS, *, dim: int = 0) -> torch.Tensor:
     group, size = tensor_parallel_group_and_size(group)
     return x if size == 1 else _ReduceScatter.apply(x, group, size, dim)
