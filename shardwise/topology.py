@@ -22,22 +22,58 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from collections import namedtuple
 from itertools import product
 
 from shardwise import comm
 from shardwise.parallel_dims import ParallelDims
 
 
+class _Count(int):
+    """A rank count that can also be called: ``topology.world_size`` and DeepSpeed's ``world_size()``."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
+def _coord_type(axes: tuple[str, ...]) -> type:
+    """DeepSpeed's ``ProcessCoord`` named tuple for ``axes``, also read by axis name like a dict."""
+
+    class ProcessCoord(namedtuple("ProcessCoord", axes)):
+        __slots__ = ()
+
+        def __getitem__(self, key):
+            return getattr(self, key) if isinstance(key, str) else super().__getitem__(key)
+
+        def get(self, axis: str, default=None):
+            return getattr(self, axis, default)
+
+        def keys(self):  # so that ``get_rank(**coord)`` works
+            return self._fields
+
+    return ProcessCoord
+
+
 @dataclass(frozen=True)
 class ProcessTopology:
+    """Ranks laid out row-major over named axes (the last axis varies fastest), with DeepSpeed's
+    methods: ``get_rank(**coord)``, ``get_coord(rank)`` (a ``ProcessCoord`` named tuple),
+    ``get_axis_list``, ``filter_match``, ``get_rank_repr``, ``get_axis_comm_lists``, ``world_size``."""
+
     axes: tuple[str, ...]
     dims: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "axes", tuple(self.axes))  # DeepSpeed's callers pass lists
+        object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
+        object.__setattr__(self, "ProcessCoord", _coord_type(self.axes))
         if len(self.axes) != len(self.dims):
             raise ValueError(f"topology axes {self.axes} and dims {self.dims} differ in length")
         if any(d < 1 for d in self.dims):
             raise ValueError(f"topology dims must be >= 1, got {dict(zip(self.axes, self.dims))}")
+
+    def __reduce__(self):  # ProcessCoord is made per instance: rebuild it rather than pickle it
+        return type(self), (self.axes, self.dims)
 
     @classmethod
     def for_world(cls, world_size: int, *, pipe: int = 1, model: int = 1) -> "ProcessTopology":
@@ -52,17 +88,32 @@ class ProcessTopology:
         n = 1
         for d in self.dims:
             n *= d
-        return n
+        return _Count(n)
 
     def get_dim(self, axis: str) -> int:
         return self.dims[self.axes.index(axis)]
 
-    def get_coord(self, rank: int) -> dict[str, int]:
-        coord = {}
-        for axis, dim in reversed(list(zip(self.axes, self.dims))):
-            coord[axis] = rank % dim
+    def get_coord(self, rank: int):
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} not found in topology {dict(zip(self.axes, self.dims))}")
+        coord = []
+        for dim in reversed(self.dims):
+            coord.append(rank % dim)
             rank //= dim
-        return {a: coord[a] for a in self.axes}
+        return self.ProcessCoord(*reversed(coord))
+
+    def get_axis_list(self, axis: str, idx: int) -> list[int]:
+        """The ranks whose coordinate along ``axis`` is ``idx``."""
+        return self.filter_match(**{axis: idx})
+
+    def filter_match(self, **coord: int) -> list[int]:
+        """The ranks whose coordinates match every ``axis=value`` given, in rank order."""
+        return [r for r in range(self.world_size) if all(self.get_coord(r)[a] == v for a, v in coord.items())]
+
+    def get_rank_repr(self, rank: int, omit_axes=("data", "pipe"), inner_sep: str = "_", outer_sep: str = "-") -> str:
+        """``rank``'s coordinates as text, e.g. ``model_01`` (DeepSpeed's checkpoint file names)."""
+        coord = self.get_coord(rank)
+        return outer_sep.join(f"{a}{inner_sep}{coord[a]:02d}" for a in self.axes if a not in set(omit_axes))
 
     def get_rank(self, **coord: int) -> int:
         rank = 0

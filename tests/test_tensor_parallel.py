@@ -25,7 +25,7 @@ def test_pipe_model_data_layout_matches_deepspeed():
     topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
     assert topo.axes == ("pipe", "data", "model") and topo.dims == (2, 2, 2)
     # DeepSpeed's layout: model fastest, then data, then pipe.
-    assert topo.get_coord(5) == {"pipe": 1, "data": 0, "model": 1}
+    assert topo.get_coord(5) == topo.ProcessCoord(pipe=1, data=0, model=1) and topo.get_coord(5)["data"] == 0
     assert topo.get_rank(pipe=1, data=1, model=0) == 6
     assert topo.axis_groups("model") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert topo.axis_groups("data") == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -33,6 +33,19 @@ def test_pipe_model_data_layout_matches_deepspeed():
     assert topo.get_axis_comm_lists("expert") == []
     for r in range(8):
         assert topo.get_rank(**topo.get_coord(r)) == r
+
+
+def test_topology_has_deepspeeds_methods():
+    topo = ProcessTopology(axes=["a", "b", "c"], dims=[2, 2, 2])  # DeepSpeed's callers pass lists
+    assert topo.world_size() == topo.world_size == 8
+    assert topo.get_axis_list("b", 1) == [2, 3, 6, 7] and topo.get_axis_list(axis="a", idx=0) == [0, 1, 2, 3]
+    assert topo.filter_match(b=1, c=1) == [3, 7] and topo.filter_match(a=1, b=1, c=1) == [7]
+    assert topo.get_coord(6) == topo.ProcessCoord(1, 1, 0) and topo.get_coord(6).a == 1
+    pmd = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    assert [pmd.get_rank_repr(r) for r in (0, 5)] == ["model_00", "model_01"]
+    assert pmd.get_rank_repr(6, omit_axes=[], inner_sep="+") == "pipe+01-data+01-model+00"
+    with pytest.raises(ValueError, match="rank 8 not found"):
+        topo.get_coord(8)
 
 
 def test_topology_errors():

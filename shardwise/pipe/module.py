@@ -267,7 +267,7 @@ class PipelineModule(nn.Module):
             if len(stages) < 2:
                 continue
             for coord in topo.axis_groups("pipe"):  # one group per (data, model) coordinate
-                base = {a: v for a, v in topo.get_coord(coord[0]).items() if a in others}
+                base = {a: v for a, v in topo.get_coord(coord[0])._asdict().items() if a in others}
                 ranks = [topo.get_rank(**base, pipe=s) for s in stages]
                 group = comm.new_group(ranks)  # every rank creates every group, in the same order
                 if self.global_rank in ranks:
