@@ -6,6 +6,7 @@ the engine's counters or its strategy. Names, arguments and return values are De
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 
@@ -213,6 +214,11 @@ class EngineCompatMixin:
         if "backend" in kwargs:
             logger.warning("engine.compile: 'backend' in compile_kwargs is ignored; pass backend= instead")
             kwargs.pop("backend")
+        known = set(inspect.signature(torch.compile).parameters) - {"model", "backend"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"engine.compile: compile_kwargs (config compile.kwargs) has {unknown}, which "
+                             f"torch.compile does not take; it takes {sorted(known)}")
         if backend is None:
             from shardwise.accelerator import get_accelerator
 
