@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a plain `pip install torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench install clean deepspeed-unit-tests
+.PHONY: demo test bench gpu-check install clean deepspeed-unit-tests
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,6 +30,11 @@ deepspeed-unit-tests:
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/zero_vs_ddp.py
+
+# The engine at ZeRO 0-3 (+ CPU offload) against a plain torch loop on one CUDA device, bf16: losses,
+# step time, tokens/s, MFU. Needs a CUDA build of torch in $(VENV) (TORCH_PIN); skips, exit 0, without CUDA.
+gpu-check: $(VENV)/.installed
+	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) checkpoints *.egg-info .dsu-venv .dsu-out .dsu-out.summary.txt

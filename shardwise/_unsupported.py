@@ -27,7 +27,8 @@ NOT_SUPPORTED: dict[str, str] = {
     "sequence": "only deepspeed.sequence.layer.DistributedAttention is provided (FPDT, AutoSP and the vocab-parallel "
                 "cross-entropy are not); for Hugging Face models see shardwise.runtime.sequence_parallel",
     "linear": "DeepSpeed's OptimizedLinear / LoRA-quantized linear is not implemented",
-    "compile": "DeepCompile is not implemented; torch.compile the model yourself",
+    "compile": "DeepCompile is not implemented; engine.compile() compiles each block with torch.compile "
+               "(docs/compile.md)",
     "nvme": "the NVMe benchmark tools are not provided (ZeRO's NVMe offload is: zero_optimization.offload_*)",
     "io": "DeepNVMe's public I/O handles are not provided",
     "runtime.checkpoint_engine": "checkpoints are written by shardwise.checkpoint (safetensors + manifest)",

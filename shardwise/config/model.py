@@ -9,6 +9,7 @@ from pydantic import Field, PlainValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .errors import describe_value
+from .compile import CompileConfig
 from .base import ConfigModel, Float, Int, OptDType, case_insensitive
 from .monitors import (AutotuningConfig, CometConfig, CommsLoggerConfig, CSVMonitorConfig,
                        ElasticityConfig, FlopsProfilerConfig, TensorBoardConfig, WandbConfig)
@@ -45,7 +46,7 @@ AllreduceOp = Annotated[Literal["mean", "sum"], case_insensitive("mean", "sum")]
 # Blocks of features we accept as keys but do not model yet: free-form, and an
 # error from check_supported() as soon as they are switched on.
 OTHER_BLOCKS = (
-    "expert_parallel", "hybrid_engine", "compile", "sparse_attention", "eigenvalue",
+    "expert_parallel", "hybrid_engine", "sparse_attention", "eigenvalue",
     "progressive_layer_drop", "data_efficiency", "curriculum_learning", "compression_training",
     "nebula", "timers",
 )
@@ -111,7 +112,7 @@ class ShardwiseConfig(ConfigModel):
     tensor_parallel: TensorParallelConfig = _block(TensorParallelConfig)
     expert_parallel: dict[str, Any] = _block(dict)
     hybrid_engine: dict[str, Any] = _block(dict)
-    compile: dict[str, Any] = _block(dict)
+    compile: CompileConfig = _block(CompileConfig)
     sparse_attention: dict[str, Any] = _block(dict)
     eigenvalue: dict[str, Any] = _block(dict)
     progressive_layer_drop: dict[str, Any] = _block(dict)

@@ -52,7 +52,6 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     "tensor_parallel.replace_with_kernel_inject": lambda c: c.tensor_parallel.replace_with_kernel_inject,
     "expert_parallel": lambda c: _switched_on(c.expert_parallel),
     "hybrid_engine": lambda c: _switched_on(c.hybrid_engine),
-    "compile": lambda c: _switched_on(c.compile),
     "eigenvalue": lambda c: _switched_on(c.eigenvalue),
     "progressive_layer_drop": lambda c: _switched_on(c.progressive_layer_drop),
     "data_efficiency": lambda c: _switched_on(c.data_efficiency),

@@ -123,6 +123,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self._checkpoint_writer = None  # created by the first save or load
         self.observer = StepObserver(self.training_state(), autotuning_engine=self)  # monitors, flops, autotuning
         self.monitor = self.observer.monitor
+        if config.compile.enabled:  # ours: the compile block compiles at initialize
+            self.compile(backend=config.compile.backend, compile_kwargs=config.compile.kwargs)
 
     # -- set-up ---------------------------------------------------------------------------
     def _broadcast_model(self) -> None:

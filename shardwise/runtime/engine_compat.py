@@ -6,6 +6,7 @@ the engine's counters or its strategy. Names, arguments and return values are De
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 
@@ -194,13 +195,42 @@ class EngineCompatMixin:
         if self.optimizer is not None:
             self.optimizer.overflow = bool(overflow)
 
-    def compile(self, backend=None, compile_kwargs=None, schedule=None) -> None:
-        """DeepSpeed's ``engine.compile`` (torch.compile / DeepCompile of the engine, which accelerate calls
-        when a dynamo backend is set) is not supported: refused by name instead of torch's own
-        ``Module.compile`` running with DeepSpeed's arguments."""
-        raise NotImplementedError("engine.compile() (DeepSpeed's compile of the engine) is not supported by "
-                                  "shardwise: torch.compile the model's forward before initialize(), or "
-                                  "leave the dynamo backend unset")
+    def compile(self, backend=None, compile_kwargs=None, schedule=None, compiled_autograd_enabled=False) -> None:
+        """DeepSpeed's ``engine.compile``: ``torch.compile`` the model's repeated blocks (else the whole
+        model) with ``backend`` (default: the accelerator's, ``inductor``) and ``compile_kwargs``, keeping
+        ZeRO's hooks outside the compiled graphs (``runtime/compile.py``, docs/compile.md). A second
+        call does nothing. DeepCompile's ``schedule`` and compiled autograd are refused by name."""
+        from shardwise.runtime.compile import check_backend, compile_model
+
+        if schedule is not None:
+            raise ValueError("engine.compile(schedule=...) is a DeepCompile pass schedule; DeepCompile is not "
+                             "implemented by shardwise: call engine.compile() without a schedule")
+        if compiled_autograd_enabled:
+            raise ValueError("engine.compile(compiled_autograd_enabled=True) is not supported: the backward of "
+                             "each compiled block is compiled already, and ZeRO's gradient hooks stay eager")
+        if self.is_compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs:
+            logger.warning("engine.compile: 'backend' in compile_kwargs is ignored; pass backend= instead")
+            kwargs.pop("backend")
+        known = set(inspect.signature(torch.compile).parameters) - {"model", "backend"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"engine.compile: compile_kwargs (config compile.kwargs) has {unknown}, which "
+                             f"torch.compile does not take; it takes {sorted(known)}")
+        if backend is None:
+            from shardwise.accelerator import get_accelerator
+
+            backend = get_accelerator().get_compile_backend()
+        check_backend(backend, device=self.device)
+        coordinator = self.strategy.coordinator if self.strategy.shards_parameters else None
+        self._compiled_blocks = compile_model(self.module, backend=backend, kwargs=kwargs, coordinator=coordinator)
+
+    @property
+    def is_compiled(self) -> bool:
+        """True once ``compile()`` ran (DeepSpeed's property)."""
+        return bool(self.__dict__.get("_compiled_blocks"))
 
     # -- throughput ---------------------------------------------------------------------------------
     @property

@@ -173,10 +173,26 @@ class ParamCoordinator:
         self.bwd_trace: list[int] = []
         self._fwd_now: list[int] = []
         self._bwd_now: list[int] = []
-        self._handles = []
-        for module, us in module_units.items():
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(module.register_forward_hook(self._post_forward))
+        self._handles: dict[torch.nn.Module, tuple] = {}
+        for module in module_units:
+            self._hook(module)
+
+    def _hook(self, module: torch.nn.Module) -> None:
+        self._handles[module] = (module.register_forward_pre_hook(self._pre_forward),
+                                 module.register_forward_hook(self._post_forward))
+
+    def gather_as_one(self, root: torch.nn.Module) -> None:
+        """Gather everything ``root``'s subtree needs in ``root``'s hooks, and none inside it (a compiled
+        block: hooks inside it would be traced into its graph)."""
+        units: list[Unit] = []
+        for m in root.modules():
+            if m in self.module_units:
+                units += [u for u in self.module_units.pop(m) if u not in units]
+                for handle in self._handles.pop(m):
+                    handle.remove()
+        if units:
+            self.module_units[root] = units
+            self._hook(root)
 
     # -- gathering ------------------------------------------------------------------------
     def fetch(self, units: list[Unit]) -> None:

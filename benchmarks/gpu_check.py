@@ -1,0 +1,204 @@
+"""GPU check: the engine at ZeRO 0-3, with and without CPU offload, against a plain torch loop, on one device.
+
+    python benchmarks/gpu_check.py                      # CUDA; exits 0 with a message when there is none
+    python benchmarks/gpu_check.py --device cpu --size tiny --steps 4   # dry run of the same logic on the CPU
+    make gpu-check
+
+The model is the demo GPT (examples/gpt/model.py) in bf16 (``--dtype fp32`` for an exact comparison).
+The reference is a plain torch loop on the same weights and batches: 16-bit parameters for forward and
+backward, fp32 master weights stepped by ``torch.optim.AdamW``, the gradient clipped to norm 1 (what
+the engine's bf16 mode does). Each engine run: ZeRO 0, 1, 2, 3, then ZeRO 1-3 with the optimizer (and,
+at 3, the parameters) offloaded to pinned CPU memory. Per run: the largest relative loss difference
+from the torch loop over all steps (bf16: within 5e-3; fp32: 1e-5), median step time after warm-up,
+tokens/s and model FLOPs utilisation: 6 x (parameters in matmuls) + 12 x layers x width x sequence
+FLOPs per token (PaLM's count, causal attention counted whole) over the device's dense bf16 peak
+(known for H100/H200/A100/L4, else ``--peak-tflops``). Everything runs in one process on ``--device``:
+the code path is the same for the CPU and CUDA, only the device object differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
+sys.path.insert(0, ROOT)
+
+SIZES = {  # GPTConfig keywords and the micro-batch
+    "tiny": (dict(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32), 2),
+    "demo": (dict(), 8),  # examples/gpt's own GPTConfig
+    "gpt2": (dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768), 8),
+}
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L4": 121.0}  # dense, SXM parts
+LR, CLIP = 3e-4, 1.0
+RUNS = [  # (label, zero stage, offload)
+    ("ZeRO-0", 0, False), ("ZeRO-1", 1, False), ("ZeRO-2", 2, False), ("ZeRO-3", 3, False),
+    ("ZeRO-1 + offload", 1, True), ("ZeRO-2 + offload", 2, True), ("ZeRO-3 + offload", 3, True),
+]
+
+
+def _model(size: str, dtype: torch.dtype, device: torch.device):
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**SIZES[size][0])).to(device=device, dtype=dtype)
+
+
+def _batches(cfg, micro: int, steps: int, device: torch.device):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        t = torch.randint(cfg.vocab_size, (micro, cfg.block_size + 1), generator=g)
+        yield t[:, :-1].to(device), t[:, 1:].to(device)
+
+
+def _timed(step, batches, sync) -> tuple[list[float], list[float]]:
+    losses, times = [], []
+    for x, y in batches:
+        sync()
+        t0 = time.perf_counter()
+        loss = step(x, y)
+        sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    return losses, times
+
+
+def torch_loop(args, device, sync):
+    """The reference: 16-bit forward/backward, fp32 master weights, torch's AdamW, clip to norm 1."""
+    from model import lm_loss
+
+    model = _model(args.size, args.dtype, device)
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    opt = torch.optim.AdamW(masters, lr=LR, weight_decay=0.01)
+
+    def step(x, y):
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_(masters, CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters()):
+                p.copy_(m)
+        return loss
+
+    return _timed(step, _batches(model.cfg, SIZES[args.size][1], args.steps, device), sync)
+
+
+def engine_run(args, device, sync, *, stage: int, offload: bool):
+    import shardwise
+    from model import lm_loss
+
+    model = _model(args.size, torch.float32, device)  # the engine casts to the training dtype itself
+    zero = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    cfg = {"train_micro_batch_size_per_gpu": SIZES[args.size][1], "gradient_clipping": CLIP,
+           "bf16": {"enabled": args.dtype == torch.bfloat16},
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "zero_optimization": zero}
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    if engine.device.type != device.type:
+        raise SystemExit(f"gpu_check: the engine chose {engine.device} but --device is {device}")
+
+    def step(x, y):
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    out = _timed(step, _batches(model.cfg, SIZES[args.size][1], args.steps, device), sync)
+    engine.destroy()
+    return out
+
+
+def flops_per_token(size: str) -> float:
+    from model import GPT, GPTConfig
+
+    cfg = GPTConfig(**SIZES[size][0])
+    with torch.device("meta"):
+        model = GPT(cfg)
+    matmul = sum(p.numel() for p in model.parameters()) - model.tok.weight.numel() - model.pos.weight.numel()
+    return 6 * matmul + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def peak_tflops(args, device) -> float | None:
+    if args.peak_tflops is not None:
+        return args.peak_tflops
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--size", choices=list(SIZES), default="gpt2")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--peak-tflops", type=float, default=None, help="dense peak of the device in the dtype")
+    ap.add_argument("--runs", nargs="+", default=[r[0] for r in RUNS], help="labels of the engine runs to do")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: skipped, no CUDA device (torch.cuda.is_available() is False); "
+              "`--device cpu --size tiny` runs the same checks on the CPU")
+        return 0
+    if args.steps <= args.warmup:
+        raise SystemExit(f"gpu_check: --steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    args.dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    tol = 5e-3 if args.dtype == torch.bfloat16 else 1e-5
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    from model import GPTConfig
+
+    tokens = SIZES[args.size][1] * GPTConfig(**SIZES[args.size][0]).block_size
+    fpt, peak = flops_per_token(args.size), peak_tflops(args, device)
+
+    ref_losses, ref_times = torch_loop(args, device, sync)
+    rows = [("plain torch", ref_times, 0.0)]
+    for label, stage, offload in RUNS:
+        if label not in args.runs:
+            continue
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        losses, times = engine_run(args, device, sync, stage=stage, offload=offload)
+        diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        rows.append((label, times, diff))
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"\n{name}, demo GPT size {args.size} ({fpt / 6 / 1e6:.2f}M parameters in matmuls), "
+          f"{str(args.dtype).removeprefix('torch.')}, {tokens} tokens per step, {args.steps} steps "
+          f"({args.warmup} warm-up), torch {torch.__version__}")
+    print("| run | step (ms) | tokens/s | MFU | max rel. loss diff vs torch | ok |")
+    print("|---|---|---|---|---|---|")
+    failed = []
+    for label, times, diff in rows:
+        t = statistics.median(times[args.warmup:])
+        mfu = f"{tokens / t * fpt / (peak * 1e12):.1%}" if peak else "n/a"
+        ok = diff <= tol
+        failed += [] if ok else [label]
+        print(f"| {label} | {t * 1e3:.1f} | {tokens / t:,.0f} | {mfu} | {diff:.2e} | {'yes' if ok else 'NO'} |")
+    if failed:
+        print(f"gpu_check: losses differ from the torch loop by more than {tol:g} in: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
