@@ -1,0 +1,195 @@
+"""What the engine does for a model with MoE layers: create the expert groups, start every replica of an
+expert from one copy, and build the ZeRO strategy that reduces expert gradients over the
+expert-data-parallel group and the rest over the whole data axis.
+
+Gradient scale, as DeepSpeed: an expert's gradient is averaged over the *whole* data axis (so the result
+does not depend on ``ep_size``). Its owner already holds the sum over the ``ep_size`` ranks of its
+expert-parallel group (the all-to-all's backward brought their tokens' gradients), the reduction over
+the expert-data-parallel group averages over ``data / ep_size`` ranks; a hook on each expert parameter
+divides the incoming gradient by ``ep_size`` first.
+
+The strategy (``ExpertSplitStrategy``) holds one ordinary ZeRO strategy for the dense parameters (over
+the data axis) and one per expert group (over its expert-data-parallel group, with its own copy of the
+optimizer holding just those parameters, whose hyper-parameters follow the user's optimizer's groups:
+a scheduler changing the learning rate there changes it for the experts too).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from shardwise import comm
+from shardwise.moe.utils import is_moe_param, moe_layers
+from shardwise.utils import groups
+from shardwise.zero.strategy import ZeroStrategy
+
+
+def expert_parallel_size(model: torch.nn.Module) -> int:
+    """The largest ``ep_size`` of the model's MoE layers (1 without any): the grid's expert axis."""
+    return max((layer.ep_size for layer in moe_layers(model)), default=1)
+
+
+def configure(module: torch.nn.Module) -> None:
+    """Create the groups of every MoE layer (collective) and arm the gradient pre-division."""
+    for layer in moe_layers(module):
+        layer.set_deepspeed_parallelism()
+        if layer.ep_size == 1:
+            continue
+        for p in layer.deepspeed_moe.experts.parameters():
+            if not getattr(p, "_shardwise_ep_divided", False) and p.requires_grad:
+                p.register_hook(lambda g, n=layer.ep_size: g / n)
+                p._shardwise_ep_divided = True
+
+
+def broadcast_experts(module: torch.nn.Module) -> None:
+    """Every expert-data-parallel replica of an expert starts from the first one's weights."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if is_moe_param(p) and groups._get_expert_data_parallel_world_size(p.group_name) > 1:
+                comm.broadcast(p.data, src=groups._get_expert_broadcast_src_rank(p.group_name),
+                               group=groups._get_expert_data_parallel_group(p.group_name))
+
+
+def build_strategy(build, *, named_params, optimizer, dp_group) -> ZeroStrategy:
+    """``build(named_params=, optimizer=, dp_group=)`` makes one ordinary strategy; split when an expert
+    group is smaller than the data axis (an ``ep_size`` above 1)."""
+    dp_size = comm.get_world_size(dp_group)
+    by_group: dict[str, list] = {}
+    dense = []
+    for name, p in named_params:
+        if is_moe_param(p) and groups._get_expert_data_parallel_world_size(p.group_name) != dp_size:
+            by_group.setdefault(p.group_name, []).append((name, p))
+        else:
+            dense.append((name, p))
+    if not by_group:
+        return build(named_params=named_params, optimizer=optimizer, dp_group=dp_group)
+    if optimizer is None:
+        raise ValueError("expert parallelism needs an optimizer in the config or passed to initialize()")
+    parts = []
+    for group_name, params in [(None, dense)] + sorted(by_group.items()):
+        if group_name is not None and not any(p.requires_grad for _, p in params):
+            continue
+        sub, links = _sub_optimizer(optimizer, {id(p) for _, p in params})
+        group = dp_group if group_name is None else groups._get_expert_data_parallel_group(group_name)
+        ep = 1 if group_name is None else groups._get_expert_parallel_world_size(group_name)
+        parts.append(_Part(group_name, build(named_params=params, optimizer=sub, dp_group=group), links, ep))
+    return ExpertSplitStrategy(parts, optimizer=optimizer)
+
+
+class _Part:
+    def __init__(self, group_name, strategy, links, ep_size) -> None:
+        self.group_name, self.strategy, self.links, self.ep_size = group_name, strategy, links, ep_size
+        self.ep_group = None if group_name is None else groups._get_expert_parallel_group(group_name)
+
+    def follow_hyperparameters(self) -> None:
+        for user_group, own in self.links:
+            for key, value in user_group.items():
+                if key != "params":
+                    own[key] = value
+
+
+def _sub_optimizer(optimizer: torch.optim.Optimizer, keep: set[int]):
+    """A copy of ``optimizer`` (same class and settings, no state) holding only the parameters in ``keep``;
+    with the pairs (user's group, copy's group) whose hyper-parameters the copy follows."""
+    sub = object.__new__(type(optimizer))
+    sub.__dict__.update(optimizer.__dict__)
+    sub.param_groups, links = [], []
+    for g in optimizer.param_groups:
+        params = [p for p in g["params"] if id(p) in keep]
+        if params:
+            own = {**g, "params": params}
+            sub.param_groups.append(own)
+            links.append((g, own))
+    sub.state = defaultdict(dict)
+    return sub, links
+
+
+class ExpertSplitStrategy(ZeroStrategy):
+    """The dense strategy plus one per expert group; the engine sees one strategy."""
+
+    def __init__(self, parts: list[_Part], *, optimizer) -> None:
+        self.parts = parts
+        dense = parts[0].strategy
+        self.dense = dense
+        self.optimizer = optimizer  # the user's: the scheduler and get_lr() read its groups
+        self.stage, self.replicated = dense.stage, dense.replicated
+        self.shards_gradients, self.shards_parameters = dense.shards_gradients, dense.shards_parameters
+        self.gathers_module_state = dense.gathers_module_state
+        self.dp_group, self.dp_world_size = dense.dp_group, dense.dp_world_size
+        self.precision = getattr(dense, "precision", None)
+
+    @property
+    def strategies(self) -> list[ZeroStrategy]:
+        return [p.strategy for p in self.parts]
+
+    @property
+    def reduce_gradients(self) -> bool:
+        return self.dense.reduce_gradients
+
+    @reduce_gradients.setter
+    def reduce_gradients(self, on: bool) -> None:
+        for s in self.strategies:
+            s.reduce_gradients = on
+
+    @property
+    def can_keep_local_gradients(self) -> bool:
+        return all(s.can_keep_local_gradients for s in self.strategies)
+
+    def prepare_backward(self, *, boundary: bool, no_sync: bool = False) -> None:
+        for s in self.strategies:
+            s.prepare_backward(boundary=boundary, no_sync=no_sync)
+
+    def finish_backward(self) -> None:
+        for s in self.strategies:
+            s.finish_backward()
+
+    @property
+    def norm_is_local(self) -> bool:
+        return self.dense.norm_is_local
+
+    def local_grad_norm_sq(self, *, counted=None) -> torch.Tensor:
+        """Replicated (stage 0): every rank holds its experts' whole gradients, the other experts are on
+        the other ranks of its expert-parallel group: their sums are added here, so the result is the
+        whole model's on every rank. Partitioned: each rank's shares are disjoint over the data axis
+        (dense) and over expert-parallel x expert-data-parallel = the data axis (experts)."""
+        total = self.dense.local_grad_norm_sq(counted=counted)
+        for part in self.parts[1:]:
+            sq = part.strategy.local_grad_norm_sq(counted=counted).to(total.device, torch.float32)
+            if self.norm_is_local and part.ep_size > 1:
+                comm.all_reduce(sq, group=part.ep_group)
+            total = total + sq
+        return total
+
+    def apply_step(self, *, coef: float, coef_fixed: bool = False) -> None:
+        for part in self.parts:
+            part.follow_hyperparameters()
+            part.strategy.apply_step(coef=coef, coef_fixed=coef_fixed)
+
+    def zero_grad(self) -> None:
+        for s in self.strategies:
+            s.zero_grad()
+
+    def module_state_dict(self, module):
+        return self.dense.module_state_dict(module)
+
+    def load_module_state_dict(self, module, state) -> None:
+        self.dense.load_module_state_dict(module, state)
+
+    def local_fragments(self):
+        for s in self.strategies:
+            yield from s.local_fragments()
+
+    def local_grad(self, name: str, start: int, end: int) -> torch.Tensor:
+        for s in self.strategies:
+            if any(f[0] == name for f in s.local_fragments()):
+                return s.local_grad(name, start, end)
+        raise KeyError(name)
+
+    def memory_parts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.strategies:
+            for k, v in s.memory_parts().items():
+                out[k] = out.get(k, 0) + v
+        return out

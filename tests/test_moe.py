@@ -1,0 +1,121 @@
+"""Mixture of experts: DeepSpeed's MoE layer, its gates, and expert parallelism against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_distributed, run_subtests
+
+HIDDEN, TOKENS, EXPERTS = 8, 6, 4
+
+
+class Net(torch.nn.Module):
+    def __init__(self, *, ep_size=1, k=2, capacity_factor=4.0, drop_tokens=True, use_residual=False):
+        super().__init__()
+        from shardwise.moe.layer import MoE
+
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(HIDDEN, HIDDEN)
+        expert = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 2 * HIDDEN), torch.nn.Tanh(),
+                                     torch.nn.Linear(2 * HIDDEN, HIDDEN))
+        self.moe = MoE(HIDDEN, expert, num_experts=EXPERTS, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
+                       min_capacity=0, drop_tokens=drop_tokens, use_rts=False, use_residual=use_residual,
+                       top2_2nd_expert_sampling=False)
+        self.out = torch.nn.Linear(HIDDEN, 1)
+
+    def forward(self, x, y):
+        h, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
+        return torch.nn.functional.mse_loss(self.out(h).squeeze(-1), y) + 0.01 * l_aux
+
+
+def _set_experts(net, ep_rank, *, starve=False):
+    """Global expert e gets weights drawn from seed 100 + e (so a token sent to the wrong expert shows);
+    ``starve``: the gate never picks experts 2 and 3 (for inputs with positive features)."""
+    moe = net.moe.deepspeed_moe
+    with torch.no_grad():
+        for j, expert in enumerate(moe.experts.deepspeed_experts):
+            g = torch.Generator().manual_seed(100 + ep_rank * moe.num_local_experts + j)
+            for p in expert.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        if starve:
+            moe.gate.wg.weight[2:] = -1.0
+
+
+def _data(step, world):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.rand(world, 2, TOKENS // 2, HIDDEN, generator=g), torch.randn(world, 2, TOKENS // 2, generator=g)
+
+
+def _reference(case, steps, world):
+    """One process, every expert local; each rank's micro-batch forwarded on its own (the gate's l_aux and
+    capacity are per rank), the loss their mean: the gradient data parallelism averages."""
+    ep, stage, k, starve = case
+    net = Net(k=k, drop_tokens=not starve)
+    _set_experts(net, 0, starve=starve)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    losses = []
+    for step in range(steps):
+        xs, ys = _data(step, world)
+        per_rank = [net(xs[r], ys[r]) for r in range(world)]
+        torch.stack(per_rank).mean().backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        losses.append([float(v) for v in per_rank])
+    return losses, net
+
+
+def _train(case, rank, world, steps=2):
+    import shardwise
+    from shardwise.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+    from shardwise.utils import groups
+
+    ep, stage, k, starve = case
+    net = Net(ep_size=ep, k=k, drop_tokens=not starve)
+    _set_experts(net, rank % ep, starve=starve)
+    if rank >= ep:  # the other replicas start elsewhere: the engine copies the first one's experts
+        with torch.no_grad():
+            for p in net.moe.deepspeed_moe.experts.parameters():
+                p.add_(1.0)
+    groups_ = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "all"})
+    opt = torch.optim.Adam(groups_, lr=0.01)
+    engine, *_ = shardwise.initialize(model=net, optimizer=opt, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.05, "zero_optimization": {"stage": stage}})
+    losses = []
+    for step in range(steps):
+        xs, ys = _data(step, world)
+        loss = engine(xs[rank], ys[rank])
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    ref_losses, ref = _reference(case, steps, world)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[rank] for r in ref_losses]), rtol=1e-6, atol=0)
+    mine = dict(engine.module.named_parameters())
+    first = (rank % ep) * (EXPERTS // ep)
+    for name, p in ref.named_parameters():
+        if ".deepspeed_experts." in name:
+            parts = name.split(".")
+            j = int(parts[4]) - first
+            if not 0 <= j < EXPERTS // ep:
+                continue
+            parts[4] = str(j)
+            name = ".".join(parts)
+            assert is_moe_param(mine[name])
+        torch.testing.assert_close(mine[name].detach(), p.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    return {"ep": groups._get_expert_parallel_world_size(f"ep_size_{ep}"),
+            "edp": groups._get_expert_data_parallel_world_size(f"ep_size_{ep}"),
+            "has_moe": engine.has_moe_layers, "dims_expert": engine.dims.expert}
+
+
+def _all_cases(rank, world):
+    cases = [(ep, stage, 2, False) for ep in (1, 2, 4) for stage in (0, 1, 2)]
+    cases.append((2, 2, 1, True))  # top-1, dropless, experts 2 and 3 (ep rank 1) never chosen
+    return run_subtests(_train, cases, rank, world)
+
+
+def test_expert_parallel_matches_one_process():
+    results = run_distributed(_all_cases, 4, timeout=400)
+    for out in results:
+        assert [(o["ep"], o["edp"]) for o in out[:9:3]] == [(1, 4), (2, 2), (4, 1)]
+        assert all(o["has_moe"] for o in out) and [o["dims_expert"] for o in out[:9:3]] == [1, 2, 4]
