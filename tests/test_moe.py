@@ -119,3 +119,61 @@ def test_expert_parallel_matches_one_process():
     for out in results:
         assert [(o["ep"], o["edp"]) for o in out[:9:3]] == [(1, 4), (2, 2), (4, 1)]
         assert all(o["has_moe"] for o in out) and [o["dims_expert"] for o in out[:9:3]] == [1, 2, 4]
+
+
+def test_layer_output_is_the_gate_weighted_expert_output():
+    """Top-2 without dropping: each token's output is its two experts' outputs weighted by the
+    renormalised softmax probabilities; top-1 with capacity 1 keeps one token per expert (the others: zero)."""
+    from shardwise.moe.layer import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=EXPERTS, k=2, capacity_factor=4.0,
+              min_capacity=0, top2_2nd_expert_sampling=False)
+    with torch.no_grad():
+        for e in moe.deepspeed_moe.experts.deepspeed_experts:
+            e.weight.normal_()
+    x = torch.randn(3, 4, HIDDEN)
+    out, l_aux, counts = moe(x)
+    flat = x.reshape(-1, HIDDEN)
+    probs = torch.softmax(flat @ moe.deepspeed_moe.gate.wg.weight.t(), dim=1)
+    top, idx = probs.topk(2, dim=1)
+    experts = moe.deepspeed_moe.experts.deepspeed_experts
+    want = torch.stack([sum(top[t, i] / top[t].sum() * experts[int(idx[t, i])](flat[t]) for i in range(2))
+                        for t in range(flat.shape[0])])
+    torch.testing.assert_close(out.reshape(-1, HIDDEN), want, rtol=1e-5, atol=1e-6)
+    assert int(counts.sum()) == 2 * flat.shape[0]
+    me, ce = probs.mean(0), torch.nn.functional.one_hot(idx[:, 0], EXPERTS).float().mean(0)
+    torch.testing.assert_close(l_aux, (me * ce).mean() * EXPERTS * EXPERTS)
+
+    one = MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=2, k=1, capacity_factor=0.01, min_capacity=1,
+              use_rts=False)
+    out, _, counts = one(torch.randn(6, HIDDEN))
+    kept = (out.abs().sum(-1) > 0).sum()
+    assert int(kept) == int((counts > 0).sum()) and int(counts.sum()) == 6  # counts are before dropping
+
+
+def test_split_params_into_moe_groups():
+    from shardwise.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+    net = Net(ep_size=1)
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "p",
+                                                                    "lr": 0.5})
+    assert [g["name"] for g in groups] == ["p", "ep_size_1"] and groups[1]["moe"] and groups[1]["lr"] == 0.5
+    assert not any(is_moe_param(p) for p in groups[0]["params"])
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in net.moe.deepspeed_moe.experts.parameters()}
+
+
+def test_bad_sizes_are_named():
+    import shardwise
+    from shardwise.moe.layer import MoE
+    from shardwise.parallel_dims import ParallelDims
+
+    with pytest.raises(ValueError, match=r"num_experts \(3\) is not divisible by ep_size \(2\)"):
+        MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=3, ep_size=2)
+    with pytest.raises(ValueError, match="MoE ep_size 3 with 4 data-parallel ranks: not supported"):
+        ParallelDims(data=4, expert=3).validate()
+    with pytest.raises(ValueError, match="MoE ep_size 2 with 1 data-parallel ranks"):
+        shardwise.initialize(model=Net(ep_size=2), config={"train_batch_size": 1,
+                                                           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    with pytest.raises(ValueError, match="expert > 1|ep_size 2\\) with zero_optimization.stage 3"):
+        ParallelDims(data=2, expert=2, zero_stage=3).validate()
