@@ -62,7 +62,7 @@ def _reference(case, steps, world):
         torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
         opt.step()
         opt.zero_grad()
-        losses.append([float(v) for v in per_rank])
+        losses.append([float(v.detach()) for v in per_rank])
     return losses, net
 
 
@@ -72,6 +72,7 @@ def _train(case, rank, world, steps=2):
     from shardwise.utils import groups
 
     ep, stage, k, starve = case
+    ref_losses, ref = _reference(case, steps, world)
     net = Net(ep_size=ep, k=k, drop_tokens=not starve)
     _set_experts(net, rank % ep, starve=starve)
     if rank >= ep:  # the other replicas start elsewhere: the engine copies the first one's experts
@@ -88,10 +89,10 @@ def _train(case, rank, world, steps=2):
         loss = engine(xs[rank], ys[rank])
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
-    ref_losses, ref = _reference(case, steps, world)
+        losses.append(float(loss.detach()))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[rank] for r in ref_losses]), rtol=1e-6, atol=0)
-    mine = dict(engine.module.named_parameters())
+    mine = engine.strategy.module_state_dict(engine.module)  # (ZeRO-3: gathered)
+    moe_names = {n for n, p in engine.module.named_parameters() if is_moe_param(p)}
     first = (rank % ep) * (EXPERTS // ep)
     for name, p in ref.named_parameters():
         if ".deepspeed_experts." in name:
@@ -101,7 +102,7 @@ def _train(case, rank, world, steps=2):
                 continue
             parts[4] = str(j)
             name = ".".join(parts)
-            assert is_moe_param(mine[name])
+            assert name in moe_names
         torch.testing.assert_close(mine[name].detach(), p.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
     return {"ep": groups._get_expert_parallel_world_size(f"ep_size_{ep}"),
             "edp": groups._get_expert_data_parallel_world_size(f"ep_size_{ep}"),
@@ -111,6 +112,7 @@ def _train(case, rank, world, steps=2):
 def _all_cases(rank, world):
     cases = [(ep, stage, 2, False) for ep in (1, 2, 4) for stage in (0, 1, 2)]
     cases.append((2, 2, 1, True))  # top-1, dropless, experts 2 and 3 (ep rank 1) never chosen
+    cases += [(1, 3, 2, False), (1, 3, 1, True)]  # ZeRO-3, every expert on every rank; then two never chosen
     return run_subtests(_train, cases, rank, world)
 
 
@@ -119,6 +121,7 @@ def test_expert_parallel_matches_one_process():
     for out in results:
         assert [(o["ep"], o["edp"]) for o in out[:9:3]] == [(1, 4), (2, 2), (4, 1)]
         assert all(o["has_moe"] for o in out) and [o["dims_expert"] for o in out[:9:3]] == [1, 2, 4]
+        assert len(out) == 12
 
 
 def test_layer_output_is_the_gate_weighted_expert_output():

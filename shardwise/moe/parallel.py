@@ -47,7 +47,8 @@ def broadcast_experts(module: torch.nn.Module) -> None:
     """Every expert-data-parallel replica of an expert starts from the first one's weights."""
     with torch.no_grad():
         for p in module.parameters():
-            if is_moe_param(p) and groups._get_expert_data_parallel_world_size(p.group_name) > 1:
+            if is_moe_param(p) and not hasattr(p, "ds_numel") and \
+                    groups._get_expert_data_parallel_world_size(p.group_name) > 1:  # (zero.Init: broadcast already)
                 comm.broadcast(p.data, src=groups._get_expert_broadcast_src_rank(p.group_name),
                                group=groups._get_expert_data_parallel_group(p.group_name))
 
