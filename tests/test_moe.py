@@ -66,13 +66,11 @@ def _reference(case, steps, world):
     return losses, net
 
 
-def _train(case, rank, world, steps=2):
+def _engine(case, rank):
     import shardwise
-    from shardwise.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
-    from shardwise.utils import groups
+    from shardwise.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     ep, stage, k, starve = case
-    ref_losses, ref = _reference(case, steps, world)
     net = Net(ep_size=ep, k=k, drop_tokens=not starve)
     _set_experts(net, rank % ep, starve=starve)
     if rank >= ep:  # the other replicas start elsewhere: the engine copies the first one's experts
@@ -83,45 +81,92 @@ def _train(case, rank, world, steps=2):
     opt = torch.optim.Adam(groups_, lr=0.01)
     engine, *_ = shardwise.initialize(model=net, optimizer=opt, config={
         "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.05, "zero_optimization": {"stage": stage}})
-    losses = []
-    for step in range(steps):
-        xs, ys = _data(step, world)
-        loss = engine(xs[rank], ys[rank])
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
+    return engine
+
+
+def _step(engine, step, rank, world):
+    xs, ys = _data(step, world)
+    loss = engine(xs[rank], ys[rank])
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())
+
+
+def _train(case, rank, world, steps=2):
+    from shardwise.utils import groups
+
+    ep, stage, k, starve = case
+    ref_losses, ref = _reference(case, steps, world)
+    engine = _engine(case, rank)
+    losses = [_step(engine, step, rank, world) for step in range(steps)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[rank] for r in ref_losses]), rtol=1e-6, atol=0)
-    mine = engine.strategy.module_state_dict(engine.module)  # (ZeRO-3: gathered)
-    moe_names = {n for n, p in engine.module.named_parameters() if is_moe_param(p)}
-    first = (rank % ep) * (EXPERTS // ep)
+    mine = engine.strategy.module_state_dict(engine.module)  # every expert by global index (ZeRO-3: gathered)
+    assert sorted(mine) == sorted(n for n, _ in ref.named_parameters())
     for name, p in ref.named_parameters():
-        if ".deepspeed_experts." in name:
-            parts = name.split(".")
-            j = int(parts[4]) - first
-            if not 0 <= j < EXPERTS // ep:
-                continue
-            parts[4] = str(j)
-            name = ".".join(parts)
-            assert name in moe_names
-        torch.testing.assert_close(mine[name].detach(), p.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(mine[name], p.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
     return {"ep": groups._get_expert_parallel_world_size(f"ep_size_{ep}"),
             "edp": groups._get_expert_data_parallel_world_size(f"ep_size_{ep}"),
             "has_moe": engine.has_moe_layers, "dims_expert": engine.dims.expert}
 
 
-def _all_cases(rank, world):
+def _checkpoint(case, rank, world, folder):
+    """Save at ``case`` after two steps, take a third; every layout of ``LOADS`` loads the checkpoint and
+    takes the same third step: the same weights (and so the same optimizer state went in)."""
+    saver = _engine(case, rank)
+    for step in range(2):
+        _step(saver, step, rank, world)
+    saver.save_checkpoint(folder, tag="t")
+    _step(saver, 2, rank, world)
+    after = saver.strategy.module_state_dict(saver.module)
+    for load in LOADS:
+        engine = _engine(load, rank)
+        engine.load_checkpoint(folder, tag="t")
+        _step(engine, 2, rank, world)
+        got = engine.strategy.module_state_dict(engine.module)
+        assert sorted(got) == sorted(after), load
+        for name, value in after.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{load} {name}: {m}")
+    return {k: v.clone() for k, v in after.items()}
+
+
+SAVE = (2, 1, 2, False)  # ep 2, ZeRO-1
+LOADS = [(1, 0, 2, False), (4, 2, 2, False), (2, 0, 2, False)]
+
+
+def _all_cases(rank, world, folder):
     cases = [(ep, stage, 2, False) for ep in (1, 2, 4) for stage in (0, 1, 2)]
     cases.append((2, 2, 1, True))  # top-1, dropless, experts 2 and 3 (ep rank 1) never chosen
     cases += [(1, 3, 2, False), (1, 3, 1, True)]  # ZeRO-3, every expert on every rank; then two never chosen
-    return run_subtests(_train, cases, rank, world)
+    return run_subtests(_train, cases, rank, world), _checkpoint(SAVE, rank, world, folder)
 
 
-def test_expert_parallel_matches_one_process():
-    results = run_distributed(_all_cases, 4, timeout=400)
-    for out in results:
+def test_expert_parallel_matches_one_process_and_checkpoints_reshard(tmp_path):
+    import shardwise
+
+    results = run_distributed(_all_cases, 4, args=(str(tmp_path),), timeout=400)
+    for out, _ in results:
         assert [(o["ep"], o["edp"]) for o in out[:9:3]] == [(1, 4), (2, 2), (4, 1)]
         assert all(o["has_moe"] for o in out) and [o["dims_expert"] for o in out[:9:3]] == [1, 2, 4]
         assert len(out) == 12
+    after = results[0][1]
+    assert sum(".deepspeed_experts." in k for k in after) == EXPERTS * 4  # every expert, by global index
+    # one process: the four ranks' micro-batches forwarded one by one, their mean loss (data parallelism's
+    # gradient), from the ep 2 checkpoint
+    from shardwise.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    net = Net(ep_size=1)
+    opt = torch.optim.Adam(split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(net.parameters()), "name": "all"}), lr=0.01)
+    engine, *_ = shardwise.initialize(model=net, optimizer=opt, config={"train_batch_size": 2,
+                                                                        "gradient_clipping": 0.05})
+    engine.load_checkpoint(str(tmp_path), tag="t")
+    xs, ys = _data(2, 4)
+    loss = torch.stack([engine(xs[r], ys[r]) for r in range(4)]).mean()
+    engine.backward(loss)
+    engine.step()
+    got = engine.module.state_dict()
+    for name, value in after.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
 def test_layer_output_is_the_gate_weighted_expert_output():

@@ -10,13 +10,11 @@ divides the incoming gradient by ``ep_size`` first.
 
 The strategy (``ExpertSplitStrategy``) holds one ordinary ZeRO strategy for the dense parameters (over
 the data axis) and one per expert group (over its expert-data-parallel group, with its own copy of the
-optimizer holding just those parameters, whose hyper-parameters follow the user's optimizer's groups:
+optimizer holding just those parameters (sharing the user's optimizer's ``state`` dict), whose hyper-parameters follow the user's optimizer's groups:
 a scheduler changing the learning rate there changes it for the experts too).
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import torch
 
@@ -53,7 +51,7 @@ def broadcast_experts(module: torch.nn.Module) -> None:
                                group=groups._get_expert_data_parallel_group(p.group_name))
 
 
-def build_strategy(build, *, named_params, optimizer, dp_group) -> ZeroStrategy:
+def build_strategy(build, *, module, named_params, optimizer, dp_group) -> ZeroStrategy:
     """``build(named_params=, optimizer=, dp_group=)`` makes one ordinary strategy; split when an expert
     group is smaller than the data axis (an ``ep_size`` above 1)."""
     dp_size = comm.get_world_size(dp_group)
@@ -68,20 +66,55 @@ def build_strategy(build, *, named_params, optimizer, dp_group) -> ZeroStrategy:
         return build(named_params=named_params, optimizer=optimizer, dp_group=dp_group)
     if optimizer is None:
         raise ValueError("expert parallelism needs an optimizer in the config or passed to initialize()")
+    names = global_expert_names(module)
     parts = []
     for group_name, params in [(None, dense)] + sorted(by_group.items()):
         if group_name is not None and not any(p.requires_grad for _, p in params):
             continue
+        if group_name is not None:  # fragments (checkpoints) name each expert by its global index
+            params = [(names.get(n, n), p) for n, p in params]
         sub, links = _sub_optimizer(optimizer, {id(p) for _, p in params})
         group = dp_group if group_name is None else groups._get_expert_data_parallel_group(group_name)
         ep = 1 if group_name is None else groups._get_expert_parallel_world_size(group_name)
-        parts.append(_Part(group_name, build(named_params=params, optimizer=sub, dp_group=group), links, ep))
-    return ExpertSplitStrategy(parts, optimizer=optimizer)
+        part = _Part(group_name, build(named_params=params, optimizer=sub, dp_group=group), links, ep)
+        part.names = {n for n, _ in params}
+        parts.append(part)
+    return ExpertSplitStrategy(parts, optimizer=optimizer, module=module)
+
+
+def _expert_blocks(module: torch.nn.Module):
+    """``(prefix of the layer's expert list, layer)`` for every MoE layer, e.g.
+    ``("moe.deepspeed_moe.experts.deepspeed_experts.", layer)``."""
+    from shardwise.moe.layer import MoE
+
+    for name, m in module.named_modules():
+        if isinstance(m, MoE):
+            yield f"{name + '.' if name else ''}deepspeed_moe.experts.deepspeed_experts.", m
+
+
+def _expert_offset(layer) -> int:
+    if layer.ep_size == 1:
+        return 0
+    return groups._get_expert_parallel_rank(layer.expert_group_name) * layer.num_local_experts
+
+
+def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
+    """``{local state-dict name: global name}`` for this rank's experts: local expert ``j`` of a layer is
+    global expert ``ep_rank * num_local_experts + j`` (only names that differ are listed)."""
+    out = {}
+    for prefix, layer in _expert_blocks(module):
+        offset = _expert_offset(layer)
+        for key in layer.deepspeed_moe.experts.deepspeed_experts.state_dict(keep_vars=True):
+            j, rest = key.split(".", 1)
+            if offset:
+                out[prefix + key] = f"{prefix}{offset + int(j)}.{rest}"
+    return out
 
 
 class _Part:
     def __init__(self, group_name, strategy, links, ep_size) -> None:
         self.group_name, self.strategy, self.links, self.ep_size = group_name, strategy, links, ep_size
+        self.names: set[str] = set()
         self.ep_group = None if group_name is None else groups._get_expert_parallel_group(group_name)
 
     def follow_hyperparameters(self) -> None:
@@ -97,27 +130,36 @@ def _sub_optimizer(optimizer: torch.optim.Optimizer, keep: set[int]):
     sub = object.__new__(type(optimizer))
     sub.__dict__.update(optimizer.__dict__)
     sub.param_groups, links = [], []
+    sub.state = optimizer.state  # one state dict: checkpoints read and load it through the user's optimizer
     for g in optimizer.param_groups:
         params = [p for p in g["params"] if id(p) in keep]
         if params:
             own = {**g, "params": params}
             sub.param_groups.append(own)
             links.append((g, own))
-    sub.state = defaultdict(dict)
     return sub, links
 
 
 class ExpertSplitStrategy(ZeroStrategy):
     """The dense strategy plus one per expert group; the engine sees one strategy."""
 
-    def __init__(self, parts: list[_Part], *, optimizer) -> None:
+    def __init__(self, parts: list[_Part], *, optimizer, module) -> None:
         self.parts = parts
+        self.saved_names = global_expert_names(module)  # {local name: global name} (checkpoints)
+        mine, every = set(), set()
+        for prefix, layer in _expert_blocks(module):
+            offset = _expert_offset(layer)
+            for key in layer.deepspeed_moe.experts.deepspeed_experts.state_dict(keep_vars=True):
+                j, rest = key.split(".", 1)
+                mine.add(f"{prefix}{offset + int(j)}.{rest}")
+                every.update(f"{prefix}{g}.{rest}" for g in range(layer.num_experts))
+        self.held_elsewhere = every - mine  # experts of the other expert-parallel ranks (global names)
         dense = parts[0].strategy
         self.dense = dense
         self.optimizer = optimizer  # the user's: the scheduler and get_lr() read its groups
         self.stage, self.replicated = dense.stage, dense.replicated
         self.shards_gradients, self.shards_parameters = dense.shards_gradients, dense.shards_parameters
-        self.gathers_module_state = dense.gathers_module_state
+        self.gathers_module_state = True  # the experts of the other expert-parallel ranks are gathered
         self.dp_group, self.dp_world_size = dense.dp_group, dense.dp_world_size
         self.precision = getattr(dense, "precision", None)
 
@@ -172,11 +214,37 @@ class ExpertSplitStrategy(ZeroStrategy):
         for s in self.strategies:
             s.zero_grad()
 
+    # -- checkpoints: experts under their global index ------------------------------------------
     def module_state_dict(self, module):
-        return self.dense.module_state_dict(module)
+        """The whole module with every expert (collective: gathered over each expert-parallel group)."""
+        state = self.dense.module_state_dict(module)
+        for prefix, layer in _expert_blocks(module):
+            local = layer.deepspeed_moe.experts.deepspeed_experts.state_dict()
+            for key in local:
+                state.pop(prefix + key, None)
+            group = groups._get_expert_parallel_group(layer.expert_group_name) if layer.ep_size > 1 else None
+            for key, t in local.items():
+                j, rest = key.split(".", 1)
+                pieces = [t.detach()]
+                if group is not None:
+                    pieces = [torch.empty_like(t) for _ in range(layer.ep_size)]
+                    torch.distributed.all_gather(pieces, t.detach().contiguous(), group=group)
+                for r, piece in enumerate(pieces):
+                    state[f"{prefix}{r * layer.num_local_experts + int(j)}.{rest}"] = piece
+        return state
 
     def load_module_state_dict(self, module, state) -> None:
-        self.dense.load_module_state_dict(module, state)
+        """``state`` names experts globally: this rank's are loaded into its local ones, the rest skipped."""
+        local_of = {g: n for n, g in self.saved_names.items()}
+        own = {local_of.get(key, key): value for key, value in state.items() if key not in self.held_elsewhere}
+        self.dense.load_module_state_dict(module, own)
+
+    def saved_here(self, name: str) -> bool:
+        """Whether this rank writes the fragments of ``name`` (a replicated part: its first replica)."""
+        for part in self.parts[1:]:
+            if name in part.names:
+                return not part.strategy.replicated or comm.get_rank(part.strategy.dp_group) == 0
+        return not self.dense.replicated or comm.get_rank(self.dense.dp_group) == 0
 
     def local_fragments(self):
         for s in self.strategies:

@@ -98,7 +98,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         build = functools.partial(build_strategy, config.zero_optimization, aio=config.aio, module=self.module,
                                   precision=self.precision, dims=self.dims, reduce=self._reduce_settings())
         named_params = list(self.module.named_parameters())
-        self.strategy = moe_parallel.build_strategy(build, named_params=named_params, optimizer=self.optimizer,
+        self.strategy = moe_parallel.build_strategy(build, module=self.module, named_params=named_params, optimizer=self.optimizer,
                                                     dp_group=self.dp_group) if self.has_moe_layers else \
             build(named_params=named_params, optimizer=self.optimizer, dp_group=self.dp_group)
         scheduler = self._configure_scheduler(lr_scheduler)
@@ -476,7 +476,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         without it nothing is written and False is returned. Collective: call it on every rank."""
         from shardwise.checkpoint.files import save_state_dict_atomically
 
-        if self.strategy.gathers_module_state and \
+        if self.strategy.shards_parameters and \
                 not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             logger.warning("save_16bit_model: not saved, because ZeRO-3 weights are partitioned and "
                            "zero_optimization.stage3_gather_16bit_weights_on_model_save is false")
