@@ -207,12 +207,11 @@ class _AllToAll(torch.autograd.Function):
         return None, _AllToAll.apply(ctx.group, grad)
 
 
-def all_to_all_bytes(*, tokens: int, hidden: int, num_experts: int, capacity: int, ep_size: int,
-                     element_bytes: int) -> int:
-    """Bytes one rank sends per MoE layer and training step: two exchanges forward, two backward, each
-    sending the ``(ep_size - 1) / ep_size`` of the ``[experts, capacity, hidden]`` buffer bound elsewhere."""
-    del tokens
-    return 4 * num_experts * capacity * hidden * element_bytes * (ep_size - 1) // ep_size
+def all_to_all_bytes(*, hidden: int, num_experts: int, capacity: int, element_bytes: int) -> int:
+    """Bytes one rank hands to ``all_to_all_single`` per MoE layer and training step: two exchanges forward
+    and two backward, each of the whole ``[experts, capacity, hidden]`` buffer (the ``1 / ep_size`` of it
+    bound for the rank itself included; the rest crosses to the other ranks)."""
+    return 4 * num_experts * capacity * hidden * element_bytes
 
 
 class MOELayer(nn.Module):
@@ -222,7 +221,7 @@ class MOELayer(nn.Module):
         self.gate, self.experts = gate, experts
         self.ep_group = None
         self.ep_group_name, self.ep_size, self.num_local_experts = ep_group_name, ep_size, num_local_experts
-        self.l_aux = self.exp_counts = None
+        self.l_aux = self.exp_counts = self.last_capacity = None
 
     def _set_ep_group(self, ep_group) -> None:
         self.ep_group = ep_group
@@ -233,7 +232,7 @@ class MOELayer(nn.Module):
         x = input[0].reshape(-1, hidden)
         used_token = input[1] if len(input) > 1 else None
         self.l_aux, capacity, num_experts, index, locations, weights, self.exp_counts = self.gate(x, used_token)
-        capacity = int(capacity)
+        capacity = self.last_capacity = int(capacity)  # (benchmarks/moe.py: the all-to-all buffer size)
         slots = torch.where(index >= 0, index.long() * capacity + locations.long(),
                             torch.full_like(index, num_experts * capacity, dtype=torch.long))
         dispatched = _encode(x, slots, num_experts * capacity).view(num_experts, capacity, hidden)
