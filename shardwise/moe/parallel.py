@@ -9,9 +9,10 @@ the expert-data-parallel group averages over ``data / ep_size`` ranks; a hook on
 divides the incoming gradient by ``ep_size`` first.
 
 The strategy (``ExpertSplitStrategy``) holds one ordinary ZeRO strategy for the dense parameters (over
-the data axis) and one per expert group (over its expert-data-parallel group, with its own copy of the
-optimizer holding just those parameters (sharing the user's optimizer's ``state`` dict), whose hyper-parameters follow the user's optimizer's groups:
-a scheduler changing the learning rate there changes it for the experts too).
+the data axis) and one per expert group (over its expert-data-parallel group). Each steps its own copy of
+the user's optimizer holding just its parameters; the copies share the user's optimizer's ``state`` dict
+(checkpoints read it there) and follow its groups' hyper-parameters (a scheduler changing the learning
+rate there changes it for the experts too).
 """
 
 from __future__ import annotations
@@ -76,9 +77,8 @@ def build_strategy(build, *, module, named_params, optimizer, dp_group) -> ZeroS
         sub, links = _sub_optimizer(optimizer, {id(p) for _, p in params})
         group = dp_group if group_name is None else groups._get_expert_data_parallel_group(group_name)
         ep = 1 if group_name is None else groups._get_expert_parallel_world_size(group_name)
-        part = _Part(group_name, build(named_params=params, optimizer=sub, dp_group=group), links, ep)
-        part.names = {n for n, _ in params}
-        parts.append(part)
+        parts.append(_Part(group_name, build(named_params=params, optimizer=sub, dp_group=group), links, ep,
+                           names={n for n, _ in params}))
     return ExpertSplitStrategy(parts, optimizer=optimizer, module=module)
 
 
@@ -112,9 +112,11 @@ def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
 
 
 class _Part:
-    def __init__(self, group_name, strategy, links, ep_size) -> None:
+    """One expert group's (or, ``group_name`` None, the dense parameters') strategy and optimizer links."""
+
+    def __init__(self, group_name, strategy, links, ep_size, *, names: set[str]) -> None:
         self.group_name, self.strategy, self.links, self.ep_size = group_name, strategy, links, ep_size
-        self.names: set[str] = set()
+        self.names = names  # the parameter names it holds (experts: global names)
         self.ep_group = None if group_name is None else groups._get_expert_parallel_group(group_name)
 
     def follow_hyperparameters(self) -> None:
@@ -125,8 +127,8 @@ class _Part:
 
 
 def _sub_optimizer(optimizer: torch.optim.Optimizer, keep: set[int]):
-    """A copy of ``optimizer`` (same class and settings, no state) holding only the parameters in ``keep``;
-    with the pairs (user's group, copy's group) whose hyper-parameters the copy follows."""
+    """A copy of ``optimizer`` (same class, settings and state dict) holding only the parameters in
+    ``keep``; with the pairs (user's group, copy's group) whose hyper-parameters the copy follows."""
     sub = object.__new__(type(optimizer))
     sub.__dict__.update(optimizer.__dict__)
     sub.param_groups, links = [], []
@@ -228,7 +230,7 @@ class ExpertSplitStrategy(ZeroStrategy):
                 pieces = [t.detach()]
                 if group is not None:
                     pieces = [torch.empty_like(t) for _ in range(layer.ep_size)]
-                    torch.distributed.all_gather(pieces, t.detach().contiguous(), group=group)
+                    comm.all_gather(pieces, t.detach().contiguous(), group=group)
                 for r, piece in enumerate(pieces):
                     state[f"{prefix}{r * layer.num_local_experts + int(j)}.{rest}"] = piece
         return state

@@ -131,12 +131,20 @@ comm.on_destroy(_forget_expert_groups)
 
 
 def _data_axis_rank_lists() -> list[list[int]]:
+    """Every data-parallel group's ranks: from the active grid's topology, or (a user's mpu) gathered."""
     grid = _grid()
-    if grid is None or not hasattr(grid, "topology"):
+    if grid is None:
         return [list(range(comm.get_world_size()))]
-    if "data" not in grid.topology.axes:
-        return [[r] for r in range(comm.get_world_size())]
-    return grid.topology.axis_groups("data")
+    topology = getattr(grid, "topology", None)
+    if topology is not None and "data" in topology.axes:
+        return topology.axis_groups("data")
+    import torch.distributed as dist
+
+    group = grid.get_data_parallel_group()
+    mine = dist.get_process_group_ranks(group) if group is not None else list(range(comm.get_world_size()))
+    everyone = [None] * comm.get_world_size()
+    dist.all_gather_object(everyone, sorted(mine))
+    return [list(r) for r in sorted({tuple(r) for r in everyone})]
 
 
 def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False):
