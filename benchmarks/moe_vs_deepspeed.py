@@ -7,7 +7,8 @@ One script, run twice with 4 processes (torchrun, gloo, CPU): ``import deepspeed
 model around ``deepspeed.moe.layer.MoE`` (4 experts, each a distinct MLP) and trains it for a few steps
 for every combination of ep_size 1/2/4, ZeRO stage 0/1/2 and gate: top-2 with token dropping (capacity
 factor 1, Gumbel sampling of the second expert), top-2 dropless, top-1 with random token selection and
-dropping, top-1 with RSample noise. Every rank seeds its RNG alike in both runs, so the gates draw the same
+dropping, top-1 with RSample noise, top-1 with Jitter noise and a residual MLP, top-3 with dropping
+(``--gates`` picks some). Every rank seeds its RNG alike in both runs, so the gates draw the same
 noise. With ``--clip`` above 0 (the default) DeepSpeed's ZeRO-0 step clips by the mean over the data
 ranks of each rank's own norm (its dense and local expert gradients), shardwise by the norm of the whole
 model (each expert counted once): those cases differ by about 1e-5 after a few steps; with ``--clip 0`` or
@@ -31,11 +32,13 @@ HIDDEN, EXPERTS = 16, 4
 GATES = {"top2-drop": dict(k=2, capacity_factor=1.0, drop_tokens=True),
          "top2-dropless": dict(k=2, capacity_factor=1.0, drop_tokens=False),
          "top1-rts-drop": dict(k=1, capacity_factor=1.0, drop_tokens=True, use_rts=True),
-         "top1-rsample": dict(k=1, capacity_factor=2.0, drop_tokens=True, noisy_gate_policy="RSample")}
+         "top1-rsample": dict(k=1, capacity_factor=2.0, drop_tokens=True, noisy_gate_policy="RSample"),
+         "top1-jitter-residual": dict(k=1, capacity_factor=2.0, noisy_gate_policy="Jitter", use_residual=True),
+         "top3-drop": dict(k=3, capacity_factor=1.0, drop_tokens=True)}
 
 
-def _cases():
-    return [(ep, stage, gate) for ep in (1, 2, 4) for stage in (0, 1, 2) for gate in GATES]
+def _cases(gates):
+    return [(ep, stage, gate) for ep in (1, 2, 4) for stage in (0, 1, 2) for gate in gates]
 
 
 def worker(args) -> None:
@@ -68,7 +71,7 @@ def worker(args) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     results = {}
-    for ep, stage, gate in _cases():
+    for ep, stage, gate in _cases(args.gates):
         torch.manual_seed(0)
         net = Net(ep, gate)
         local = EXPERTS // ep
@@ -110,7 +113,7 @@ def launch(args) -> int:
             env["PYTHONPATH"] = ROOT
         cmd = [torchrun, "--standalone", f"--nproc_per_node={args.world}", os.path.abspath(__file__), "--worker",
                "--framework", framework, "--out", out, "--steps", str(args.steps), "--tokens", str(args.tokens),
-               "--clip", str(args.clip)]
+               "--clip", str(args.clip), "--gates", *args.gates]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             print(f"{framework} failed:\n{done.stderr[-4000:]}")
@@ -137,6 +140,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--clip", type=float, default=0.05, help="gradient_clipping (0: off)")
+    ap.add_argument("--gates", nargs="+", default=list(GATES), choices=list(GATES))
     ap.add_argument("--rtol", type=float, default=1e-5)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--framework", choices=["deepspeed", "shardwise"])
