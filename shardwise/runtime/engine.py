@@ -104,7 +104,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         scheduler = self._configure_scheduler(lr_scheduler)
         self._publish_overflow(False)
         self.loss_scaler = create_loss_scaler(config.fp16) if self.precision.loss_scaling else None
-        zero_registry.set_loss_scaler(self.strategy, self.loss_scaler)  # for shardwise.utils.safe_get_full_grad
+        for s in [self.strategy, *getattr(self.strategy, "strategies", ())]:  # (MoE: each part's)
+            zero_registry.set_loss_scaler(s, self.loss_scaler)  # for shardwise.utils.safe_get_full_grad
 
         self.training_dataloader = None
         if training_data is not None:
