@@ -98,9 +98,11 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         build = functools.partial(build_strategy, config.zero_optimization, aio=config.aio, module=self.module,
                                   precision=self.precision, dims=self.dims, reduce=self._reduce_settings())
         named_params = list(self.module.named_parameters())
-        self.strategy = moe_parallel.build_strategy(build, module=self.module, named_params=named_params, optimizer=self.optimizer,
-                                                    dp_group=self.dp_group) if self.has_moe_layers else \
-            build(named_params=named_params, optimizer=self.optimizer, dp_group=self.dp_group)
+        if self.has_moe_layers:  # expert parameters reduce over their expert-data-parallel group
+            self.strategy = moe_parallel.build_strategy(build, module=self.module, named_params=named_params,
+                                                        optimizer=self.optimizer, dp_group=self.dp_group)
+        else:
+            self.strategy = build(named_params=named_params, optimizer=self.optimizer, dp_group=self.dp_group)
         scheduler = self._configure_scheduler(lr_scheduler)
         self._publish_overflow(False)
         self.loss_scaler = create_loss_scaler(config.fp16) if self.precision.loss_scaling else None
