@@ -13,8 +13,7 @@ noise. With ``--clip`` above 0 (the default) DeepSpeed's ZeRO-0 step clips by th
 ranks of each rank's own norm (its dense and local expert gradients), shardwise by the norm of the whole
 model (each expert counted once): those cases differ by about 1e-5 after a few steps; with ``--clip 0`` or
 at ZeRO 1-2 they agree to float rounding. Printed: the largest relative difference of the per-rank
-losses per case (exit status 1 above
-``--rtol``). This is a manual check (DeepSpeed is no dependency of shardwise or its tests); the numbers
+losses per case (exit status 1 above ``--rtol``). This is a manual check (DeepSpeed is no dependency of shardwise or its tests); the numbers
 from the last run are in docs/moe.md.
 """
 
