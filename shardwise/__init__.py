@@ -16,7 +16,7 @@ from shardwise.accelerator import get_accelerator  # noqa: E402
 from shardwise.comm import init_distributed  # noqa: E402
 from shardwise.utils.logging import log_dist, logger  # noqa: E402
 
-install_finder()  # `import shardwise.moe` (and other DeepSpeed paths not built) names the path and says so
+install_finder()  # `import shardwise.inference.v2` (and other DeepSpeed paths not built) names the path and says so
 
 __all__ = ["__version__", "add_config_arguments", "comm", "get_accelerator", "init_distributed", "initialize",
            "log_dist", "logger"]

@@ -1,6 +1,6 @@
 """DeepSpeed module paths and top-level names shardwise does not provide, with the reason.
 
-``import shardwise.moe`` (what ``import deepspeed.moe`` becomes) raises a ``ModuleNotFoundError``
+``import shardwise.inference.v2`` (what ``import deepspeed.inference.v2`` becomes) raises a ``ModuleNotFoundError``
 that names the path and says why, instead of Python's bare "No module named". The finder sits
 last on ``sys.meta_path``, so a real module of that name, once one exists, is found first.
 """
@@ -11,7 +11,6 @@ import importlib.abc
 import sys
 
 NOT_SUPPORTED: dict[str, str] = {
-    "moe": "mixture-of-experts layers and expert parallelism are not implemented",
     "inference.v2": "DeepSpeed-FastGen (inference v2, ragged batching kernels) is not implemented; "
                     "use shardwise.init_inference (AutoTP) or `shardwise serve`",
     "inference.quantization": "DeepSpeed-Inference quantisation is not implemented",

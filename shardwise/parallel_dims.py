@@ -21,7 +21,7 @@ class ParallelDims:
     pipe: int = 1
     tensor: int = 1
     sequence: int = 1
-    expert: int = 1  # the mixture-of-experts axis: a slot, no combination trains with it yet
+    expert: int = 1  # MoE expert parallelism: experts split over this many ranks of the data axis
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_param: bool = False
@@ -100,8 +100,20 @@ RULES: tuple[Rule, ...] = (
          "sequence > 1 with tensor > 1", lambda d: d.sequence > 1 and d.tensor > 1, "use one of them"),
     Rule("sequence parallelism (sequence size {sequence}) with pipeline parallelism ({pipe} stages)",
          "sequence > 1 with pipe > 1", lambda d: d.sequence > 1 and d.pipe > 1, "use one of them"),
-    Rule("expert parallelism (expert size {expert})", "expert > 1", lambda d: d.expert > 1,
-         "mixture of experts is not implemented yet"),
+    Rule("MoE ep_size {expert} with {data} data-parallel ranks", "expert size not dividing data",
+         lambda d: d.data % d.expert != 0,
+         "the experts of a layer are split over ep_size ranks of the data axis: ep_size must divide it"),
+    Rule("expert parallelism (ep_size {expert}) with tensor, pipeline or sequence parallelism "
+         "(tensor {tensor}, pipe {pipe}, sequence {sequence})", "expert > 1 with tensor, pipe or sequence > 1",
+         lambda d: d.expert > 1 and d.tensor * d.pipe * d.sequence > 1, "not implemented yet"),
+    Rule("expert parallelism (ep_size {expert}) with zero_optimization.stage 3", "expert > 1 with ZeRO stage 3",
+         lambda d: d.expert > 1 and d.zero_stage == 3,
+         "ZeRO-3 does not partition expert parameters within their expert-data-parallel group yet; use stage 0-2"),
+    Rule("expert parallelism (ep_size {expert}) with optimizer or parameter offload", "expert > 1 with offload",
+         lambda d: d.expert > 1 and (d.offload_optimizer or d.offload_param), "not implemented yet"),
+    Rule("expert parallelism (ep_size {expert}) with optimizer.type={compressed_optimizer}",
+         "expert > 1 with a 1-bit optimizer", lambda d: d.expert > 1 and _compressed(d),
+         "the 1-bit optimizers exchange whole replicated momentum; experts are not replicated"),
     Rule("layers tied across pipeline stages with zero_optimization.stage {zero_stage}",
          "tied pipeline layers with ZeRO stage 1-3", lambda d: d.tied_pipeline_layers and d.zero_stage > 0,
          "tied gradients are summed over the stages holding them, which partitioned gradients do not allow yet; "

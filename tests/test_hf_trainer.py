@@ -75,9 +75,9 @@ out = {
     "init": deepspeed.zero.Init is shardwise.zero.Init,
 }
 try:
-    import deepspeed.moe.experts
+    import deepspeed.runtime.domino
 except ModuleNotFoundError as exc:
-    out["moe"] = str(exc)
+    out["domino"] = str(exc)
 import contextlib, io
 from shardwise.cli import main
 with contextlib.redirect_stdout(io.StringIO()) as doctor:
@@ -94,7 +94,7 @@ def test_compat_package_is_deepspeed_for_hf_and_maps_every_path(venv, tmp_path, 
     assert got["flag"] is True and got["hf"] and got["accelerate"]
     assert got["same_engine"] and got["same_module"] and got["same_adam"] and got["init"] and got["lr_schedules"]
     assert got["spec_kept"] == "shardwise.runtime.engine"
-    assert "deepspeed.moe.experts is not supported by shardwise" in got["moe"]
+    assert "deepspeed.runtime.domino is not supported by shardwise" in got["domino"]
 
     assert "deepspeed: shardwise's compatibility package 0.19.8+shardwise." in got["doctor"]
 

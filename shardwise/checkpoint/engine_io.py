@@ -268,9 +268,10 @@ def _load_rank_optimizer_state(engine, ckpt) -> None:
 
 
 def _load_module(engine, state: dict[str, torch.Tensor], *, strict: bool, where: Path) -> None:
-    own = {k: tuple(full_shape(v)) for k, v in engine.module.state_dict(keep_vars=True).items()}
+    rename = getattr(engine.strategy, "saved_names", {})  # expert parallelism: experts by global index
+    own = {rename.get(k, k): tuple(full_shape(v)) for k, v in engine.module.state_dict(keep_vars=True).items()}
     missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
+    unexpected = sorted(set(state) - set(own) - getattr(engine.strategy, "held_elsewhere", set()))
     mismatched = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {own[k]}"
                         for k in set(own) & set(state) if own[k] != tuple(state[k].shape))
     if mismatched or (strict and (missing or unexpected)):

@@ -34,15 +34,20 @@ def rank_fragment_files(engine, rank: int):
     regather = {}  # d != 0 pieces under partitioned stages: gathered over the data group below
     if tp.active and not strategy.replicated:
         regather = {n: d for n, d in tp.partition_dims.items() if d != 0 or n in tp.strides}
-    if strategy.replicated and dp_rank != 0:
+    saved_here = getattr(strategy, "saved_here", None)  # expert parallelism: one writer per expert's replicas
+    if saved_here is None and strategy.replicated and dp_rank != 0:
         return
     shapes = {n: list(full_shape(p)) for n, p in engine.module.named_parameters()}
+    for local, name in getattr(strategy, "saved_names", {}).items():  # experts under their global index
+        shapes[name] = shapes.get(local)
     opt = engine.optimizer
     for k, batch in enumerate(strategy.fragment_batches()):
         suffix = f"rank{rank}" if k == 0 else f"rank{rank}_{k}"
         mfile, ofile = f"master_{suffix}.safetensors", f"optim_{suffix}.safetensors"
         master, optim, mdescs, odescs = {}, {}, [], []
         for name, start, end, t in batch:
+            if saved_here is not None and not saved_here(name):
+                continue
             dim = tp.partition_dims.get(name)
             if (dim is None and tp.rank != 0) or name in regather:
                 continue

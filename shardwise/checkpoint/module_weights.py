@@ -64,6 +64,8 @@ def collect_module_weights(engine, source: WeightsSource) -> ModuleWeights | Non
         return None
     aliases = st.tied_names(engine.module)
     keys = [k for k in engine.module.state_dict(keep_vars=True) if k in sd or k in aliases]
+    known = set(keys)
+    keys += [k for k in sd if k not in known]  # experts held by other expert-parallel ranks
     return ModuleWeights(state=sd, keys=keys, aliases=aliases, frozen=_frozen(engine.module))
 
 

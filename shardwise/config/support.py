@@ -21,6 +21,10 @@ __all__ = ["NOT_IMPLEMENTED", "unsupported_features", "check_supported"]
 UNIMPLEMENTED_OPTIMIZERS: set[str] = set()
 
 
+HINTS = {"expert_parallel": " (AutoEP for Hugging Face MoE models; DeepSpeed's MoE layer, shardwise.moe.layer.MoE, "
+                           "does train with expert parallelism: docs/moe.md)"}
+
+
 def _switched_on(block: dict[str, Any]) -> bool:
     """A free-form block counts as on when ``enabled`` is true, or, lacking ``enabled``, when it is non-empty."""
     return bool(block.get("enabled")) if "enabled" in block else bool(block)
@@ -79,4 +83,4 @@ def unsupported_features(cfg: "ShardwiseConfig") -> list[str]:
 def check_supported(cfg: "ShardwiseConfig") -> None:
     paths = unsupported_features(cfg)
     if paths:
-        raise ConfigError([f"not implemented yet: {p}{_shown(cfg, p)}" for p in paths])
+        raise ConfigError([f"not implemented yet: {p}{_shown(cfg, p)}{HINTS.get(p, '')}" for p in paths])

@@ -10,6 +10,7 @@ saving in ``shardwise.checkpoint``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -17,6 +18,8 @@ import time
 import torch
 
 from shardwise import checkpointing, comm
+from shardwise.moe import parallel as moe_parallel
+from shardwise.moe.utils import has_moe_layers, is_moe_param
 from shardwise.monitor.observer import StepObserver
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime.dataloader import build_dataloader
@@ -79,6 +82,10 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self.dims = dims
         _check_tensor_parallel_layers(model, self.tp_world_size)
         self.module = model.to(self.device)
+        self.has_moe_layers, self.num_experts = has_moe_layers(self.module)
+        if self.has_moe_layers:  # the expert groups, before the experts' start weights are broadcast
+            with grid.active():
+                moe_parallel.configure(self.module)
         if self.tp_world_size > 1:  # norms/biases on sequence shards: sum their gradients over the tensor ranks
             sync_sequence_parallel_grads(self.module, grid.get_tensor_model_parallel_group())
         self.precision = PrecisionPolicy.from_config(config)
@@ -88,21 +95,19 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
         if self.dims.compressed_optimizer is None and getattr(self.optimizer, "compressed_communication", False):
             self.dims = self.dims.replace(**optimizer_features(self.optimizer)).validate()  # built by a callable
-        self.strategy = build_strategy(
-            config.zero_optimization,
-            aio=config.aio,
-            module=self.module,
-            named_params=list(self.module.named_parameters()),
-            optimizer=self.optimizer,
-            precision=self.precision,
-            dp_group=self.dp_group,
-            dims=self.dims,
-            reduce=self._reduce_settings(),
-        )
+        build = functools.partial(build_strategy, config.zero_optimization, aio=config.aio, module=self.module,
+                                  precision=self.precision, dims=self.dims, reduce=self._reduce_settings())
+        named_params = list(self.module.named_parameters())
+        if self.has_moe_layers:  # expert parameters reduce over their expert-data-parallel group
+            self.strategy = moe_parallel.build_strategy(build, module=self.module, named_params=named_params,
+                                                        optimizer=self.optimizer, dp_group=self.dp_group)
+        else:
+            self.strategy = build(named_params=named_params, optimizer=self.optimizer, dp_group=self.dp_group)
         scheduler = self._configure_scheduler(lr_scheduler)
         self._publish_overflow(False)
         self.loss_scaler = create_loss_scaler(config.fp16) if self.precision.loss_scaling else None
-        zero_registry.set_loss_scaler(self.strategy, self.loss_scaler)  # for shardwise.utils.safe_get_full_grad
+        for s in [self.strategy, *getattr(self.strategy, "strategies", ())]:  # (MoE: each part's)
+            zero_registry.set_loss_scaler(s, self.loss_scaler)  # for shardwise.utils.safe_get_full_grad
 
         self.training_dataloader = None
         if training_data is not None:
@@ -133,10 +138,12 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         if self.seq_dp_world_size == 1:
             return
         src = 0 if self.dp_group is None else torch.distributed.get_global_rank(self.dp_group, 0)
-        params = [p for p in self.module.parameters() if not is_partitioned(p)]
+        params = [p for p in self.module.parameters() if not is_partitioned(p) and not is_moe_param(p)]
         with torch.no_grad():
             for t in params + list(self.module.buffers()):
                 comm.broadcast(t.data, src=src, group=self.dp_group)
+        if self.has_moe_layers:  # each expert from the first rank of its expert-data-parallel group
+            moe_parallel.broadcast_experts(self.module)
 
     def _cast_buffers(self) -> None:
         dtype = self.precision.param_dtype
@@ -474,7 +481,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         without it nothing is written and False is returned. Collective: call it on every rank."""
         from shardwise.checkpoint.files import save_state_dict_atomically
 
-        if self.strategy.gathers_module_state and \
+        if self.strategy.shards_parameters and \
                 not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             logger.warning("save_16bit_model: not saved, because ZeRO-3 weights are partitioned and "
                            "zero_optimization.stage3_gather_16bit_weights_on_model_save is false")

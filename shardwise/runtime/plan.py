@@ -10,6 +10,8 @@ a combination the table refuses (``shardwise/parallel_dims.py``) is named by ``v
 
 from __future__ import annotations
 
+import torch
+
 from shardwise import comm
 from shardwise.parallel_dims import ParallelDims
 from shardwise.topology import MpuGrid, ParallelGrid, active_grid
@@ -55,7 +57,8 @@ def config_features(cfg, *, model=None, optimizer=None) -> dict:
            "offload_optimizer": _offloaded(zero.offload_optimizer),
            "offload_param": _offloaded(zero.offload_param),
            "tied_pipeline_layers": bool(getattr(model, "tied_comms", None)) if _is_pipeline_module(model) else False,
-           "virtual_stages": int(getattr(model, "virtual_stages", 1)) if _is_pipeline_module(model) else 1}
+           "virtual_stages": int(getattr(model, "virtual_stages", 1)) if _is_pipeline_module(model) else 1,
+           "expert": _expert_size(model)}
     out.update(optimizer_features(_optimizer_class(cfg, optimizer)))
     return out
 
@@ -76,6 +79,15 @@ def _optimizer_class(cfg, optimizer):
     from shardwise.optim.factory import optimizer_class
 
     return optimizer_class(cfg.optimizer.type)
+
+
+def _expert_size(model) -> int:
+    """The largest ``ep_size`` of the model's MoE layers: the expert axis (a sub-axis of data)."""
+    if not isinstance(model, torch.nn.Module):
+        return 1
+    from shardwise.moe.parallel import expert_parallel_size
+
+    return expert_parallel_size(model)
 
 
 def _offloaded(block) -> bool:

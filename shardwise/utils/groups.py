@@ -108,3 +108,136 @@ def _get_sequence_data_parallel_world_size() -> int:
 def _get_sequence_data_parallel_rank() -> int:
     sp = _sp()
     return comm.get_rank() if sp is None else sp.get_sequence_data_parallel_rank()
+
+
+# -- mixture of experts: the expert-parallel and expert-data-parallel groups, by name ("ep_size_N") -----
+# Cut from the data axis of the active grid (DeepSpeed's layout): with data ranks d_0..d_{D-1} and
+# expert-parallel size E, the expert-parallel groups are consecutive blocks [d_0..d_{E-1}], ... (tokens
+# are exchanged within one), the expert-data-parallel groups strided ones [d_0, d_E, ...], ... (expert
+# gradients are reduced over one). Forgotten when the process group is destroyed.
+_EXPERT_PARALLEL_GROUP: dict = {}
+_EXPERT_PARALLEL_GROUP_RANKS: dict = {}
+_EXPERT_DATA_PARALLEL_GROUP: dict = {}
+_EXPERT_DATA_PARALLEL_GROUP_RANKS: dict = {}
+
+
+def _forget_expert_groups() -> None:
+    for d in (_EXPERT_PARALLEL_GROUP, _EXPERT_PARALLEL_GROUP_RANKS, _EXPERT_DATA_PARALLEL_GROUP,
+              _EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        d.clear()
+
+
+comm.on_destroy(_forget_expert_groups)
+
+
+def _data_axis_rank_lists() -> list[list[int]]:
+    """Every data-parallel group's ranks: from the active grid's topology, or (a user's mpu) gathered."""
+    grid = _grid()
+    if grid is None:
+        return [list(range(comm.get_world_size()))]
+    topology = getattr(grid, "topology", None)
+    if topology is not None and "data" in topology.axes:
+        return topology.axis_groups("data")
+    import torch.distributed as dist
+
+    group = grid.get_data_parallel_group()
+    mine = dist.get_process_group_ranks(group) if group is not None else list(range(comm.get_world_size()))
+    everyone = [None] * comm.get_world_size()
+    dist.all_gather_object(everyone, sorted(mine))
+    return [list(r) for r in sorted({tuple(r) for r in everyone})]
+
+
+def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False):
+    """Create the groups of ``ep_size_{expert_parallel_size_}`` (collective: every rank creates every group)."""
+    name = f"ep_size_{expert_parallel_size_}"
+    if name in _EXPERT_PARALLEL_GROUP:
+        return
+    rank, ep = comm.get_rank(), expert_parallel_size_
+    for data_ranks in _data_axis_rank_lists():
+        if len(data_ranks) % ep:
+            raise ValueError(f"MoE ep_size {ep} does not divide the data-parallel size {len(data_ranks)} "
+                             f"(data ranks {data_ranks})")
+        blocks = len(data_ranks) // ep
+        if use_data_before_expert_parallel_:  # data-parallel replicas are the consecutive blocks instead
+            ep_groups = [data_ranks[i::blocks] for i in range(blocks)]
+            edp_groups = [data_ranks[i * blocks:(i + 1) * blocks] for i in range(ep)]
+        else:
+            ep_groups = [data_ranks[i * ep:(i + 1) * ep] for i in range(blocks)]
+            edp_groups = [data_ranks[i::ep] for i in range(ep)]
+        for table, ranks_table, lists in ((_EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_GROUP_RANKS, edp_groups),
+                                          (_EXPERT_PARALLEL_GROUP, _EXPERT_PARALLEL_GROUP_RANKS, ep_groups)):
+            for ranks in lists:
+                group = comm.new_group(ranks)
+                if rank in ranks:
+                    table[name], ranks_table[name] = group, list(ranks)
+
+
+def _get_expert_parallel_group(group_name: str):
+    if group_name not in _EXPERT_PARALLEL_GROUP:
+        raise KeyError(f"expert parallel group {group_name!r} is not created: the engine creates it for the "
+                       "MoE layers of its model (or call MoE.set_deepspeed_parallelism())")
+    return _EXPERT_PARALLEL_GROUP[group_name]
+
+
+def _get_expert_data_parallel_group(group_name: str):
+    if group_name not in _EXPERT_DATA_PARALLEL_GROUP:
+        raise KeyError(f"expert data parallel group {group_name!r} is not created")
+    return _EXPERT_DATA_PARALLEL_GROUP[group_name]
+
+
+def _get_expert_parallel_group_dict() -> dict:
+    return _EXPERT_PARALLEL_GROUP
+
+
+def _get_expert_data_parallel_group_dict() -> dict:
+    return _EXPERT_DATA_PARALLEL_GROUP
+
+
+def _get_expert_parallel_group_ranks(group_name: str) -> list[int]:
+    return _EXPERT_PARALLEL_GROUP_RANKS[group_name]
+
+
+def _get_expert_data_parallel_group_ranks(group_name: str) -> list[int]:
+    return _EXPERT_DATA_PARALLEL_GROUP_RANKS[group_name]
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return comm.get_world_size(_get_expert_parallel_group(group_name))
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return comm.get_world_size(_get_expert_data_parallel_group(group_name))
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return comm.get_rank(_get_expert_parallel_group(group_name))
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return comm.get_rank(_get_expert_data_parallel_group(group_name))
+
+
+def _get_expert_parallel_src_rank(group_name: str) -> int:
+    """The global rank of the first rank of this rank's expert-parallel group."""
+    return _EXPERT_PARALLEL_GROUP_RANKS[group_name][0]
+
+
+def _get_expert_broadcast_src_rank(group_name: str) -> int:
+    """The global rank every expert-data-parallel replica of this rank's experts copies at start."""
+    return _EXPERT_DATA_PARALLEL_GROUP_RANKS[group_name][0]
+
+
+def _get_max_expert_size() -> int:
+    return max((int(n.removeprefix("ep_size_")) for n in _EXPERT_PARALLEL_GROUP), default=1)
+
+
+def _get_max_expert_size_name() -> str:
+    return f"ep_size_{_get_max_expert_size()}"
+
+
+def _get_max_expert_parallel_group():
+    return _get_expert_parallel_group(_get_max_expert_size_name())
+
+
+def _get_expert_model_parallel_world_size() -> int:
+    return 1  # tensor-parallel experts are not implemented

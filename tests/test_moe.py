@@ -1,0 +1,227 @@
+"""Mixture of experts: DeepSpeed's MoE layer, its gates, and expert parallelism against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_distributed, run_subtests
+
+HIDDEN, TOKENS, EXPERTS = 8, 6, 4
+
+
+class Net(torch.nn.Module):
+    def __init__(self, *, ep_size=1, k=2, capacity_factor=4.0, drop_tokens=True, use_residual=False):
+        super().__init__()
+        from shardwise.moe.layer import MoE
+
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(HIDDEN, HIDDEN)
+        expert = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 2 * HIDDEN), torch.nn.Tanh(),
+                                     torch.nn.Linear(2 * HIDDEN, HIDDEN))
+        self.moe = MoE(HIDDEN, expert, num_experts=EXPERTS, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
+                       min_capacity=0, drop_tokens=drop_tokens, use_rts=False, use_residual=use_residual,
+                       top2_2nd_expert_sampling=False)
+        self.out = torch.nn.Linear(HIDDEN, 1)
+
+    def forward(self, x, y):
+        h, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
+        return torch.nn.functional.mse_loss(self.out(h).squeeze(-1), y) + 0.01 * l_aux
+
+
+def _set_experts(net, ep_rank, *, starve=False):
+    """Global expert e gets weights drawn from seed 100 + e (so a token sent to the wrong expert shows);
+    ``starve``: the gate never picks experts 2 and 3 (for inputs with positive features)."""
+    moe = net.moe.deepspeed_moe
+    with torch.no_grad():
+        for j, expert in enumerate(moe.experts.deepspeed_experts):
+            g = torch.Generator().manual_seed(100 + ep_rank * moe.num_local_experts + j)
+            for p in expert.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        if starve:
+            moe.gate.wg.weight[2:] = -1.0
+
+
+def _data(step, world):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.rand(world, 2, TOKENS // 2, HIDDEN, generator=g), torch.randn(world, 2, TOKENS // 2, generator=g)
+
+
+def _reference(case, steps, world):
+    """One process, every expert local; each rank's micro-batch forwarded on its own (the gate's l_aux and
+    capacity are per rank), the loss their mean: the gradient data parallelism averages."""
+    ep, stage, k, starve = case
+    net = Net(k=k, drop_tokens=not starve)
+    _set_experts(net, 0, starve=starve)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    losses = []
+    for step in range(steps):
+        xs, ys = _data(step, world)
+        per_rank = [net(xs[r], ys[r]) for r in range(world)]
+        torch.stack(per_rank).mean().backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        losses.append([float(v.detach()) for v in per_rank])
+    return losses, net
+
+
+def _engine(case, rank):
+    import shardwise
+    from shardwise.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    ep, stage, k, starve = case
+    net = Net(ep_size=ep, k=k, drop_tokens=not starve)
+    _set_experts(net, rank % ep, starve=starve)
+    if rank >= ep:  # the other replicas start elsewhere: the engine copies the first one's experts
+        with torch.no_grad():
+            for p in net.moe.deepspeed_moe.experts.parameters():
+                p.add_(1.0)
+    groups_ = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "all"})
+    opt = torch.optim.Adam(groups_, lr=0.01)
+    engine, *_ = shardwise.initialize(model=net, optimizer=opt, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.05, "zero_optimization": {"stage": stage}})
+    return engine
+
+
+def _step(engine, step, rank, world):
+    xs, ys = _data(step, world)
+    loss = engine(xs[rank], ys[rank])
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())
+
+
+def _train(case, rank, world, steps=2):
+    from shardwise.utils import groups
+
+    ep, stage, k, starve = case
+    ref_losses, ref = _reference(case, steps, world)
+    engine = _engine(case, rank)
+    losses = [_step(engine, step, rank, world) for step in range(steps)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[rank] for r in ref_losses]), rtol=1e-6, atol=0)
+    mine = engine.strategy.module_state_dict(engine.module)  # every expert by global index (ZeRO-3: gathered)
+    assert sorted(mine) == sorted(n for n, _ in ref.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(mine[name], p.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    return {"ep": groups._get_expert_parallel_world_size(f"ep_size_{ep}"),
+            "edp": groups._get_expert_data_parallel_world_size(f"ep_size_{ep}"),
+            "has_moe": engine.has_moe_layers, "dims_expert": engine.dims.expert}
+
+
+def _checkpoint(case, rank, world, folder):
+    """Save at ``case`` after two steps, take a third; every layout of ``LOADS`` loads the checkpoint and
+    takes the same third step: the same weights (and so the same optimizer state went in)."""
+    saver = _engine(case, rank)
+    for step in range(2):
+        _step(saver, step, rank, world)
+    saver.save_checkpoint(folder, tag="t")
+    _step(saver, 2, rank, world)
+    after = saver.strategy.module_state_dict(saver.module)
+    for load in LOADS:
+        engine = _engine(load, rank)
+        engine.load_checkpoint(folder, tag="t")
+        _step(engine, 2, rank, world)
+        got = engine.strategy.module_state_dict(engine.module)
+        assert sorted(got) == sorted(after), load
+        for name, value in after.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{load} {name}: {m}")
+    return {k: v.clone() for k, v in after.items()}
+
+
+SAVE = (2, 1, 2, False)  # ep 2, ZeRO-1
+LOADS = [(1, 0, 2, False), (4, 2, 2, False), (2, 0, 2, False)]
+
+
+def _all_cases(rank, world, folder):
+    cases = [(ep, stage, 2, False) for ep in (1, 2, 4) for stage in (0, 1, 2)]
+    cases.append((2, 2, 1, True))  # top-1, dropless, experts 2 and 3 (ep rank 1) never chosen
+    cases += [(1, 3, 2, False), (1, 3, 1, True)]  # ZeRO-3, every expert on every rank; then two never chosen
+    return run_subtests(_train, cases, rank, world), _checkpoint(SAVE, rank, world, folder)
+
+
+def test_expert_parallel_matches_one_process_and_checkpoints_reshard(tmp_path):
+    import shardwise
+
+    results = run_distributed(_all_cases, 4, args=(str(tmp_path),), timeout=400)
+    for out, _ in results:
+        assert [(o["ep"], o["edp"]) for o in out[:9:3]] == [(1, 4), (2, 2), (4, 1)]
+        assert all(o["has_moe"] for o in out) and [o["dims_expert"] for o in out[:9:3]] == [1, 2, 4]
+        assert len(out) == 12
+    after = results[0][1]
+    assert sum(".deepspeed_experts." in k for k in after) == EXPERTS * 4  # every expert, by global index
+    # one process: the four ranks' micro-batches forwarded one by one, their mean loss (data parallelism's
+    # gradient), from the ep 2 checkpoint
+    from shardwise.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    net = Net(ep_size=1)
+    opt = torch.optim.Adam(split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(net.parameters()), "name": "all"}), lr=0.01)
+    engine, *_ = shardwise.initialize(model=net, optimizer=opt, config={"train_batch_size": 2,
+                                                                        "gradient_clipping": 0.05})
+    engine.load_checkpoint(str(tmp_path), tag="t")
+    xs, ys = _data(2, 4)
+    loss = torch.stack([engine(xs[r], ys[r]) for r in range(4)]).mean()
+    engine.backward(loss)
+    engine.step()
+    got = engine.module.state_dict()
+    for name, value in after.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_layer_output_is_the_gate_weighted_expert_output():
+    """Top-2 without dropping: each token's output is its two experts' outputs weighted by the
+    renormalised softmax probabilities; top-1 with capacity 1 keeps one token per expert (the others: zero)."""
+    from shardwise.moe.layer import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=EXPERTS, k=2, capacity_factor=4.0,
+              min_capacity=0, top2_2nd_expert_sampling=False)
+    with torch.no_grad():
+        for e in moe.deepspeed_moe.experts.deepspeed_experts:
+            e.weight.normal_()
+    x = torch.randn(3, 4, HIDDEN)
+    out, l_aux, counts = moe(x)
+    flat = x.reshape(-1, HIDDEN)
+    probs = torch.softmax(flat @ moe.deepspeed_moe.gate.wg.weight.t(), dim=1)
+    top, idx = probs.topk(2, dim=1)
+    experts = moe.deepspeed_moe.experts.deepspeed_experts
+    want = torch.stack([sum(top[t, i] / top[t].sum() * experts[int(idx[t, i])](flat[t]) for i in range(2))
+                        for t in range(flat.shape[0])])
+    torch.testing.assert_close(out.reshape(-1, HIDDEN), want, rtol=1e-5, atol=1e-6)
+    assert int(counts.sum()) == 2 * flat.shape[0]
+    me, ce = probs.mean(0), torch.nn.functional.one_hot(idx[:, 0], EXPERTS).float().mean(0)
+    torch.testing.assert_close(l_aux, (me * ce).mean() * EXPERTS * EXPERTS)
+
+    one = MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=2, k=1, capacity_factor=0.01, min_capacity=1,
+              use_rts=False)
+    out, _, counts = one(torch.randn(6, HIDDEN))
+    kept = (out.abs().sum(-1) > 0).sum()
+    assert int(kept) == int((counts > 0).sum()) and int(counts.sum()) == 6  # counts are before dropping
+
+
+def test_split_params_into_moe_groups():
+    from shardwise.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+    net = Net(ep_size=1)
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "p",
+                                                                    "lr": 0.5})
+    assert [g["name"] for g in groups] == ["p", "ep_size_1"] and groups[1]["moe"] and groups[1]["lr"] == 0.5
+    assert not any(is_moe_param(p) for p in groups[0]["params"])
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in net.moe.deepspeed_moe.experts.parameters()}
+
+
+def test_bad_sizes_are_named():
+    import shardwise
+    from shardwise.moe.layer import MoE
+    from shardwise.parallel_dims import ParallelDims
+
+    with pytest.raises(ValueError, match=r"num_experts \(3\) is not divisible by ep_size \(2\)"):
+        MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=3, ep_size=2)
+    with pytest.raises(ValueError, match="MoE ep_size 3 with 4 data-parallel ranks: not supported"):
+        ParallelDims(data=4, expert=3).validate()
+    with pytest.raises(ValueError, match="MoE ep_size 2 with 1 data-parallel ranks"):
+        shardwise.initialize(model=Net(ep_size=2), config={"train_batch_size": 1,
+                                                           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    with pytest.raises(ValueError, match="expert > 1|ep_size 2\\) with zero_optimization.stage 3"):
+        ParallelDims(data=2, expert=2, zero_stage=3).validate()
