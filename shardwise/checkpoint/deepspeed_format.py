@@ -136,10 +136,21 @@ def _numel(shape) -> int:
 def _split_states(state: dict, lo: int, hi: int, where: str) -> dict[str, torch.Tensor]:
     """Elements [lo, hi) of each per-element optimizer state; scalars (Adam's step) as they are."""
     out = {}
+    for k, v in _tensor_states(state, where).items():
+        out[k] = v if v.dim() == 0 else v.reshape(-1)[lo:hi]
+    return out
+
+
+def _tensor_states(state: dict, where) -> dict[str, torch.Tensor]:
+    """FusedAdam and DeepSpeedCPUAdam (what DeepSpeed builds for "Adam"/"AdamW" on GPUs and with
+    offload_optimizer) keep ``step`` as a Python int: as torch's 0-dim float tensor."""
+    out = {}
     for k, v in state.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            v = torch.tensor(float(v))
         if not isinstance(v, torch.Tensor):
             raise DeepSpeedLayoutError(f"{where}: optimizer state '{k}' is a {type(v).__name__}, not a tensor")
-        out[k] = v if v.dim() == 0 else v.reshape(-1)[lo:hi]
+        out[k] = v
     return out
 
 
@@ -147,9 +158,9 @@ def _flat_states(opt_sd, count: int, where) -> list[dict]:
     """Per flat group, its optimizer state: a torch state_dict ``{'state': {i: ..}, ...}`` or the
     'elastic' list of lean states (plus ``base_optimizer_state_step``)."""
     if isinstance(opt_sd, list):  # zero_optimization.elastic_checkpoint
-        return [dict(s) for s in opt_sd]
+        return [_tensor_states(s, where) for s in opt_sd]
     state = _need(opt_sd, "state", where)
-    return [dict(state.get(i, {})) for i in range(count)]
+    return [_tensor_states(state.get(i, {}), where) for i in range(count)]
 
 
 class _Reader:
@@ -229,7 +240,9 @@ class _Reader:
 
     def _groups_hyper(self, opt_sd, count: int = 1) -> None:
         if isinstance(opt_sd, dict) and "param_groups" in opt_sd:
-            self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt_sd["param_groups"]]
+            # (FusedAdam / DeepSpeedCPUAdam groups also carry 'bias_correction' and a 'step' they never use)
+            self.param_groups = [{k: v for k, v in g.items() if k not in ("params", "step")}
+                                 for g in opt_sd["param_groups"]]
             return
         # zero_optimization.elastic_checkpoint saves no param groups: the config's optimizer settings
         params = dict((self.cfg.get("optimizer") or {}).get("params") or {})
