@@ -57,7 +57,7 @@ def _continue_from_deepspeed(case, rank, world):
     path, client = engine.load_checkpoint(str(FIXTURES / fixture))
     if bf16:  # DeepSpeed 0.19.8 casts parameters only (buffers unless data_types.buffer_dtype); shardwise all
         engine.module.shift.data = ds_model.TinyNet().shift
-    assert Path(path) == FIXTURES / fixture / "global_step3"
+    assert Path(path) == FIXTURES / fixture / "global_step3"  # (universal folders: from latest_universal)
     assert client["epoch"] == 2 and client["note"] == "from deepspeed"
     assert torch.equal(client["counts"], torch.arange(3))
     assert (engine.global_steps, engine.global_samples) == (3, 24)
@@ -86,7 +86,8 @@ def _two_ranks(rank, world):
     # FusedAdam's / DeepSpeedCPUAdam's int steps, the bf16 optimizer's bf16_ files, ZeRO-3 with offload
     return run_subtests(_continue_from_deepspeed, [("zero2", 2), ("zero2", 3), ("zero3", 3), ("zero3", 1),
                                                    ("zero2_fusedadam", 2), ("zero1_bf16", 1), ("zero3_offload", 3),
-                                                   ("zero3_offload_cpuadam", 2)], rank, world)
+                                                   ("zero3_offload_cpuadam", 2), ("zero2_universal", 2),
+                                                   ("zero3_universal", 3)], rank, world)
 
 
 def _one_rank(rank, world, tmp):

@@ -566,7 +566,6 @@ NOT_YET = [  # (config snippet, key path that must be named), from the task's li
     ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
      "activation_checkpointing.contiguous_memory_optimization"),
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
-    ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),
     ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage"),
 ] + [({name: {"enabled": True}}, name) for name in OTHER_BLOCKS if name != "sparse_attention"]
 
