@@ -242,6 +242,12 @@ def _held_data_body(rank, world, out_dir):
             with torch.no_grad():
                 engine(x[s])
         now = {k: safe_get_full_fp32_param(p) for k, p in model.named_parameters()}  # (collective)
+        # a forward (with autograd) inside GatheredParameters leaves the block's own copies in .data
+        with GatheredParameters(list(model.parameters()), modifier_rank=0):
+            model.fc1.bias.data.fill_(0.25)
+            mse(engine(x[0]), y[0]).backward()  # (plain backward: nothing reduced or stepped)
+            kept = bool((model.fc1.bias.data == 0.25).all()) and model.fc1.bias.shape == (13,)
+        out[persist, "kept"] = kept and bool((safe_get_full_fp32_param(model.fc1.bias) == 0.25).all())
         if rank == 0:
             torch.save(held, f"{out_dir}/p{persist}.bin")
             loaded = torch.load(f"{out_dir}/p{persist}.bin")
@@ -252,4 +258,5 @@ def _held_data_body(rank, world, out_dir):
 
 def test_tensors_taken_from_gathered_params_stay_valid(tmp_path):
     r0, _ = run_distributed(_held_data_body, 2, args=(str(tmp_path),), timeout=180)
-    assert r0 == {0: True, (0, "moved"): True, 10**5: True, (10**5, "moved"): True}, r0
+    assert r0 == {0: True, (0, "moved"): True, (0, "kept"): True, 10**5: True, (10**5, "moved"): True,
+                  (10**5, "kept"): True}, r0

@@ -72,14 +72,21 @@ class Unit:
         self._point_params()
 
     def _point_params(self) -> None:
-        """``param.data``: views of the gathered buffer, or an empty tensor while released."""
-        for p, pos, n in zip(self.params, self.positions, self.numels):
-            p.data = self.full[pos : pos + n].view(p.ds_shape) if self.gathered else self._empty
+        """``param.data``: views of the gathered buffer, or an empty tensor while released (not while
+        ``GatheredParameters`` holds the parameter: it has its own copy then)."""
+        for p in self.params:
+            if not user_gathered(p):
+                self.point(p)
+
+    def point(self, p: torch.nn.Parameter) -> None:
+        k = self.position_of[id(p)]
+        pos, n = self.positions[k], self.numels[k]
+        p.data = self.full[pos : pos + n].view(p.ds_shape) if self.gathered else self._empty
 
     def _held_elsewhere(self) -> bool:
         """Whether a tensor other than ``self.full`` and the parameters shares the gathered buffer."""
         others = _storage_holders(self.full) - _storage_holders(torch.empty(0))  # (the second: one tensor)
-        return others > (len(self.params) if self.gathered else 0)
+        return others > (sum(not user_gathered(p) for p in self.params) if self.gathered else 0)
 
     def keep_holders_valid(self) -> None:
         """Before autograd uses the gathered buffer: if someone else holds it (a tensor taken from
@@ -292,6 +299,11 @@ class ParamCoordinator:
             if u.gathered:
                 u.release()
             u.exposed = False  # (the graph of the pass is gone)
+
+
+def user_gathered(p: torch.nn.Parameter) -> bool:
+    """Inside ``GatheredParameters`` over ``p`` (its ``.data`` is that block's copy)."""
+    return getattr(p, "_ds_user_gathered", 0) > 0
 
 
 def _storage_holders(t: torch.Tensor) -> int:
