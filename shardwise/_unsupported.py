@@ -22,7 +22,8 @@ NOT_SUPPORTED: dict[str, str] = {
     "module_inject.policy": "kernel injection policies are not implemented",
     "module_inject.auto_tp_model_utils": "kernel injection is not implemented",
     "model_implementations": "DeepSpeed's fused inference model implementations are not implemented",
-    "compression": "the compression library was removed from DeepSpeed too",
+    "compression": "the compression library was removed from DeepSpeed too (only deepspeed.compression.helper's "
+                   "recursive_getattr/recursive_setattr remain, in the compat package)",
     "sequence": "only deepspeed.sequence.layer.DistributedAttention is provided (FPDT, AutoSP and the vocab-parallel "
                 "cross-entropy are not); for Hugging Face models see shardwise.runtime.sequence_parallel",
     "linear": "DeepSpeed's OptimizedLinear / LoRA-quantized linear is not implemented",

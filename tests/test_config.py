@@ -437,7 +437,7 @@ def _load_recording(config):
      lambda c: c.zero_optimization.stage3_gather_16bit_weights_on_model_save),
     ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.offload_optimizer",
      lambda c: c.zero_optimization.offload_optimizer.device == "cpu" and c.zero_optimization.offload_param is None),
-    ({"zero_optimization": {"cpu_offload_param": True}}, "zero_optimization.offload_param",
+    ({"zero_optimization": {"stage": 3, "cpu_offload_param": True}}, "zero_optimization.offload_param",
      lambda c: c.zero_optimization.offload_param.device == "cpu"),
     ({"zero_optimization": True}, '"stage": 1', lambda c: c.zero_optimization.stage == 1),
     ({"zero_optimization": False}, '"stage": 0', lambda c: c.zero_optimization.stage == 0),
@@ -453,6 +453,31 @@ def test_cpu_offload_pin_memory_alias_applies_to_offload_blocks():
     cfg, messages = _load_recording({"zero_optimization": {"cpu_offload": True, "cpu_offload_use_pin_memory": False}})
     assert len(messages) == 2
     assert cfg.zero_optimization.offload_optimizer.pin_memory is False
+
+
+def test_offload_param_below_stage_3_is_ignored_with_a_warning():
+    """DeepSpeed ignores it there; DeepSpeed-Chat's --offload writes both offload blocks at any stage."""
+    for stage in (0, 1, 2):
+        cfg, messages = _load_recording({"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"},
+                                                               "offload_optimizer": {"device": "cpu"}}})
+        assert cfg.zero_optimization.offload_param is None and cfg.zero_optimization.offload_optimizer.device == "cpu"
+        assert len(messages) == 1 and "offload_param is ignored" in messages[0] and f"stage is {stage}" in messages[0]
+    cfg, messages = _load_recording({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    assert cfg.zero_optimization.offload_param.device == "cpu" and not messages
+    cfg, messages = _load_recording({"zero_optimization": {"stage": 2, "offload_param": {"device": "none"}}})
+    assert not messages
+
+
+def test_zero_stage3_keys_by_deepspeed_field_name():
+    cfg, messages = _load_recording({"zero_optimization": {"stage": 3, "max_live_parameters": 7,
+                                                           "param_persistence_threshold": 5,
+                                                           "gather_16bit_weights_on_model_save": True,
+                                                           "zero_quantized_nontrainable_weights": False}})
+    z = cfg.zero_optimization
+    assert (z.stage3_max_live_parameters, z.stage3_param_persistence_threshold) == (7, 5) and not messages
+    assert z.stage3_gather_16bit_weights_on_model_save
+    with pytest.raises(ConfigError, match="prefetch_bucket_size and zero_optimization.stage3_prefetch_bucket_size"):
+        load_quiet({"zero_optimization": {"prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 2}})
 
 
 @pytest.mark.parametrize("config", [
@@ -541,7 +566,6 @@ NOT_YET = [  # (config snippet, key path that must be named), from the task's li
     ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
      "activation_checkpointing.contiguous_memory_optimization"),
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
-    ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),
     ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage"),
 ] + [({name: {"enabled": True}}, name) for name in OTHER_BLOCKS if name not in ("sparse_attention", "compile")]
 

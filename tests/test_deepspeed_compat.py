@@ -455,6 +455,19 @@ for bad in ("1,6-2", "8,2-6", "0,2-6,5-9"):  # backwards, out of order, overlapp
     with pytest.raises(ValueError):
         parse_range_list(bad)
 from deepspeed.accelerator import is_current_accelerator_supported
+# DeepSpeed-Chat's imports: the helpers DeepSpeed 0.19.8 kept when it removed the compression library
+with pytest.warns(FutureWarning, match="deepspeed.utils.module_utils"):
+    from deepspeed.compression.helper import recursive_getattr, recursive_setattr
+from deepspeed.utils import module_utils
+assert module_utils.recursive_getattr is recursive_getattr
+net = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+assert recursive_getattr(net, "0.0.weight") is net[0][0].weight
+recursive_setattr(net, "0.0", torch.nn.Identity())
+assert isinstance(net[0][0], torch.nn.Identity)
+recursive_setattr(net, "extra", torch.nn.ReLU())
+assert isinstance(net.extra, torch.nn.ReLU)
+with pytest.raises(ImportError, match="compression library was removed"):
+    import deepspeed.compression.compress
 from deepspeed.git_version_info import torch_info
 assert is_current_accelerator_supported() and torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
 print("ok")

@@ -211,3 +211,52 @@ def test_units_follow_the_module_tree():
     assert all(b in roots for b in model.blocks) and model.blocks not in roots and model not in roots
     assert len(units) == 4 + 4  # tok, pos, 4 blocks, ln_f, head
     assert sorted(u.full_numel for u in units if "blocks.0." in u.names[0]) == [block]
+
+
+def _held_data_body(rank, world, out_dir):
+    """DeepSpeed-Chat's ``save_zero_three_model``: ``v.data.cpu()`` taken inside GatheredParameters
+    (only for released parameters; available ones as they are), kept, saved after training goes on."""
+    import shardwise
+    from shardwise.utils import safe_get_full_fp32_param
+    from shardwise.zero import GatheredParameters, ZeroParamStatus
+
+    x, y = make_data(3, 4)
+    out = {}
+    for persist in (0, 10**5):  # every unit released after use / every unit persistent (stays gathered)
+        z = {"stage": 3, "stage3_param_persistence_threshold": persist}
+        model = make_model()
+        engine, *_ = shardwise.initialize(model=model, config=base_config(zero_optimization=z))
+        engine.backward(mse(engine(x[0]), y[0]))
+        engine.step()
+        with torch.no_grad():
+            engine(x[1])  # (an eval forward: persistent units stay gathered after it)
+        held, expect = {}, {}
+        for k, v in model.named_parameters():
+            released = [v] if v.ds_status == ZeroParamStatus.NOT_AVAILABLE else []
+            with GatheredParameters(released):
+                held[k] = v.data.cpu()
+            expect[k] = safe_get_full_fp32_param(v).clone()
+        for s in (1, 2):  # training goes on before the file is written
+            engine.backward(mse(engine(x[s]), y[s]))
+            engine.step()
+            with torch.no_grad():
+                engine(x[s])
+        now = {k: safe_get_full_fp32_param(p) for k, p in model.named_parameters()}  # (collective)
+        # a forward (with autograd) inside GatheredParameters leaves the block's own copies in .data
+        with GatheredParameters(list(model.parameters()), modifier_rank=0):
+            model.fc1.bias.data.fill_(0.25)
+            mse(engine(x[0]), y[0]).backward()  # (plain backward: nothing reduced or stepped)
+            kept = bool((model.fc1.bias.data == 0.25).all()) and model.fc1.bias.shape == (13,)
+        out[persist, "kept"] = kept and bool((safe_get_full_fp32_param(model.fc1.bias) == 0.25).all())
+        if rank == 0:
+            torch.save(held, f"{out_dir}/p{persist}.bin")
+            loaded = torch.load(f"{out_dir}/p{persist}.bin")
+            out[persist] = all(torch.equal(loaded[k], expect[k]) for k in expect)
+            out[persist, "moved"] = all(not torch.equal(expect[k], now[k]) for k in expect if "." in k)
+    return out
+
+
+def test_tensors_taken_from_gathered_params_stay_valid(tmp_path):
+    r0, _ = run_distributed(_held_data_body, 2, args=(str(tmp_path),), timeout=180)
+    assert r0 == {0: True, (0, "moved"): True, (0, "kept"): True, 10**5: True, (10**5, "moved"): True,
+                  (10**5, "kept"): True}, r0

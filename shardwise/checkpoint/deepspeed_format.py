@@ -72,6 +72,8 @@ def find_deepspeed_folder(load_dir, tag=None) -> Path | None:
     candidates = []
     if tag is None:
         tag = read_latest(load_dir)  # a ValueError naming the file when it is not one folder's name
+    if tag is None:
+        tag = read_latest(load_dir, name="latest_universal")  # ds_to_universal.py's output
     if tag is not None:
         candidates.append(load_dir / str(tag))
     candidates.append(load_dir)
@@ -136,10 +138,21 @@ def _numel(shape) -> int:
 def _split_states(state: dict, lo: int, hi: int, where: str) -> dict[str, torch.Tensor]:
     """Elements [lo, hi) of each per-element optimizer state; scalars (Adam's step) as they are."""
     out = {}
+    for k, v in _tensor_states(state, where).items():
+        out[k] = v if v.dim() == 0 else v.reshape(-1)[lo:hi]
+    return out
+
+
+def _tensor_states(state: dict, where) -> dict[str, torch.Tensor]:
+    """FusedAdam and DeepSpeedCPUAdam (what DeepSpeed builds for "Adam"/"AdamW" on GPUs and with
+    offload_optimizer) keep ``step`` as a Python int: as torch's 0-dim float tensor."""
+    out = {}
     for k, v in state.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            v = torch.tensor(float(v))
         if not isinstance(v, torch.Tensor):
             raise DeepSpeedLayoutError(f"{where}: optimizer state '{k}' is a {type(v).__name__}, not a tensor")
-        out[k] = v if v.dim() == 0 else v.reshape(-1)[lo:hi]
+        out[k] = v
     return out
 
 
@@ -147,9 +160,31 @@ def _flat_states(opt_sd, count: int, where) -> list[dict]:
     """Per flat group, its optimizer state: a torch state_dict ``{'state': {i: ..}, ...}`` or the
     'elastic' list of lean states (plus ``base_optimizer_state_step``)."""
     if isinstance(opt_sd, list):  # zero_optimization.elastic_checkpoint
-        return [dict(s) for s in opt_sd]
+        return [_tensor_states(s, where) for s in opt_sd]
     state = _need(opt_sd, "state", where)
-    return [dict(state.get(i, {})) for i in range(count)]
+    return [_tensor_states(state.get(i, {}), where) for i in range(count)]
+
+
+def _universal_tensor(path: Path, shape) -> torch.Tensor:
+    """One ``ds_to_universal.py`` file: ``{'param': whole tensor, 'cat_dim': ..}`` (or the tensor itself)."""
+    obj = load_deepspeed_file(path)
+    t = obj.get("param") if isinstance(obj, dict) else obj
+    if not isinstance(t, torch.Tensor) or t.numel() != _numel(shape):
+        raise DeepSpeedLayoutError(f"{path}: expected field 'param' with {_numel(shape)} elements (shape "
+                                   f"{list(shape)}), found {getattr(t, 'shape', type(t).__name__)}")
+    return t.reshape(-1)
+
+
+def _saved_step(osd: dict):
+    """The step count in a universal ``optimizer_state.pt``: its (rank 0) optimizer state's, else a group's."""
+    inner = osd.get("optimizer_state_dict")
+    for st in (inner.get("state", {}).values() if isinstance(inner, dict) else []):
+        if isinstance(st, dict) and "step" in st:
+            return st["step"]
+    for g in osd.get("param_groups") or []:
+        if "step" in g:
+            return g["step"]
+    return None
 
 
 class _Reader:
@@ -219,7 +254,9 @@ class _Reader:
     def read(self) -> None:
         self.param_groups = None
         self.loss_scaler = None
-        if self.stage == 0:
+        if (self.folder / "zero" / "optimizer_state.pt").is_file():
+            self._read_universal()
+        elif self.stage == 0:
             self._read_stage0(self.ms.get("optimizer"))
         elif self.stage == 3:
             self._read_stage3()
@@ -229,7 +266,9 @@ class _Reader:
 
     def _groups_hyper(self, opt_sd, count: int = 1) -> None:
         if isinstance(opt_sd, dict) and "param_groups" in opt_sd:
-            self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt_sd["param_groups"]]
+            # (FusedAdam / DeepSpeedCPUAdam groups also carry 'bias_correction' and a 'step' they never use)
+            self.param_groups = [{k: v for k, v in g.items() if k not in ("params", "step")}
+                                 for g in opt_sd["param_groups"]]
             return
         # zero_optimization.elastic_checkpoint saves no param groups: the config's optimizer settings
         params = dict((self.cfg.get("optimizer") or {}).get("params") or {})
@@ -362,6 +401,44 @@ class _Reader:
         for name, shape in frozen_shapes.items():
             dtype = self.module[name].dtype if name in self.module else torch.float32
             self.module[name] = torch.cat(frozen_parts[name])[:_numel(shape)].view(*[int(d) for d in shape]).to(dtype)
+        self.trainable = list(shapes)
+
+    def _read_universal(self) -> None:
+        """DeepSpeed's universal checkpoint (``ds_to_universal.py``): ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``
+        hold each parameter whole, ``zero/optimizer_state.pt`` the param groups and loss scaler."""
+        zdir = self.folder / "zero"
+        osd = load_deepspeed_file(zdir / "optimizer_state.pt")
+        if not isinstance(osd, dict):
+            raise DeepSpeedLayoutError(f"{zdir / 'optimizer_state.pt'}: expected a dict, found {type(osd).__name__}")
+        stage = osd.get("zero_stage", self.stage)
+        self.stage = int(getattr(stage, "value", stage))
+        self._groups_hyper(osd)
+        self._scaler(osd.get("loss_scaler"))
+        shapes = {k: v for g in self.param_shapes for k, v in g.items()}
+        if not shapes:
+            raise DeepSpeedLayoutError(f"{self.ms_path}: field 'param_shapes' missing or empty")
+        frozen = dict(self.ms.get("frozen_param_shapes") or {})
+        step = _saved_step(osd)  # ZeRO-3's universal folders have no step.pt
+        for name, shape in {**shapes, **frozen}.items():
+            if name in frozen and not (zdir / name / "fp32.pt").is_file():  # ZeRO-3: the ranks' fragments
+                ranks = [self.ms] + [load_deepspeed_file(self.model_states_path(r)) for r in range(1, self.world)]
+                master = torch.cat([_need(ms, "frozen_param_fragments", self.folder)[name].reshape(-1)
+                                    for ms in ranks])[:_numel(shape)]
+            else:
+                master = _universal_tensor(zdir / name / "fp32.pt", shape)
+            dtype = self.module[name].dtype if name in self.module else torch.float32
+            self.module[name] = master.view(*[int(d) for d in shape]).to(dtype)  # (ZeRO-3: placeholders there)
+            if name in frozen:
+                continue
+            states = {k: _universal_tensor(zdir / name / f"{k}.pt", shape) for k in ("exp_avg", "exp_avg_sq")
+                      if (zdir / name / f"{k}.pt").is_file()}
+            if (zdir / name / "step.pt").is_file():
+                states["step"] = load_deepspeed_file(zdir / name / "step.pt")
+            elif states and step is not None:
+                states["step"] = step
+            self.out.fragment(0, name, shape, 0, _numel(shape), master,
+                              _split_states(states, 0, _numel(shape), f"{zdir / name}"))
+        self.world = 1  # every parameter whole, as one rank's
         self.trainable = list(shapes)
 
     def _read_stage0(self, opt) -> None:

@@ -102,12 +102,13 @@ def resolve_tag(load_dir: Path, tag=None) -> str | None:
     return read_latest(load_dir)
 
 
-def read_latest(load_dir) -> str | None:
+def read_latest(load_dir, *, name: str = "latest") -> str | None:
     """The tag named in ``load_dir/latest`` (None without that file), read defensively: the file must be
     UTF-8 text naming one folder inside ``load_dir`` (no ``/``, ``..`` or NUL), whatever wrote it (this
-    format or DeepSpeed's); anything else is a ValueError naming the file."""
+    format or DeepSpeed's); anything else is a ValueError naming the file.  ``name``: another such file
+    (DeepSpeed's universal checkpoints have ``latest_universal``)."""
     load_dir = Path(load_dir)
-    latest = load_dir / "latest"
+    latest = load_dir / name
     if not latest.is_file():
         return None
     raw = latest.read_bytes()

@@ -37,7 +37,6 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     "activation_checkpointing.contiguous_memory_optimization":
         lambda c: c.activation_checkpointing.contiguous_memory_optimization,
     "data_types.grad_accum_dtype": lambda c: c.data_types.grad_accum_dtype not in (None, "fp32"),
-    "checkpoint.load_universal": lambda c: c.checkpoint.load_universal,
     "checkpoint.use_node_local_storage": lambda c: c.checkpoint.use_node_local_storage,
     "checkpoint.writer.type": lambda c: c.checkpoint.writer is not None and c.checkpoint.writer.type == "mock",
     "checkpoint.writer.data_parallel": lambda c: c.checkpoint.writer is not None

@@ -73,6 +73,7 @@ class ZeroConfig(ConfigModel):
     round_robin_gradients: bool = False
     zero_hpz_partition_size: Int = Field(1, ge=1)
     zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False
     mics_shard_size: Int = -1
     use_multi_rank_bucket_allreduce: bool = True
@@ -82,9 +83,23 @@ class ZeroConfig(ConfigModel):
         "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     }
 
+    # DeepSpeed's field names for the stage3_ keys (its pydantic aliases: both spellings are current)
+    field_names: ClassVar[dict[str, str]] = {
+        name.removeprefix("stage3_"): name for name in (
+            "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+            "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save")}
+
     @classmethod
     def upgrade(cls, data: dict[str, Any], path: str, report: "Report") -> dict[str, Any]:
         data = super().upgrade(data, path, report)
+        for short, name in cls.field_names.items():
+            if short in data:
+                if name in data:
+                    report.problem(f"{_join(path, short)} and {_join(path, name)} are the same key (DeepSpeed "
+                                   "alias); keep one")
+                    data.pop(short)
+                else:
+                    data[name] = data.pop(short)
         # boolean switches of old DeepSpeed versions -> offload blocks
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
             if old not in data:
@@ -108,6 +123,13 @@ class ZeroConfig(ConfigModel):
                 for block in ("offload_param", "offload_optimizer"):
                     if isinstance(data.get(block), dict):
                         data[block] = {"pin_memory": value, **data[block]}
+        stage, block = data.get("stage", 0), data.get("offload_param")
+        offloaded = isinstance(block, dict) and block.get("device") in ("cpu", "nvme")
+        if isinstance(stage, int) and stage < 3 and offloaded:
+            # DeepSpeed ignores it below stage 3 (DeepSpeed-Chat's --offload writes both blocks at any stage)
+            report.warn(f"{_join(path, 'offload_param')} is ignored: parameter offload needs ZeRO stage 3 "
+                        f"(stage is {stage}); the parameters stay on the device")
+            data.pop("offload_param")
         return data
 
     @model_validator(mode="after")

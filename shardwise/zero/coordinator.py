@@ -5,9 +5,14 @@ tied ones owned elsewhere, and any registered external parameter).  Forward
 pre-hook: gather them (waiting for a prefetch if one is in flight) and start
 gathering the next units of the recorded forward order; forward post-hook:
 release them unless they are persistent or reused soon, and wrap the module's
-outputs so that their backward first gathers the units again.  A unit's
-gathered buffer is freed by shrinking its storage to zero bytes, so tensors
-autograd saved during forward point at the same storage once re-gathered.
+outputs so that their backward first gathers the units again.
+
+Releasing a unit points its parameters' ``.data`` at an empty tensor.  Its
+gathered buffer is then either shrunk to zero bytes in place (nobody else holds
+it, or autograd may: tensors saved during forward see the same storage once
+the unit is gathered again for backward) or handed over to whoever holds it (a
+tensor taken from ``param.data`` by the user stays valid; the next gather
+allocates a new buffer).
 """
 
 from __future__ import annotations
@@ -49,20 +54,46 @@ class Unit:
         for n in self.numels:
             self.positions.append(pos)
             pos += n
-        self._new_full_buffer()
         self.gathered = False
+        self._new_full_buffer()
         self.pending = None  # ("comm", work, buffer) in-flight all-gather, or ("disk", future, shard) read
         self.users = 0
         self.persistent = False
+        self.exposed = False  # a forward with autograd used the buffer since the last end of pass
         self.store = None  # NvmeStore when the shard lives in a file (offload_param: nvme)
         self.release()
 
     def _new_full_buffer(self) -> None:
-        """The buffer the whole parameters live in while gathered; ``param.data`` are views of it."""
-        self.full = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
-        for p, pos, n in zip(self.params, self.positions, self.numels):
-            p.data = self.full[pos : pos + n].view(p.ds_shape)
-        self._storage_bytes = self.full.untyped_storage().nbytes()
+        """The buffer the whole parameters live in while gathered (allocated by the first gather);
+        ``param.data`` are views of it."""
+        self.full = None
+        self._storage_bytes = self.full_numel * torch.empty(0, dtype=self.dtype).element_size()
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._point_params()
+
+    def _point_params(self) -> None:
+        """``param.data``: views of the gathered buffer, or an empty tensor while released (not while
+        ``GatheredParameters`` holds the parameter: it has its own copy then)."""
+        for p in self.params:
+            if not user_gathered(p):
+                self.point(p)
+
+    def point(self, p: torch.nn.Parameter) -> None:
+        k = self.position_of[id(p)]
+        pos, n = self.positions[k], self.numels[k]
+        p.data = self.full[pos : pos + n].view(p.ds_shape) if self.gathered else self._empty
+
+    def _held_elsewhere(self) -> bool:
+        """Whether a tensor other than ``self.full`` and the parameters shares the gathered buffer."""
+        others = _storage_holders(self.full) - _storage_holders(torch.empty(0))  # (the second: one tensor)
+        return others > (sum(not user_gathered(p) for p in self.params) if self.gathered else 0)
+
+    def keep_holders_valid(self) -> None:
+        """Before autograd uses the gathered buffer: if someone else holds it (a tensor taken from
+        ``param.data``), leave it to them and continue in a copy."""
+        if self.gathered and self.full is not None and self._held_elsewhere():
+            self.full = self.full.clone()
+            self._point_params()
 
     def cast_(self, dtype: torch.dtype) -> None:
         """Re-home the (released) shard and gather buffer in ``dtype`` (16-bit training)."""
@@ -134,17 +165,25 @@ class Unit:
         if handle is not None:
             handle.wait()
         self.pending = None
-        self.full.untyped_storage().resize_(self._storage_bytes)
+        if self.full is None:  # the last one was handed over on release
+            self.full = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
+        else:
+            self.full.untyped_storage().resize_(self._storage_bytes)
+        self.gathered = True
+        self._point_params()
         rows = buf.view(self.world, self.shard_numel)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
             for pos, n, o, c in zip(self.positions, self.numels, self.offsets, self.chunks):
                 self.full[pos : pos + n].copy_(rows[:, o : o + c].reshape(-1)[:n])
-        self.gathered = True
         self._set_status(ZeroParamStatus.AVAILABLE)
 
     def release(self) -> None:
-        self.full.untyped_storage().resize_(0)
         self.gathered = False
+        self._point_params()
+        if self.full is not None and self._held_elsewhere() and not self.exposed:
+            self.full = None  # theirs now; the next gather allocates another
+        elif self.full is not None:
+            self.full.untyped_storage().resize_(0)
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
 
 
@@ -223,6 +262,11 @@ class ParamCoordinator:
         for u in units:
             u.users += 1
         self.fetch(units)
+        if torch.is_grad_enabled():
+            for u in units:
+                if not u.exposed:
+                    u.keep_holders_valid()
+                    u.exposed = True
         self._fwd_now.extend(u.index for u in units)
         if self.fwd_trace:
             self._prefetch(self.fwd_trace, len(self._fwd_now) - 1)
@@ -270,6 +314,16 @@ class ParamCoordinator:
             u.users = 0
             if u.gathered:
                 u.release()
+            u.exposed = False  # (the graph of the pass is gone)
+
+
+def user_gathered(p: torch.nn.Parameter) -> bool:
+    """Inside ``GatheredParameters`` over ``p`` (its ``.data`` is that block's copy)."""
+    return getattr(p, "_ds_user_gathered", 0) > 0
+
+
+def _storage_holders(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 def _wrap_outputs(output, apply):

@@ -46,6 +46,7 @@ class GatheredParameters:
         for p in self.params:
             p.data = gather_full(p).clone()
             p.ds_status = ZeroParamStatus.AVAILABLE
+            p._ds_user_gathered = getattr(p, "_ds_user_gathered", 0) + 1  # (the unit leaves .data alone)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -61,6 +62,12 @@ class GatheredParameters:
                     _refresh_owner(p)
         finally:
             for p, (data, status) in zip(self.params, self._saved):
+                p._ds_user_gathered -= 1
+                unit = unit_of(p)
+                if unit is not None and not p._ds_user_gathered:
+                    unit.point(p)  # the unit's buffer if gathered, else empty
+                    p.ds_status = ZeroParamStatus.AVAILABLE if unit.gathered else ZeroParamStatus.NOT_AVAILABLE
+                    continue
                 p.data = data
                 if p.ds_status is ZeroParamStatus.AVAILABLE:  # (a release inside may have changed it)
                     p.ds_status = status
