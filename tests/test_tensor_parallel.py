@@ -309,10 +309,13 @@ def _run(engine, first: int, count: int, evals=None) -> list[float]:
 
 def _full_params(engine) -> dict:
     """Every parameter whole (tensor shards all-gathered), from tensor rank 0 of data rank 0."""
+    from shardwise.zero import GatheredParameters, is_partitioned
+
     grid = engine.grid
     out = {}
     for name, p in engine.module.named_parameters():
-        t = p.detach()
+        with GatheredParameters([p]):  # ZeRO-3: this tensor rank's piece, whole over the data axis
+            t = p.detach().clone() if is_partitioned(p) else p.detach()
         if getattr(p, "tensor_model_parallel", False) and grid.get_tensor_model_parallel_world_size() > 1:
             parts = [torch.empty_like(t) for _ in range(grid.get_tensor_model_parallel_world_size())]
             torch.distributed.all_gather(parts, t.contiguous(), group=grid.get_tensor_model_parallel_group())
@@ -324,6 +327,7 @@ def _full_params(engine) -> dict:
 
 def _train(case: dict, ckpt: str):
     engine = _engine(case)
+    ckpt = f"{ckpt}/{case['dir']}" if "dir" in case else ckpt
     if case.get("load"):  # saved by another grid after 2 steps: continue with step 3
         engine.load_checkpoint(ckpt, tag="t")
         assert engine.global_steps == 2
@@ -371,14 +375,24 @@ def _check(results, cases):
 
 # Saved at (dp 2, pp 2, tp 2) under ZeRO-1; loaded at (dp 2, pp 1, tp 2) ZeRO-2 and (dp 4, pp 1, tp 1)
 # ZeRO-0: each continues exactly as one process does.
-CASES_8 = [{"name": "dp2 pp2 tp2", "dp": 2, "pp": 2, "tp": 2, "zero": 1, "save": True}]
+# ZeRO-3 under tensor parallelism partitions each tensor rank's pieces over the data axis: pipe 2 x tensor 2 x
+# data 2, and a checkpoint saved at (dp 2, tp 2, ZeRO-3) continues at (dp 4, ZeRO-1) and in one process.
+CASES_8 = [{"name": "dp2 pp2 tp2", "dp": 2, "pp": 2, "tp": 2, "zero": 1, "save": True},
+           {"name": "dp2 pp2 tp2 zero3", "dp": 2, "pp": 2, "tp": 2, "zero": 3}]
 CASES_4 = [{"name": "dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "save16": True},
            {"name": "resume dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "load": True},
            {"name": "resume dp4 tp1", "dp": 4, "pp": 1, "tp": 1, "zero": 0, "load": True},
+           {"name": "dp2 tp2 zero3", "dp": 2, "pp": 1, "tp": 2, "zero": 3, "save": True, "dir": "z3"},
+           {"name": "resume dp4 zero1 from dp2 tp2 zero3", "dp": 4, "pp": 1, "tp": 1, "zero": 1, "load": True,
+            "dir": "z3"},
            # last: the activation_checkpointing settings are process-wide and outlive the engine
            {"name": "dp1 pp2 tp2 partitioned activations", "dp": 1, "pp": 2, "tp": 2, "zero": 1, "eval": True,
             "config": {"pipeline": {"activation_checkpoint_interval": 1},
                        "activation_checkpointing": {"partition_activations": True}}}]
+
+
+CASES_1 = [{"name": "resume one process from dp2 tp2 zero3", "dp": 1, "pp": 1, "tp": 1, "zero": 0, "load": True,
+            "dir": "z3"}]
 
 
 def test_layers_and_3d_parity_and_checkpoint_across_grids(tmp_path):
@@ -395,6 +409,11 @@ def test_layers_and_3d_parity_and_checkpoint_across_grids(tmp_path):
     for k in ref2:
         torch.testing.assert_close(consolidated[k], ref2[k], rtol=1e-6, atol=1e-6)
     ref_final = _check(run_distributed(_body, 4, args=(CASES_4, ckpt), timeout=300), CASES_4)
+    _check(run_distributed(_body, 1, args=(CASES_1, ckpt), timeout=120), CASES_1)
+    consolidated = get_fp32_state_dict_from_checkpoint(f"{ckpt}/z3", tag="t")  # tensor pieces of ZeRO-3 shards
+    assert consolidated.keys() == ref2.keys()
+    for k in ref2:
+        torch.testing.assert_close(consolidated[k], ref2[k], rtol=1e-6, atol=1e-6)
     whole = load_file(str(tmp_path / "16bit" / "model.safetensors"))  # save_16bit_model: unsharded
     assert whole.keys() == ref_final.keys()
     for k in ref_final:

@@ -411,12 +411,13 @@ class Engine(EngineCompatMixin, torch.nn.Module):
 
     def memory_breakdown(self):
         """Bytes this rank holds for parameters, gradients, master weights and optimizer states,
-        next to ZeRO's formula for the configured stage, precision and data-parallel size."""
+        next to ZeRO's formula for the configured stage, precision, data-parallel and tensor-parallel size."""
         from shardwise.zero.memory import measure
 
         dtype = self.precision.param_dtype
         name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
-        return measure(self.strategy, self.optimizer, precision=name, weight_bytes=torch.finfo(dtype).bits // 8)
+        return measure(self.strategy, self.optimizer, precision=name, weight_bytes=torch.finfo(dtype).bits // 8,
+                       tensor_size=self.tp_world_size)
 
     @property
     def cur_scale(self) -> float:
