@@ -276,7 +276,8 @@ def _engine(case: dict):
     else:
         grid = ParallelGrid(topo)
         with grid.active():  # the model's tensor-parallel layers cut themselves over this grid
-            model = GPT(CFG)
+            with shardwise.zero.Init(mpu=grid, enabled=case.get("zero_init", False)):  # pieces cut over the data axis
+                model = GPT(CFG)
         engine, *_ = shardwise.initialize(model=model, mpu=grid, config=cfg)
     return engine
 
@@ -347,8 +348,23 @@ def _train(case: dict, ckpt: str):
     return {"losses": losses, "params": _full_params(engine), "kept": checkpointing.get_profile()["kept_bytes"]}
 
 
+def _partitioned_over_the_world_is_refused():
+    """A model zero.Init partitioned over every rank (no mpu) cannot train at tensor 2 x data 2."""
+    import shardwise
+    from shardwise.topology import ParallelGrid, PipeModelDataParallelTopology
+
+    grid = ParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=2))
+    with grid.active(), shardwise.zero.Init():
+        model = GPT(CFG)
+    with pytest.raises(ValueError, match=r"partitioned by zero.Init over ranks \[0, 1, 2, 3\], but this engine's "
+                                         r"ZeRO-3 data axis is ranks \[\d, \d\]"):
+        shardwise.initialize(model=model, mpu=grid, config=_config(2, 3))
+
+
 def _body(rank, world, cases, ckpt):
     layers = run_subtests(_check_layers, [2, 4], rank, world) if world == 4 else None  # one spawn for both
+    if world == 4:
+        _partitioned_over_the_world_is_refused()
     return layers, run_subtests(lambda c: (c["name"], _train(c, ckpt)), cases)
 
 
@@ -383,6 +399,7 @@ CASES_4 = [{"name": "dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "save16
            {"name": "resume dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "load": True},
            {"name": "resume dp4 tp1", "dp": 4, "pp": 1, "tp": 1, "zero": 0, "load": True},
            {"name": "dp2 tp2 zero3", "dp": 2, "pp": 1, "tp": 2, "zero": 3, "save": True, "dir": "z3"},
+           {"name": "dp2 tp2 zero3 built in zero.Init", "dp": 2, "pp": 1, "tp": 2, "zero": 3, "zero_init": True},
            {"name": "resume dp4 zero1 from dp2 tp2 zero3", "dp": 4, "pp": 1, "tp": 1, "zero": 1, "load": True,
             "dir": "z3"},
            # last: the activation_checkpointing settings are process-wide and outlive the engine
