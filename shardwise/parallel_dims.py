@@ -93,10 +93,6 @@ _ONEBIT = "the 1-bit optimizers average the momentum of whole, replicated tensor
 
 # The table of allowed combinations: anything not refused here trains (docs/engine.md prints it).
 RULES: tuple[Rule, ...] = (
-    Rule("sequence parallelism (sequence size {sequence}) with tensor parallelism (tensor size {tensor})",
-         "sequence > 1 with tensor > 1", lambda d: d.sequence > 1 and d.tensor > 1, "use one of them"),
-    Rule("sequence parallelism (sequence size {sequence}) with pipeline parallelism ({pipe} stages)",
-         "sequence > 1 with pipe > 1", lambda d: d.sequence > 1 and d.pipe > 1, "use one of them"),
     Rule("expert parallelism (expert size {expert})", "expert > 1", lambda d: d.expert > 1,
          "mixture of experts is not implemented yet"),
     Rule("layers tied across pipeline stages with zero_optimization.stage {zero_stage}",

@@ -267,8 +267,11 @@ def _engine(case: dict):
     from shardwise.models.gpt import gpt_pipeline_module
     from shardwise.topology import ParallelGrid, PipeModelDataParallelTopology
 
-    dp, pp, tp = case["dp"], case["pp"], case["tp"]
-    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    from shardwise.parallel_dims import ParallelDims
+
+    dp, pp, tp, sp = case["dp"], case["pp"], case["tp"], case.get("sp", 1)
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp) if sp == 1 else \
+        ProcessTopology.from_dims(ParallelDims(data=dp, pipe=pp, tensor=tp, sequence=sp))
     cfg = {**_config(dp, case.get("zero", 0)), **case.get("config", {})}
     if pp > 1:
         model = gpt_pipeline_module(CFG, topology=topo, partition_method="uniform")
@@ -285,10 +288,11 @@ def _engine(case: dict):
 def _run(engine, first: int, count: int, evals=None) -> list[float]:
     grid = engine.grid
     dp, d = grid.get_data_parallel_world_size(), grid.get_data_parallel_rank()
-    per = ROWS // dp // MICRO
+    sp, s = grid.get_sequence_parallel_world_size(), grid.get_sequence_parallel_rank()
+    per, cut = ROWS // dp // MICRO, CFG.seq_len // sp  # Ulysses: this sequence rank's slice of every row
     losses = []
     for step in range(first, first + count):
-        x, y = data(step)
+        x, y = (t[:, s * cut:(s + 1) * cut] for t in data(step))
         mine = [(x[(d * MICRO + m) * per:(d * MICRO + m + 1) * per], y[(d * MICRO + m) * per:(d * MICRO + m + 1) * per])
                 for m in range(MICRO)]
         if grid.get_pipe_parallel_world_size() > 1:
@@ -400,6 +404,7 @@ CASES_4 = [{"name": "dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "save16
            {"name": "resume dp4 tp1", "dp": 4, "pp": 1, "tp": 1, "zero": 0, "load": True},
            {"name": "dp2 tp2 zero3", "dp": 2, "pp": 1, "tp": 2, "zero": 3, "save": True, "dir": "z3"},
            {"name": "dp2 tp2 zero3 built in zero.Init", "dp": 2, "pp": 1, "tp": 2, "zero": 3, "zero_init": True},
+           {"name": "pp2 sp2 (Ulysses)", "dp": 1, "pp": 2, "tp": 1, "sp": 2, "zero": 1},
            {"name": "resume dp4 zero1 from dp2 tp2 zero3", "dp": 4, "pp": 1, "tp": 1, "zero": 1, "load": True,
             "dir": "z3"},
            # last: the activation_checkpointing settings are process-wide and outlive the engine
