@@ -1,8 +1,8 @@
 """Parallel axes compose on a tiny Hugging Face Llama: AutoTP tensor 2 x data 2 at ZeRO-3 (with and without
-CPU offload of parameters and optimizer), and Ulysses sequence 2 x AutoTP tensor 2 at ZeRO-0, 1 and 3,
-train with the per-step losses and final weights of one process on the whole batch (fp32, relative 1e-6).
-One 4-rank spawn runs every case (the sequence-parallel ones last: registering Ulysses replaces the
-process's sdpa attention).
+CPU offload of parameters and optimizer; its save_16bit_model export is whole), and Ulysses sequence 2 x
+AutoTP tensor 2 at ZeRO-0, 1 and 3, train with the per-step losses and final weights of one process on the
+whole batch (fp32, relative 1e-6). One 4-rank spawn runs every case (the sequence-parallel ones last:
+registering Ulysses replaces the process's sdpa attention).
 
 (The reference GPT's compositions, pipe x tensor x data at ZeRO-3 and checkpoints across layouts, are in
 tests/test_tensor_parallel.py, next to its one-process reference.)
@@ -21,7 +21,8 @@ VOCAB, ROWS, SEQ, STEPS = 96, 4, 8, 3
 LR, CLIP = 0.2, 0.5  # SGD (Adam's update hides a uniform gradient scale); the clip acts at every step
 
 CASES = [
-    {"name": "autotp tp2 x dp2 ZeRO-3", "tp": 2, "zero": {"stage": 3}},
+    {"name": "autotp tp2 x dp2 ZeRO-3", "tp": 2, "export": True,
+     "zero": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}},
     {"name": "autotp tp2 x dp2 ZeRO-3 cpu offload", "tp": 2,
      "zero": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}},
     {"name": "ulysses sp2 x autotp tp2 ZeRO-0", "tp": 2, "sp": 2, "zero": {"stage": 0}},
@@ -114,7 +115,7 @@ def _engine(case: dict, world: int, path: str):
     return engine
 
 
-def _train(case: dict, rank: int, world: int, path: str):
+def _train(case: dict, rank: int, world: int, path: str, out: str):
     engine = _engine(case, world, path)
     grid, sp = engine.grid, case.get("sp", 1)
     dp = world // (case["tp"] * sp)
@@ -131,17 +132,19 @@ def _train(case: dict, rank: int, world: int, path: str):
         torch.distributed.all_reduce(mean, group=grid.get_data_parallel_group())
         losses.append(mean.item() / dp)
     breakdown = engine.memory_breakdown()
+    if case.get("export"):  # whole Hugging Face weights from the tensor pieces of ZeRO-3 shards
+        assert engine.save_16bit_model(out)
     return losses, _whole_weights(engine), breakdown
 
 
-def _body(rank: int, world: int, path: str):
-    return run_subtests(lambda case: _train(case, rank, world, path), CASES)
+def _body(rank: int, world: int, path: str, out: str):
+    return run_subtests(lambda case: _train(case, rank, world, path, out), CASES)
 
 
 def test_tensor_parallel_composes_with_zero3_and_sequence_parallelism_on_a_hf_llama(tmp_path):
     path = _save_llama(tmp_path / "llama")
     ref_losses, ref_params = _reference(path)
-    results = run_distributed(_body, 4, args=(path,), timeout=300)
+    results = run_distributed(_body, 4, args=(path, str(tmp_path / "hf")), timeout=300)
     for i, case in enumerate(CASES):
         for rank, per_case in enumerate(results):
             losses, params, breakdown = per_case[i]
@@ -153,6 +156,12 @@ def test_tensor_parallel_composes_with_zero3_and_sequence_parallelism_on_a_hf_ll
                                                msg=lambda m, k=k: f"{case['name']} {k}: {m}")
             if case["zero"]["stage"] == 3 and case.get("sp", 1) == 1:
                 _check_breakdown(breakdown, ref_params)
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert exported.keys() == ref_params.keys()
+    for k, want in ref_params.items():
+        torch.testing.assert_close(exported[k], want, rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"export {k}: {m}")
 
 
 def _check_breakdown(breakdown, ref_params):

@@ -397,14 +397,17 @@ def _check(results, cases):
 # ZeRO-0: each continues exactly as one process does.
 # ZeRO-3 under tensor parallelism partitions each tensor rank's pieces over the data axis: pipe 2 x tensor 2 x
 # data 2, and a checkpoint saved at (dp 2, tp 2, ZeRO-3) continues at (dp 4, ZeRO-1) and in one process.
+# Ulysses: pipe 2 x sequence 2, its checkpoint continued at (dp 2, tp 2, ZeRO-3).
 CASES_8 = [{"name": "dp2 pp2 tp2", "dp": 2, "pp": 2, "tp": 2, "zero": 1, "save": True},
            {"name": "dp2 pp2 tp2 zero3", "dp": 2, "pp": 2, "tp": 2, "zero": 3}]
 CASES_4 = [{"name": "dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "save16": True},
            {"name": "resume dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "load": True},
            {"name": "resume dp4 tp1", "dp": 4, "pp": 1, "tp": 1, "zero": 0, "load": True},
-           {"name": "dp2 tp2 zero3", "dp": 2, "pp": 1, "tp": 2, "zero": 3, "save": True, "dir": "z3"},
-           {"name": "dp2 tp2 zero3 built in zero.Init", "dp": 2, "pp": 1, "tp": 2, "zero": 3, "zero_init": True},
-           {"name": "pp2 sp2 (Ulysses)", "dp": 1, "pp": 2, "tp": 1, "sp": 2, "zero": 1},
+           {"name": "dp2 tp2 zero3 built in zero.Init", "dp": 2, "pp": 1, "tp": 2, "zero": 3, "zero_init": True,
+            "save": True, "dir": "z3"},
+           {"name": "pp2 sp2 (Ulysses)", "dp": 1, "pp": 2, "tp": 1, "sp": 2, "zero": 1, "save": True, "dir": "sp"},
+           {"name": "resume dp2 tp2 zero3 from pp2 sp2", "dp": 2, "pp": 1, "tp": 2, "zero": 3, "load": True,
+            "dir": "sp"},
            {"name": "resume dp4 zero1 from dp2 tp2 zero3", "dp": 4, "pp": 1, "tp": 1, "zero": 1, "load": True,
             "dir": "z3"},
            # last: the activation_checkpointing settings are process-wide and outlive the engine
