@@ -352,8 +352,11 @@ def _train(case: dict, ckpt: str):
     return {"losses": losses, "params": _full_params(engine), "kept": checkpointing.get_profile()["kept_bytes"]}
 
 
-def _partitioned_over_the_world_is_refused():
-    """A model zero.Init partitioned over every rank (no mpu) cannot train at tensor 2 x data 2."""
+def _refusals():
+    """A model zero.Init partitioned over every rank (no mpu) cannot train at tensor 2 x data 2; Megatron's
+    sequence parallelism with partitioned activation checkpoints is refused (it trained wrong)."""
+    import dataclasses
+
     import shardwise
     from shardwise.topology import ParallelGrid, PipeModelDataParallelTopology
 
@@ -363,12 +366,17 @@ def _partitioned_over_the_world_is_refused():
     with pytest.raises(ValueError, match=r"partitioned by zero.Init over ranks \[0, 1, 2, 3\], but this engine's "
                                          r"ZeRO-3 data axis is ranks \[\d, \d\]"):
         shardwise.initialize(model=model, mpu=grid, config=_config(2, 3))
+    with grid.active():
+        model = GPT(dataclasses.replace(CFG, sequence_parallel=True))
+    with pytest.raises(ValueError, match="partition_activations with Megatron sequence parallelism"):
+        shardwise.initialize(model=model, mpu=grid, config={**_config(2, 1), "activation_checkpointing": {
+            "partition_activations": True}})
 
 
 def _body(rank, world, cases, ckpt):
     layers = run_subtests(_check_layers, [2, 4], rank, world) if world == 4 else None  # one spawn for both
     if world == 4:
-        _partitioned_over_the_world_is_refused()
+        _refusals()
     return layers, run_subtests(lambda c: (c["name"], _train(c, ckpt)), cases)
 
 
