@@ -93,13 +93,6 @@ _ONEBIT = "the 1-bit optimizers average the momentum of whole, replicated tensor
 
 # The table of allowed combinations: anything not refused here trains (docs/engine.md prints it).
 RULES: tuple[Rule, ...] = (
-    Rule("zero_optimization.stage 3 with tensor parallelism (tensor size {tensor})",
-         "ZeRO stage 3 with tensor > 1", lambda d: d.zero_stage == 3 and d.tensor > 1,
-         "ZeRO stages 0, 1 and 2 shard over the data axis under tensor parallelism; stage 3 does not yet"),
-    Rule("sequence parallelism (sequence size {sequence}) with tensor parallelism (tensor size {tensor})",
-         "sequence > 1 with tensor > 1", lambda d: d.sequence > 1 and d.tensor > 1, "use one of them"),
-    Rule("sequence parallelism (sequence size {sequence}) with pipeline parallelism ({pipe} stages)",
-         "sequence > 1 with pipe > 1", lambda d: d.sequence > 1 and d.pipe > 1, "use one of them"),
     Rule("MoE ep_size {expert} with {data} data-parallel ranks", "expert size not dividing data",
          lambda d: d.data % d.expert != 0,
          "the experts of a layer are split over ep_size ranks of the data axis: ep_size must divide it"),

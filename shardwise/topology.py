@@ -83,6 +83,17 @@ class ProcessTopology:
             )
         return cls(("pipe", "data", "model"), (pipe, world_size // (pipe * model), model))
 
+    @classmethod
+    def from_dims(cls, dims: ParallelDims) -> "ProcessTopology":
+        """The layout of ``dims``'s sizes, as DeepSpeed lays ranks out: pipe outermost, tensor fastest; with
+        sequence parallelism (data, sequence), sequence fastest, and with pipe or tensor too (pipe, data,
+        sequence, model): tensor peers stay neighbours, then sequence peers."""
+        if dims.sequence > 1 and dims.pipe * dims.tensor == 1:
+            return cls(("data", "sequence"), (dims.data, dims.sequence))
+        if dims.sequence > 1:
+            return cls(("pipe", "data", "sequence", "model"), (dims.pipe, dims.data, dims.sequence, dims.tensor))
+        return cls(("pipe", "data", "model"), (dims.pipe, dims.data, dims.tensor))
+
     @property
     def world_size(self) -> int:
         n = 1
@@ -228,21 +239,19 @@ class ParallelGrid(_Activatable):
 
     @classmethod
     def from_dims(cls, dims: ParallelDims) -> "ParallelGrid":
-        """The grid of ``dims``'s sizes (collective: every rank builds every group). Ranks are laid out
-        as DeepSpeed does: pipe outermost, tensor fastest; with sequence parallelism (data, sequence),
-        sequence fastest."""
-        if dims.sequence > 1:
-            return cls(ProcessTopology(("data", "sequence"), (dims.data, dims.sequence)))
-        return cls(ProcessTopology(("pipe", "data", "model"), (dims.pipe, dims.data, dims.tensor)))
+        """The grid of ``dims``'s sizes (collective: every rank builds every group), laid out by
+        ``ProcessTopology.from_dims``."""
+        return cls(ProcessTopology.from_dims(dims))
 
     def _build_model_parallel_group(self, whole_world: bool):
-        """The ranks sharing this rank's data coordinate (every pipe and model coordinate)."""
-        if self.size("data") == 1 and whole_world:
+        """The ranks sharing this rank's data (and sequence) coordinate: every pipe and model coordinate."""
+        if self.size("data") * self.size("sequence") == 1 and whole_world:
             return None  # the whole world
         mine = None
         topo = self.topology
-        for d in range(self.size("data")):
-            ranks = [r for r in range(topo.world_size) if topo.get_coord(r).get("data", 0) == d]
+        for d, s in product(range(self.size("data")), range(self.size("sequence"))):
+            ranks = [r for r in range(topo.world_size)
+                     if topo.get_coord(r).get("data", 0) == d and topo.get_coord(r).get("sequence", 0) == s]
             g = comm.new_group(ranks)
             if self.rank in ranks:
                 mine = g

@@ -58,6 +58,18 @@ def test_offload_moves_optimizer_states_and_params_off_the_device():
             estimate_model_states(p, **bad)
 
 
+def test_tensor_and_pipeline_sizes_divide_the_model_before_zero_partitions_it():
+    from shardwise.profiling import estimate_model_states
+
+    p = 8_000_000
+    e = estimate_model_states(p, num_gpus=8, stage=3, precision="bf16", tensor_parallel=2)
+    assert (e.dp_world_size, e.tensor_parallel) == (4, 2) and e.total == 16 * p / (2 * 4)
+    e = estimate_model_states(p, num_gpus=8, stage=1, precision="bf16", tensor_parallel=2, pipeline_parallel=2)
+    assert e.dp_world_size == 2 and e.total == 4 * p / 4 + 12 * p / (4 * 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel 4 x pipeline_parallel 1 does not divide the 6 ranks"):
+        estimate_model_states(p, num_gpus=6, stage=3, tensor_parallel=4)
+
+
 def test_activation_estimate_follows_the_transformer_formula():
     from shardwise.profiling import estimate_activations
 

@@ -296,8 +296,11 @@ def _engine(case: dict):
     from shardwise.models.gpt import gpt_pipeline_module
     from shardwise.topology import ParallelGrid, PipeModelDataParallelTopology
 
-    dp, pp, tp = case["dp"], case["pp"], case["tp"]
-    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    from shardwise.parallel_dims import ParallelDims
+
+    dp, pp, tp, sp = case["dp"], case["pp"], case["tp"], case.get("sp", 1)
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp) if sp == 1 else \
+        ProcessTopology.from_dims(ParallelDims(data=dp, pipe=pp, tensor=tp, sequence=sp))
     cfg = {**_config(dp, case.get("zero", 0)), **case.get("config", {})}
     if pp > 1:
         model = gpt_pipeline_module(CFG, topology=topo, partition_method="uniform")
@@ -305,7 +308,8 @@ def _engine(case: dict):
     else:
         grid = ParallelGrid(topo)
         with grid.active():  # the model's tensor-parallel layers cut themselves over this grid
-            model = GPT(CFG)
+            with shardwise.zero.Init(mpu=grid, enabled=case.get("zero_init", False)):  # pieces cut over the data axis
+                model = GPT(CFG)
         engine, *_ = shardwise.initialize(model=model, mpu=grid, config=cfg)
     return engine
 
@@ -313,10 +317,11 @@ def _engine(case: dict):
 def _run(engine, first: int, count: int, evals=None) -> list[float]:
     grid = engine.grid
     dp, d = grid.get_data_parallel_world_size(), grid.get_data_parallel_rank()
-    per = ROWS // dp // MICRO
+    sp, s = grid.get_sequence_parallel_world_size(), grid.get_sequence_parallel_rank()
+    per, cut = ROWS // dp // MICRO, CFG.seq_len // sp  # Ulysses: this sequence rank's slice of every row
     losses = []
     for step in range(first, first + count):
-        x, y = data(step)
+        x, y = (t[:, s * cut:(s + 1) * cut] for t in data(step))
         mine = [(x[(d * MICRO + m) * per:(d * MICRO + m + 1) * per], y[(d * MICRO + m) * per:(d * MICRO + m + 1) * per])
                 for m in range(MICRO)]
         if grid.get_pipe_parallel_world_size() > 1:
@@ -338,10 +343,13 @@ def _run(engine, first: int, count: int, evals=None) -> list[float]:
 
 def _full_params(engine) -> dict:
     """Every parameter whole (tensor shards all-gathered), from tensor rank 0 of data rank 0."""
+    from shardwise.zero import GatheredParameters, is_partitioned
+
     grid = engine.grid
     out = {}
     for name, p in engine.module.named_parameters():
-        t = p.detach()
+        with GatheredParameters([p]):  # ZeRO-3: this tensor rank's piece, whole over the data axis
+            t = p.detach().clone() if is_partitioned(p) else p.detach()
         if getattr(p, "tensor_model_parallel", False) and grid.get_tensor_model_parallel_world_size() > 1:
             parts = [torch.empty_like(t) for _ in range(grid.get_tensor_model_parallel_world_size())]
             torch.distributed.all_gather(parts, t.contiguous(), group=grid.get_tensor_model_parallel_group())
@@ -353,6 +361,7 @@ def _full_params(engine) -> dict:
 
 def _train(case: dict, ckpt: str):
     engine = _engine(case)
+    ckpt = f"{ckpt}/{case['dir']}" if "dir" in case else ckpt
     if case.get("load"):  # saved by another grid after 2 steps: continue with step 3
         engine.load_checkpoint(ckpt, tag="t")
         assert engine.global_steps == 2
@@ -372,8 +381,31 @@ def _train(case: dict, ckpt: str):
     return {"losses": losses, "params": _full_params(engine), "kept": checkpointing.get_profile()["kept_bytes"]}
 
 
+def _refusals():
+    """A model zero.Init partitioned over every rank (no mpu) cannot train at tensor 2 x data 2; Megatron's
+    sequence parallelism with partitioned activation checkpoints is refused (it trained wrong)."""
+    import dataclasses
+
+    import shardwise
+    from shardwise.topology import ParallelGrid, PipeModelDataParallelTopology
+
+    grid = ParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=2))
+    with grid.active(), shardwise.zero.Init():
+        model = GPT(CFG)
+    with pytest.raises(ValueError, match=r"partitioned by zero.Init over ranks \[0, 1, 2, 3\], but this engine's "
+                                         r"ZeRO-3 data axis is ranks \[\d, \d\]"):
+        shardwise.initialize(model=model, mpu=grid, config=_config(2, 3))
+    with grid.active():
+        model = GPT(dataclasses.replace(CFG, sequence_parallel=True))
+    with pytest.raises(ValueError, match="partition_activations with Megatron sequence parallelism"):
+        shardwise.initialize(model=model, mpu=grid, config={**_config(2, 1), "activation_checkpointing": {
+            "partition_activations": True}})
+
+
 def _body(rank, world, cases, ckpt):
     layers = run_subtests(_check_layers, [2, 4], rank, world) if world == 4 else None  # one spawn for both
+    if world == 4:
+        _refusals()
     return layers, run_subtests(lambda c: (c["name"], _train(c, ckpt)), cases)
 
 
@@ -400,14 +432,29 @@ def _check(results, cases):
 
 # Saved at (dp 2, pp 2, tp 2) under ZeRO-1; loaded at (dp 2, pp 1, tp 2) ZeRO-2 and (dp 4, pp 1, tp 1)
 # ZeRO-0: each continues exactly as one process does.
-CASES_8 = [{"name": "dp2 pp2 tp2", "dp": 2, "pp": 2, "tp": 2, "zero": 1, "save": True}]
+# ZeRO-3 under tensor parallelism partitions each tensor rank's pieces over the data axis: pipe 2 x tensor 2 x
+# data 2, and a checkpoint saved at (dp 2, tp 2, ZeRO-3) continues at (dp 4, ZeRO-1) and in one process.
+# Ulysses: pipe 2 x sequence 2, its checkpoint continued at (dp 2, tp 2, ZeRO-3).
+CASES_8 = [{"name": "dp2 pp2 tp2", "dp": 2, "pp": 2, "tp": 2, "zero": 1, "save": True},
+           {"name": "dp2 pp2 tp2 zero3", "dp": 2, "pp": 2, "tp": 2, "zero": 3}]
 CASES_4 = [{"name": "dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "save16": True},
            {"name": "resume dp2 pp1 tp2", "dp": 2, "pp": 1, "tp": 2, "zero": 2, "load": True},
            {"name": "resume dp4 tp1", "dp": 4, "pp": 1, "tp": 1, "zero": 0, "load": True},
+           {"name": "dp2 tp2 zero3 built in zero.Init", "dp": 2, "pp": 1, "tp": 2, "zero": 3, "zero_init": True,
+            "save": True, "dir": "z3"},
+           {"name": "pp2 sp2 (Ulysses)", "dp": 1, "pp": 2, "tp": 1, "sp": 2, "zero": 1, "save": True, "dir": "sp"},
+           {"name": "resume dp2 tp2 zero3 from pp2 sp2", "dp": 2, "pp": 1, "tp": 2, "zero": 3, "load": True,
+            "dir": "sp"},
+           {"name": "resume dp4 zero1 from dp2 tp2 zero3", "dp": 4, "pp": 1, "tp": 1, "zero": 1, "load": True,
+            "dir": "z3"},
            # last: the activation_checkpointing settings are process-wide and outlive the engine
            {"name": "dp1 pp2 tp2 partitioned activations", "dp": 1, "pp": 2, "tp": 2, "zero": 1, "eval": True,
             "config": {"pipeline": {"activation_checkpoint_interval": 1},
                        "activation_checkpointing": {"partition_activations": True}}}]
+
+
+CASES_1 = [{"name": "resume one process from dp2 tp2 zero3", "dp": 1, "pp": 1, "tp": 1, "zero": 0, "load": True,
+            "dir": "z3"}]
 
 
 def test_layers_and_3d_parity_and_checkpoint_across_grids(tmp_path):
@@ -424,6 +471,11 @@ def test_layers_and_3d_parity_and_checkpoint_across_grids(tmp_path):
     for k in ref2:
         torch.testing.assert_close(consolidated[k], ref2[k], rtol=1e-6, atol=1e-6)
     ref_final = _check(run_distributed(_body, 4, args=(CASES_4, ckpt), timeout=300), CASES_4)
+    _check(run_distributed(_body, 1, args=(CASES_1, ckpt), timeout=120), CASES_1)
+    consolidated = get_fp32_state_dict_from_checkpoint(f"{ckpt}/z3", tag="t")  # tensor pieces of ZeRO-3 shards
+    assert consolidated.keys() == ref2.keys()
+    for k in ref2:
+        torch.testing.assert_close(consolidated[k], ref2[k], rtol=1e-6, atol=1e-6)
     whole = load_file(str(tmp_path / "16bit" / "model.safetensors"))  # save_16bit_model: unsharded
     assert whole.keys() == ref_final.keys()
     for k in ref_final:

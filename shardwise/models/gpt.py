@@ -8,6 +8,13 @@ model is the same at every (data, pipe, tensor) size: parity tests compare again
 
 Activations are ``[batch, seq, hidden]``. With ``sequence_parallel=True`` the norm/dropout regions
 between the tensor-parallel blocks hold ``seq / tp`` positions per tensor rank.
+
+Ulysses sequence parallelism (DeepSpeed's ``DistributedAttention``, as Megatron-DeepSpeed uses it) is on
+whenever the grid the model runs in has a sequence axis (size N > 1): each rank is fed ``seq / N``
+consecutive tokens of every sequence (its sequence rank's slice) and their labels; attention exchanges
+heads for tokens around the core attention, and ``gpt_loss`` sums the slices' losses over the sequence
+group, so every rank returns the loss of the whole sequences. Composes with tensor parallelism (each
+tensor rank's heads are exchanged) and with pipelines.
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise import comm
+from shardwise.sequence.layer import seq_all_to_all, sequence_sum
 from shardwise.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                        get_cuda_rng_tracker, scatter_to_sequence_parallel_region,
                                        vocab_parallel_cross_entropy)
-from shardwise.topology import TENSOR_AXIS, tensor_parallel_group_and_size
+from shardwise.topology import TENSOR_AXIS, active_grid, tensor_parallel_group_and_size
 
 __all__ = ["GPTConfig", "GPT", "gpt_layer_specs", "gpt_loss", "gpt_pipeline_module"]
 
@@ -41,6 +50,14 @@ class GPTConfig:
 
 def _tp_size() -> int:
     return tensor_parallel_group_and_size()[1]
+
+
+def _sequence_axis():
+    """(group, size, rank) of the active grid's sequence axis (Ulysses); size 1 without one."""
+    grid = active_grid()
+    if grid is None or grid.size("sequence") == 1:
+        return None, 1, 0
+    return grid.group("sequence"), grid.size("sequence"), grid.axis_rank("sequence")
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool, *, sharded: bool) -> torch.Tensor:
@@ -64,7 +81,9 @@ class GPTEmbedding(nn.Module):
         self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        _, _, sp_rank = _sequence_axis()  # Ulysses: these tokens are slice sp_rank of every sequence
+        local = tokens.shape[1]
+        pos = torch.arange(sp_rank * local, (sp_rank + 1) * local, device=tokens.device)
         x = self.wte(tokens) + self.wpe(pos)
         if self.cfg.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group, dim=1)
@@ -86,7 +105,6 @@ class GPTBlock(nn.Module):
         if cfg.n_heads % tp:
             raise ValueError(f"GPTConfig.n_heads ({cfg.n_heads}) is not divisible by the tensor-parallel size ({tp})")
         self.cfg = cfg
-        self.tp_size = tp
         self.local_heads = cfg.n_heads // tp
         self.head_dim = cfg.hidden // cfg.n_heads
         sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=1)
@@ -102,18 +120,29 @@ class GPTBlock(nn.Module):
         self.fc2 = RowParallelLinear(cfg.mlp_ratio * cfg.hidden, cfg.hidden, input_is_parallel=True, **sp)
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
-        b, s = x.shape[0], (x.shape[1] * self.tp_size if self.cfg.sequence_parallel else x.shape[1])
-
-        def heads(t):
-            return t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        group, sp, _ = _sequence_axis()
+        if sp > 1 and self.cfg.sequence_parallel:
+            raise ValueError("GPTConfig.sequence_parallel=True (Megatron's, over the tensor ranks) with Ulysses "
+                             f"sequence parallelism (sequence size {sp}): use one of them")
+        if self.local_heads % sp:
+            raise ValueError(f"GPTConfig.n_heads ({self.cfg.n_heads}) must divide by tensor size x sequence size: "
+                             f"this tensor rank's {self.local_heads} heads do not divide by the sequence size {sp}")
+        b = x.shape[0]
+        q, k, v = self.q(x), self.k(x), self.v(x)  # the whole sequence under Megatron's sequence parallelism
+        here = q.shape[1]
+        q, k, v = (t.view(b, here, self.local_heads, self.head_dim) for t in (q, k, v))
+        if sp > 1:  # Ulysses: this rank's tokens of all (local) heads -> every token of local_heads / sp heads
+            q, k, v = (seq_all_to_all(t, 2, 1, group) for t in (q, k, v))
+        s = q.shape[1]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         att = _dropout(att, self.cfg.dropout, self.training, sharded=True)  # this rank's heads
-        y = (att @ v).transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
-        return self.proj(y)
+        y = (att @ v).transpose(1, 2)  # [b, s, heads here, head_dim]
+        if sp > 1:
+            y = seq_all_to_all(y, 1, 2, group)  # back to this rank's tokens of all local heads
+        return self.proj(y.reshape(b, here, self.local_heads * self.head_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sharded = self.cfg.sequence_parallel
@@ -136,10 +165,18 @@ class GPTHead(nn.Module):
 
 
 def gpt_loss(vocab_parallel_logits: torch.Tensor, labels: torch.Tensor, *, group=TENSOR_AXIS) -> torch.Tensor:
-    """Mean next-token loss from vocabulary-parallel logits (``ignore_index`` -100); ``group``: the
-    tensor group the logits are sharded over (default: the active grid's, as the pipeline's loss)."""
+    """Mean next-token loss from vocabulary-parallel logits (``ignore_index`` -100). Under Ulysses each rank
+    holds a slice of every sequence: the slices' sums are added over the sequence group, so every rank
+    returns the mean over the whole sequences. ``group``: the tensor group the logits are sharded over (default:
+    the active grid's, as the pipeline's loss)."""
     losses = vocab_parallel_cross_entropy(vocab_parallel_logits, labels, group=group)
-    return losses.sum() / (labels != -100).sum().clamp(min=1)
+    total, count = losses.sum(), (labels != -100).sum()
+    sp_group, sp, _ = _sequence_axis()
+    if sp > 1:
+        total = sequence_sum(total, sp_group)
+        count = count.clone()
+        comm.all_reduce(count, group=sp_group)
+    return total / count.clamp(min=1)
 
 
 def gpt_layer_specs(cfg: GPTConfig) -> list:

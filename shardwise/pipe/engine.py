@@ -343,9 +343,12 @@ class PipelineEngine(Engine):
     def _replica_mean(self, losses, m: int) -> torch.Tensor:
         """Each micro-batch's loss averaged over the data-parallel replicas, the same on every rank (train
         and eval alike). Only the last stage holds losses, and each of its tensor ranks holds the same
-        one: tensor rank 0 of the last stage contributes, once per replica."""
+        one: tensor rank 0 of the last stage contributes, once per replica. Under sequence parallelism the loss
+        function returns the whole sequences' loss on every sequence rank (``gpt_loss`` does): sequence rank 0
+        contributes."""
         vec = torch.zeros(m, dtype=torch.float32, device=self.device)
-        if self.is_last_stage() and self.grid.get_tensor_model_parallel_rank() == 0:
+        sequence_rank = getattr(self.grid, "get_sequence_parallel_rank", lambda: 0)()
+        if self.is_last_stage() and self.grid.get_tensor_model_parallel_rank() == 0 and sequence_rank == 0:
             vec += torch.stack([l.float().reshape(()) for l in losses]) / self.dp_world_size
         if comm.get_world_size() > 1:
             comm.all_reduce(vec)

@@ -30,6 +30,8 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", metavar="DIR", help="a Hugging Face model folder (its config.json is enough)")
     p.add_argument("--num_gpus", type=int, default=1, help="accelerators (ranks) per node (default 1)")
     p.add_argument("--num_nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--tensor_parallel", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--pipeline_parallel", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="only this ZeRO stage (default: all)")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"),
                    help="optimizer offload (offload_optimizer.device); default: show none and cpu")
@@ -75,7 +77,8 @@ def build_estimates(ns) -> tuple[list[MemoryEstimate], dict]:
     for stage, off, off_param in _variants(ns):
         estimates.append(estimate_model_states(num_params, num_gpus=ns.num_gpus, num_nodes=ns.num_nodes, stage=stage,
                                                precision=ns.precision, offload_optimizer=off,
-                                               offload_param=off_param))
+                                               offload_param=off_param, tensor_parallel=ns.tensor_parallel,
+                                               pipeline_parallel=ns.pipeline_parallel))
     if all(shape.get(k) for k in ("seq_len", "hidden_size", "num_layers", "num_heads")):
         kw = dict(seq_len=shape["seq_len"], micro_batch=ns.micro_batch, hidden_size=shape["hidden_size"],
                   num_layers=shape["num_layers"], num_heads=shape["num_heads"], vocab_size=shape.get("vocab_size"),
@@ -90,6 +93,9 @@ def format_table(estimates: list[MemoryEstimate], shape: dict) -> str:
     e0 = estimates[0]
     lines = [f"Model states per rank: {e0.num_params:,} trainable parameters ({e0.num_params / 1e9:.3f}B), "
              f"{e0.num_gpus} rank(s) x {e0.num_nodes} node(s) (N={e0.dp_world_size}), {e0.precision}, Adam-style optimizer"]
+    if e0.tensor_parallel * e0.pipeline_parallel > 1:
+        lines[0] += (f"; tensor {e0.tensor_parallel} x pipe {e0.pipeline_parallel} x data {e0.dp_world_size}: "
+                     f"a rank holds 1/{e0.tensor_parallel * e0.pipeline_parallel} of the model")
     header = f"{'stage':>5}  {'offload opt/param':<17}  {'device/rank':>12}  {'host/rank':>12}  {'host/node':>12}  {'nvme/rank':>12}"
     lines += [header, "-" * len(header)]
     for e in estimates:

@@ -12,6 +12,9 @@ optimizer  8 (momentum, variance)  stage >= 1       device, host/NVMe with offlo
 =========  ======================  ===============  =================================
 
 So mixed precision gives 16Ψ (stage 0), 4Ψ + 12Ψ/N (1), 2Ψ + 14Ψ/N (2), 16Ψ/N (3).
+With ``tensor_parallel`` T and ``pipeline_parallel`` P a rank holds Ψ/(T·P) of the model (the pieces of
+tensor-sharded weights, one stage's layers; replicated norms are ignored) and N is the data-parallel
+size, ranks / (T·P): ZeRO-3 in mixed precision holds 16Ψ/(T·P·N).
 With ``offload_optimizer`` the optimizer also keeps an fp32 copy of its gradient partition
 (4Ψ/N) where the optimizer runs. Activations for transformer shapes follow Korthikanti et al.
 (2022): ``s*b*h*(34 + 5*a*s/h)`` bytes per layer in 16-bit, ``2*s*b*h`` per layer kept with
@@ -60,6 +63,8 @@ class MemoryEstimate:
     activations: int | None = None  # per rank, for the given transformer shape, if any
     activations_checkpointed: int | None = None
     notes: list[str] = field(default_factory=list)
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
 
     @property
     def total(self) -> int:
@@ -83,8 +88,10 @@ def _check(name: str, value, allowed) -> None:
 
 def estimate_model_states(num_params: float, *, num_gpus: int = 1, num_nodes: int = 1, stage: int = 0,
                           precision: str = "bf16", offload_optimizer: str = "none",
-                          offload_param: str = "none") -> MemoryEstimate:
-    """Per-rank memory for the model states of ``num_params`` trainable parameters."""
+                          offload_param: str = "none", tensor_parallel: int = 1,
+                          pipeline_parallel: int = 1) -> MemoryEstimate:
+    """Per-rank memory for the model states of ``num_params`` trainable parameters; with ``tensor_parallel``
+    / ``pipeline_parallel`` > 1 the ranks are a tensor x pipe x data grid (data = ranks / (tensor x pipe))."""
     psi = int(num_params)
     if psi <= 0:
         raise ValueError(f"the parameter count must be positive, got {num_params!r}")
@@ -94,15 +101,25 @@ def estimate_model_states(num_params: float, *, num_gpus: int = 1, num_nodes: in
     _check("precision", precision, _PRECISIONS)
     _check("offload (optimizer)", offload_optimizer, _OFFLOAD)
     _check("offload_param", offload_param, _OFFLOAD)
-    ParallelDims(data=num_gpus * num_nodes, zero_stage=stage, offload_optimizer=offload_optimizer != "none",
-                 offload_param=offload_param != "none").validate()  # the one table of allowed combinations
-    n = num_gpus * num_nodes
+    world, model_parallel = num_gpus * num_nodes, tensor_parallel * pipeline_parallel
+    for name, size in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+    if world % model_parallel:
+        raise ValueError(f"tensor_parallel {tensor_parallel} x pipeline_parallel {pipeline_parallel} does not divide "
+                         f"the {world} ranks (num_gpus x num_nodes)")
+    n = world // model_parallel
+    ParallelDims(data=n, tensor=tensor_parallel, pipe=pipeline_parallel, zero_stage=stage,
+                 offload_optimizer=offload_optimizer != "none",
+                 offload_param=offload_param != "none").validate(world)  # the one table of allowed combinations
     width = 4 if precision == "fp32" else 2
+    psi_rank = math.ceil(psi / model_parallel)  # this rank's piece of the model
 
     def share(bytes_per_param: int, partitioned: bool) -> int:
-        return math.ceil(bytes_per_param * psi / n) if partitioned else bytes_per_param * psi
+        return math.ceil(bytes_per_param * psi_rank / n) if partitioned else bytes_per_param * psi_rank
 
-    est = MemoryEstimate(psi, stage, precision, n, num_gpus, num_nodes, offload_optimizer, offload_param)
+    est = MemoryEstimate(psi, stage, precision, n, num_gpus, num_nodes, offload_optimizer, offload_param,
+                         tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
     est.params = share(width, stage >= 3)
     est.grads = share(width, stage >= 2)
     est.master_params = share(4, stage >= 1) if precision != "fp32" else 0

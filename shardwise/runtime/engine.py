@@ -124,6 +124,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self.timers = Timers(self.device, enabled=bool(config.wall_clock_breakdown))
         self._interval_start = time.perf_counter()
         self._progress: ProgressBar | None = None
+        _check_partitioned_activations(config, self.module, self.tp_world_size)
         checkpointing.configure_from(config, mpu=grid)  # activation_checkpointing block, if set
         self._checkpoint_writer = None  # created by the first save or load
         self.observer = StepObserver(self.training_state(), autotuning_engine=self)  # monitors, flops, autotuning
@@ -420,12 +421,13 @@ class Engine(EngineCompatMixin, torch.nn.Module):
 
     def memory_breakdown(self):
         """Bytes this rank holds for parameters, gradients, master weights and optimizer states,
-        next to ZeRO's formula for the configured stage, precision and data-parallel size."""
+        next to ZeRO's formula for the configured stage, precision, data-parallel and tensor-parallel size."""
         from shardwise.zero.memory import measure
 
         dtype = self.precision.param_dtype
         name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
-        return measure(self.strategy, self.optimizer, precision=name, weight_bytes=torch.finfo(dtype).bits // 8)
+        return measure(self.strategy, self.optimizer, precision=name, weight_bytes=torch.finfo(dtype).bits // 8,
+                       tensor_size=self.tp_world_size)
 
     @property
     def cur_scale(self) -> float:
@@ -542,6 +544,17 @@ def _check_tensor_parallel_layers(model: torch.nn.Module, tp: int) -> None:
             raise ValueError(f"layer '{name}' ({type(m).__name__}) was built for tensor size {m.world_size} but the "
                              f"engine's grid has tensor size {tp}: build the model inside `with grid.active():` "
                              "and pass initialize(mpu=grid) the grid it was built on")
+
+
+def _check_partitioned_activations(config, module: torch.nn.Module, tp: int) -> None:
+    """partition_activations cuts each checkpointed input over the tensor ranks as if they all held the same
+    one; under Megatron's sequence parallelism they hold different sequence slices (trains wrong: refused)."""
+    block = config.activation_checkpointing
+    if tp > 1 and block is not None and block.partition_activations and \
+            any(getattr(p, "sequence_parallel", False) for p in module.parameters()):
+        raise ValueError("activation_checkpointing.partition_activations with Megatron sequence parallelism (parameters "
+                         "marked sequence_parallel=True, e.g. GPTConfig(sequence_parallel=True)) is not supported: the "
+                         "checkpointed inputs are already cut over the tensor ranks. Use one of them")
 
 
 def _tensor_size(grid) -> int:

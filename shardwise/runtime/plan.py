@@ -33,12 +33,14 @@ def plan_grid(cfg, *, mpu=None, model=None, optimizer=None):
     elif mpu is not None:
         grid = _grid_of_mpu(mpu)
         _requested(grid.dims, tensor=tp, sequence=sp, features=features).validate()
-        _agree("tensor_parallel.autotp_size", tp, "the mpu passed to initialize()", grid.dims.tensor)
-        _agree("sequence_parallel_size", sp, "the mpu passed to initialize()", grid.dims.sequence)
+        source = _REGISTERED if _is_sequence_mpu(mpu) else "the mpu passed to initialize()"
+        _agree("tensor_parallel.autotp_size", tp, source, grid.dims.tensor)
+        _agree("sequence_parallel_size", sp, source, grid.dims.sequence)
     elif sp > 1:
         grid = _registered_sequence_grid(sp)
         _requested(grid.dims, tensor=tp, sequence=sp, features=features).validate()
-        _agree("sequence_parallel_size", sp, "the groups register_with_transformers made", grid.dims.sequence)
+        _agree("tensor_parallel.autotp_size", tp, _REGISTERED, grid.dims.tensor)
+        _agree("sequence_parallel_size", sp, _REGISTERED, grid.dims.sequence)
     elif tp > 1:
         if world % tp:
             raise ValueError(f"tensor_parallel.autotp_size {tp} does not divide the world size {world}")
@@ -107,10 +109,24 @@ def _requested(dims: ParallelDims, *, tensor: int, sequence: int, features: dict
                         sequence=dims.sequence if dims.sequence > 1 else sequence, **features)
 
 
+_REGISTERED = "the groups register_with_transformers made"
+
+
 def _agree(key: str, wanted: int, source: str, has: int) -> None:
     if wanted > 1 and wanted != has:
         what = "tensor size" if "autotp" in key else "sequence-parallel size"
-        raise ValueError(f"{'config key ' if 'sequence' in key else ''}{key} is {wanted} but {source} has {what} {has}")
+        hint = ""
+        if source == _REGISTERED and "autotp" in key:
+            hint = (f": pass register_with_transformers(..., tensor_parallel_size={wanted}) (or config=, the same "
+                    "config) so its groups are laid out for tensor parallelism too")
+        raise ValueError(f"{'config key ' if 'sequence' in key else ''}{key} is {wanted} but {source} has {what} "
+                         f"{has}{hint}")
+
+
+def _is_sequence_mpu(mpu) -> bool:
+    from shardwise.runtime.sequence_parallel import parallel_state_sp
+
+    return mpu is parallel_state_sp
 
 
 def _grid_of_mpu(mpu):

@@ -27,6 +27,36 @@ def _seq_all_to_all(x: torch.Tensor, scatter_idx: int, gather_idx: int, group) -
     return torch.cat(received.unbind(0), dim=gather_idx)
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """Sum over the sequence group; every rank then holds the same whole value (a loss), and its gradient
+    is summed back, so each rank's share is scaled like the others (the engine averages over the group)."""
+
+    @staticmethod
+    def forward(ctx, group, x: torch.Tensor) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        comm.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        comm.all_reduce(grad, group=ctx.group)
+        return None, grad
+
+
+def sequence_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over the sequence-parallel ``group`` (differentiable): e.g. the loss sum of the whole
+    sequences from each rank's slice, as ``shardwise.models.gpt.gpt_loss`` combines it."""
+    return _SumOverGroup.apply(group, x)
+
+
+def seq_all_to_all(x: torch.Tensor, scatter_idx: int, gather_idx: int, group) -> torch.Tensor:
+    """Ulysses' exchange (differentiable): ``x`` cut along ``scatter_idx`` (the heads) goes to the ranks
+    of ``group``, and what arrives is joined along ``gather_idx`` (the sequence) in rank order."""
+    return _seq_all_to_all(x, scatter_idx, gather_idx, group)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2).unbind(dim=-2)
     return torch.cat((-x2, x1), dim=-1)

@@ -10,6 +10,10 @@ weight (2 for fp16/bf16, 4 for fp32), K = optimizer state bytes per element
     optimizer states   K·Ψ / N_s
 
 e.g. mixed-precision Adam: stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N.
+
+Under tensor parallelism (size T) Ψ is this rank's piece of the model: its share of every tensor-sharded
+parameter plus the replicated ones (norms, some biases), about Ψ_model / T, so stage 3 holds about
+16Ψ_model/(T·N). ``num_params`` is that piece, ``model_num_params`` the whole model.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class MemoryBreakdown:
     precision: str
     live_params: int = 0  # stage 3: gathered (full) parameters alive right now, beyond the shards
     on_disk: int = 0  # NVMe offload: bytes of this rank's files
+    tensor_parallel_size: int = 1
+    model_num_params: int = 0  # trainable parameters whole over the tensor ranks (num_params: this rank's piece)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -51,6 +57,9 @@ class MemoryBreakdown:
                 ("gathered params (now)", self.live_params), ("on disk (NVMe offload)", self.on_disk)]
         head = (f"model states per rank: ZeRO stage {self.stage}, {self.precision}, "
                 f"{self.num_params:,} parameters, data-parallel size {self.dp_world_size}")
+        if self.tensor_parallel_size > 1:
+            head += (f", tensor-parallel size {self.tensor_parallel_size} "
+                     f"({self.model_num_params:,} parameters whole over the tensor ranks)")
         return "\n".join([head] + [f"  {k:<24}{v / mb:12.3f} MB" for k, v in rows])
 
 
@@ -71,14 +80,19 @@ def optimizer_state_bytes_per_element(optimizer) -> int:
     return _STATE_BYTES.get(type(optimizer).__name__, 8)
 
 
-def measure(strategy, optimizer, *, precision: str, weight_bytes: int) -> MemoryBreakdown:
+def measure(strategy, optimizer, *, precision: str, weight_bytes: int, tensor_size: int = 1) -> MemoryBreakdown:
+    """This rank's model-state bytes next to ZeRO's arithmetic; ``tensor_size``: the tensor-parallel size
+    (a parameter marked ``tensor_model_parallel`` is one of that many pieces)."""
     parts = strategy.memory_parts()
     n = strategy.dp_world_size
     states = 0
     if optimizer is not None:
         for state in optimizer.state.values():
             states += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
-    psi = sum(full_numel(p) for g in strategy.groups for p in g.params if p.requires_grad)
+    trainable = [p for g in strategy.groups for p in g.params if p.requires_grad]
+    psi = sum(full_numel(p) for p in trainable)
+    model_psi = sum(full_numel(p) * (tensor_size if getattr(p, "tensor_model_parallel", False) else 1)
+                    for p in trainable)
     k = optimizer_state_bytes_per_element(optimizer) if optimizer is not None else 0
     shard = 1 if strategy.replicated else n
     theory = weight_bytes * psi // (n if strategy.shards_parameters else 1)  # parameters
@@ -87,4 +101,5 @@ def measure(strategy, optimizer, *, precision: str, weight_bytes: int) -> Memory
     theory += k * psi // shard
     total = parts["params"] + parts["grads"] + parts["master_params"] + states
     return MemoryBreakdown(parts["params"], parts["grads"], parts["master_params"], states, parts["bucket_buffers"],
-                           total, theory, psi, strategy.stage, n, precision, parts["live_params"], parts["on_disk"])
+                           total, theory, psi, strategy.stage, n, precision, parts["live_params"], parts["on_disk"],
+                           tensor_size, model_psi)

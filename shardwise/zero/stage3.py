@@ -146,6 +146,8 @@ class Stage3Strategy(ZeroStrategy):
         for p in module.parameters():
             if not is_partitioned(p):  # (the engine broadcast rank 0's values already)
                 shard_param_(p, group=dp_group, broadcast=False)
+            else:
+                _check_partition_group(names.get(id(p), "?"), p, dp_group)
         unit_elements = int(zc.stage3_prefetch_bucket_size) if zc is not None else 0
         self.units, module_units = _build_units(module, names, self.world, unit_elements)
         threshold = int(zc.stage3_param_persistence_threshold) if zc is not None else 0
@@ -324,6 +326,20 @@ class Stage3Strategy(ZeroStrategy):
 
     def local_fragments(self):
         return self.partition.local_fragments()
+
+
+def _group_ranks(group) -> list[int]:
+    return list(range(comm.get_world_size())) if group is None else torch.distributed.get_process_group_ranks(group)
+
+
+def _check_partition_group(name: str, p: torch.nn.Parameter, dp_group) -> None:
+    """A parameter ``zero.Init`` partitioned must be cut over the engine's data axis: under tensor, pipeline or
+    sequence parallelism that is not the whole world."""
+    if p.ds_process_group is dp_group or _group_ranks(p.ds_process_group) == _group_ranks(dp_group):
+        return
+    raise ValueError(f"parameter '{name}' was partitioned by zero.Init over ranks {_group_ranks(p.ds_process_group)}, "
+                     f"but this engine's ZeRO-3 data axis is ranks {_group_ranks(dp_group)}: build the model inside "
+                     "zero.Init(mpu=grid) (or data_parallel_group=) with the grid passed to initialize")
 
 
 def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, unit_elements: int):

@@ -206,7 +206,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
     @classmethod
     def register_with_transformers(cls, model_name_or_path, core_attn_implementation, sequence_parallel_size,
                                    micro_batch_size, seq_length=None, seq_length_is_variable=True,
-                                   disable_in_eval=False, max_length=None):
+                                   disable_in_eval=False, max_length=None, *, tensor_parallel_size=None,
+                                   config=None):
         """Install Ulysses attention in place of ``core_attn_implementation`` in Transformers and return
         the mpu (``parallel_state_sp``) for ``shardwise.initialize(mpu=...)``; ``None`` when
         ``sequence_parallel_size`` is 1.
@@ -215,6 +216,11 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         whose config is read. Call it before ``from_pretrained`` (and pass the same
         ``attn_implementation``). ``seq_length``: the fixed global sequence length when
         ``seq_length_is_variable`` is False. ``max_length`` is the deprecated name of ``seq_length``.
+
+        With AutoTP as well (shardwise only): ``tensor_parallel_size`` T, or ``config`` (the shardwise /
+        DeepSpeed config dict or JSON path given to ``initialize``) whose ``tensor_parallel.autotp_size``
+        says it, or an earlier ``tp_model_init(tp_size=T)``. The grid is then data x sequence x tensor:
+        each tensor rank holds heads/T of every attention and exchanges them over its sequence group.
         """
         if sequence_parallel_size == 1:
             return None
@@ -230,7 +236,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
 
         from shardwise.runtime.sequence_parallel import parallel_state_sp as mpu
 
-        mpu.initialize_sequence_parallel(sequence_parallel_size=sequence_parallel_size)
+        tp = _tensor_size(tensor_parallel_size, config)
+        mpu.initialize_sequence_parallel(sequence_parallel_size=sequence_parallel_size, tensor_parallel_size=tp)
 
         loaded = hasattr(model_name_or_path, "config")
         hf_config = model_name_or_path.config if loaded else AutoConfig.from_pretrained(model_name_or_path)
@@ -260,9 +267,13 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             local_seq_length, global_seq_length = seq_length // sequence_parallel_size, seq_length
         text = hf_config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        uattn = cls(attn=core, batch_size=micro_batch_size, attn_head_count=text.num_attention_heads,
-                    attn_head_size=head_dim,
-                    kv_head_count=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        if heads % tp or kv_heads % tp:
+            raise ValueError(f"{type(text).__name__} has num_attention_heads = {heads} and num_key_value_heads = "
+                             f"{kv_heads}; both must be divisible by the tensor-parallel size {tp}")
+        uattn = cls(attn=core, batch_size=micro_batch_size, attn_head_count=heads // tp,  # this tensor rank's heads
+                    attn_head_size=head_dim, kv_head_count=kv_heads // tp,
                     num_hidden_layers=text.num_hidden_layers, process_group=mpu.get_sequence_parallel_group(),
                     seq_length_is_variable=seq_length_is_variable, local_seq_length=local_seq_length,
                     global_seq_length=global_seq_length, disable_in_eval=disable_in_eval)
@@ -281,6 +292,32 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = ulysses_attention
         ulysses_attention.ulysses = uattn
         return mpu
+
+
+def _tensor_size(explicit, config) -> int:
+    """The tensor-parallel size ``register_with_transformers`` lays the grid out for: the argument, else the
+    config's ``tensor_parallel.autotp_size``, else an earlier ``tp_model_init``; two that differ are an error."""
+    from shardwise.tensor_parallel import autotp
+
+    found = {}
+    if explicit is not None:
+        found["tensor_parallel_size"] = explicit
+    if config is not None:
+        if isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
+            import json
+
+            with open(config) as f:
+                config = json.load(f)
+        size = (config.get("tensor_parallel") or {}).get("autotp_size", 0) if isinstance(config, dict) else \
+            config.tensor_parallel.autotp_size
+        if size:
+            found["the config's tensor_parallel.autotp_size"] = size
+    if autotp._TP_MODEL_INIT_ARGS is not None:
+        found["tp_model_init(tp_size=...)"] = autotp._TP_MODEL_INIT_ARGS["tp_size"]
+    if len(set(found.values())) > 1:
+        raise ValueError("register_with_transformers: tensor-parallel sizes disagree: "
+                         + ", ".join(f"{k} = {v}" for k, v in found.items()))
+    return next(iter(found.values()), 1)
 
 
 def _is_block_mask(mask) -> bool:
