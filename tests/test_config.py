@@ -100,7 +100,7 @@ OFFLOAD_OPTIMIZER_DEFAULTS = {"device": "none", "nvme_path": None, "buffer_count
 REMOVED_BLOCKS = ("eigenvalue", "progressive_layer_drop", "curriculum_learning")
 OTHER_BLOCKS = ["expert_parallel", "hybrid_engine", "compile", "sparse_attention", "eigenvalue",
                 "progressive_layer_drop", "data_efficiency", "curriculum_learning", "compression_training",
-                "nebula", "timers"]
+                "nebula"]
 
 
 # ---------------------------------------------------------------- defaults

@@ -54,7 +54,6 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     "data_efficiency": lambda c: _switched_on(c.data_efficiency),
     "compression_training": lambda c: _switched_on(c.compression_training),
     "nebula": lambda c: _switched_on(c.nebula),
-    "timers": lambda c: _switched_on(c.timers),
 }
 
 
