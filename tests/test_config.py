@@ -537,7 +537,6 @@ def test_load_config_inputs(tmp_path):
 NOT_YET = [  # (config snippet, key path that must be named), from the task's list
     ({"comet": {"enabled": True}}, "comet"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
-    ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
     ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
      "activation_checkpointing.contiguous_memory_optimization"),
     ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),

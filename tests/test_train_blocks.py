@@ -34,3 +34,166 @@ def test_timers_defaults_and_unknown_key():
     assert cfg.timers.throughput.enabled is True and cfg.timers.throughput.synchronized is True
     with pytest.raises(ConfigError, match="timers.throughput.synchronised"):
         load_config({"timers": {"throughput": {"synchronised": True}}})
+
+
+# ---------------------------------------------------------------- torch_autocast / grad_accum_dtype
+
+_DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+GAS, STEPS, MICRO = 2, 2, 3
+
+
+def _data(world: int):
+    return make_data(STEPS * GAS, world * MICRO)
+
+
+def _reference(*, world: int, stage: int, model_dtype="fp32", accum=None, autocast=None, loss_scale=1.0):
+    """Hand-written torch training of ``make_model()``: fp32 masters stepped by AdamW, the model in
+    ``model_dtype``, each micro-step's gradient accumulated in ``accum`` (default: the model's dtype).
+    Stages 0-1 accumulate each rank's gradient locally and average at the boundary; stages 2-3 average
+    every micro-step and accumulate the average (DeepSpeed's order), each in the dtype the stage holds."""
+    from models import make_model, mse
+    from shardwise.optim import build_optimizer
+
+    model = make_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    pdt, adt = _DT[model_dtype], _DT[accum or model_dtype]
+    # stage 3 builds its fp32 masters from the 16-bit shards (as DeepSpeed, which casts the model first);
+    # stages 0-2 from the fp32 weights
+    masters = [(p.detach().to(pdt) if stage == 3 else p.detach()).float().requires_grad_() for p in params]
+    opt = build_optimizer("AdamW", {"lr": 1e-2, "weight_decay": 0.01}, masters)
+    for p in model.parameters():
+        p.data = p.data.to(pdt)
+    x, y = _data(world)
+
+    def grads_of(s, r):
+        xs = x[s, r * MICRO:(r + 1) * MICRO].to(pdt)
+        with torch.autocast("cpu", dtype=_DT[autocast]) if autocast else torch.autocast("cpu", enabled=False):
+            out = model(xs)
+        loss = mse(out, y[s, r * MICRO:(r + 1) * MICRO]) / GAS * loss_scale
+        gs = torch.autograd.grad(loss, params, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, gs)]
+
+    def average(per_rank):  # all-reduce (sum) then times 1/world, in the tensors' dtype
+        if world == 1:
+            return per_rank[0]
+        total = [_sum(gs) for gs in zip(*per_rank)]
+        return [t.mul_(1.0 / world) for t in total]
+
+    for step in range(STEPS):
+        local = [[torch.zeros_like(p, dtype=adt) for p in params] for _ in range(world)]
+        acc = [torch.zeros_like(p, dtype=adt) for p in params]
+        for m in range(GAS):
+            s = step * GAS + m
+            per_rank = [grads_of(s, r) for r in range(world)]
+            if stage <= 1:
+                for r in range(world):
+                    for a, g in zip(local[r], per_rank[r]):
+                        a.add_(g)
+            else:
+                for a, g in zip(acc, average(per_rank)):
+                    a.add_(g)
+        if stage <= 1:
+            acc = average(local)
+        for mp, a in zip(masters, acc):
+            mp.grad = a.float() * (1.0 / loss_scale) if loss_scale != 1.0 else a.float()
+        opt.step()
+        with torch.no_grad():
+            for p, mp in zip(params, masters):
+                p.copy_(mp)
+    return {n: p.detach().float() for n, p in model.named_parameters()}
+
+
+def _sum(tensors):
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        out.add_(t)
+    return out
+
+
+def _engine_run(rank: int, world: int, *, stage: int, model_dtype="fp32", accum=None, autocast=None,
+                loss_scale_power=None):
+    import shardwise
+
+    cfg = base_config(gradient_accumulation_steps=GAS, train_micro_batch_size_per_gpu=MICRO,
+                      zero_optimization={"stage": stage, "reduce_bucket_size": 40})
+    if model_dtype != "fp32":
+        cfg[model_dtype] = {"enabled": True}
+    if accum:
+        cfg["data_types"] = {"grad_accum_dtype": accum}
+    if autocast:
+        cfg["torch_autocast"] = {"enabled": True, "dtype": autocast}
+    if loss_scale_power is not None:
+        cfg["fp16"] = {"enabled": False, "initial_scale_power": loss_scale_power}
+    engine, _, _, _ = shardwise.initialize(model=make_model(), config=cfg)
+    x, y = _data(world)
+    for s in range(STEPS * GAS):
+        xs = x[s, rank * MICRO:(rank + 1) * MICRO].to(_DT[model_dtype])
+        engine.backward(mse(engine(xs), y[s, rank * MICRO:(rank + 1) * MICRO]))
+        engine.step()
+    state = engine.module_state_dict()
+    return {n: t.detach().float() for n, t in state.items()}
+
+
+CASES = [  # (model dtype, grad_accum_dtype, torch_autocast dtype)
+    ("fp32", None, "bf16"),
+    ("fp32", "bf16", None),
+    ("bf16", "fp32", None),
+    ("bf16", "bf16", None),
+]
+
+
+def _assert_same(got, want, what, atol=0.0):
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-6, atol=atol, msg=lambda m: f"{what} {name}: {m}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_autocast_and_accum_dtype_match_a_torch_reference_world_1(stage):
+    for model_dtype, accum, autocast in CASES:
+        got = _engine_run(0, 1, stage=stage, model_dtype=model_dtype, accum=accum, autocast=autocast)
+        want = _reference(world=1, stage=stage, model_dtype=model_dtype, accum=accum, autocast=autocast)
+        _assert_same(got, want, f"stage {stage} {model_dtype}/{accum}/{autocast}:")
+    # the settings change the numbers (so the comparisons above can fail)
+    plain = _reference(world=1, stage=stage)
+    assert not torch.equal(_reference(world=1, stage=stage, accum="bf16")["fc1.weight"], plain["fc1.weight"])
+    assert not torch.equal(_reference(world=1, stage=stage, autocast="bf16")["fc1.weight"], plain["fc1.weight"])
+    bf16 = _reference(world=1, stage=stage, model_dtype="bf16")
+    assert not torch.equal(_reference(world=1, stage=stage, model_dtype="bf16", accum="fp32")["fc1.weight"],
+                           bf16["fc1.weight"])
+
+
+def test_autocast_fp16_scales_the_loss_and_marks_safe_modules():
+    """fp16 autocast gets dynamic loss scaling (DeepSpeed: a GradScaler), here a scale of 2**4 that
+    the reference applies too; the listed module classes' parameters carry DeepSpeed's comm_dtype."""
+    import shardwise
+
+    got = _engine_run(0, 1, stage=0, autocast="fp16", loss_scale_power=4)
+    _assert_same(got, _reference(world=1, stage=0, autocast="fp16", loss_scale=16.0), "fp16 autocast:")
+
+    cfg = base_config(torch_autocast={"enabled": True, "dtype": "bfloat16",
+                                      "lower_precision_safe_modules": ["torch.nn.Linear"]})
+    engine, _, _, _ = shardwise.initialize(model=make_model(), config=cfg)
+    assert engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == torch.bfloat16
+    marked = {n for n, p in engine.module.named_parameters() if getattr(p, "comm_dtype", None) == torch.bfloat16}
+    assert marked == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "out.weight", "out.bias"}
+    for bad, why in [("torch.nn.Linaer", "cannot import"), ("torch.float32", "not a torch.nn.Module")]:
+        cfg["torch_autocast"]["lower_precision_safe_modules"] = [bad]
+        with pytest.raises(ValueError, match=f"torch_autocast.lower_precision_safe_modules: .*{why}"):
+            shardwise.initialize(model=make_model(), config=cfg)
+
+
+def _two_rank_body(rank: int, world: int):
+    return {(stage, *case): _engine_run(rank, world, stage=stage, model_dtype=case[0], accum=case[1],
+                                        autocast=case[2])
+            for stage in (0, 1, 2, 3) for case in CASES[:3]}
+
+
+def test_autocast_and_accum_dtype_match_a_torch_reference_two_ranks():
+    from distributed import run_distributed
+
+    results = run_distributed(_two_rank_body, 2, timeout=300)
+    for (stage, model_dtype, accum, autocast), got in results[0].items():
+        want = _reference(world=2, stage=stage, model_dtype=model_dtype, accum=accum, autocast=autocast)
+        # (atol: a reduce-scatter may sum in another order than the all-reduce the reference mimics)
+        _assert_same(got, want, f"2 ranks, stage {stage} {model_dtype}/{accum}/{autocast}:", atol=1e-8)
+        _assert_same(results[1][(stage, model_dtype, accum, autocast)], got, "rank 1 vs rank 0:")

@@ -28,7 +28,6 @@ def _switched_on(block: dict[str, Any]) -> bool:
 
 NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     "amp.enabled": lambda c: c.amp.enabled,
-    "torch_autocast.enabled": lambda c: c.torch_autocast.enabled,
     "activation_checkpointing.contiguous_memory_optimization":
         lambda c: c.activation_checkpointing.contiguous_memory_optimization,
     "checkpoint.load_universal": lambda c: c.checkpoint.load_universal,

@@ -19,6 +19,7 @@ import torch
 from shardwise import checkpointing, comm
 from shardwise.monitor.observer import StepObserver
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
+from shardwise.runtime import autocast as torch_autocast
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.engine_compat import EngineCompatMixin
 from shardwise.runtime.plan import config_features, optimizer_features
@@ -82,6 +83,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         if self.tp_world_size > 1:  # norms/biases on sequence shards: sum their gradients over the tensor ranks
             sync_sequence_parallel_grads(self.module, grid.get_tensor_model_parallel_group())
         self.precision = PrecisionPolicy.from_config(config)
+        self._autocast_dtype = self._configure_autocast()
         self._broadcast_model()
         self._cast_buffers()
 
@@ -125,6 +127,15 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self.monitor = self.observer.monitor
 
     # -- set-up ---------------------------------------------------------------------------
+    def _configure_autocast(self) -> torch.dtype | None:
+        """``torch_autocast``: the dtype the forward autocasts to (None when the block is off)."""
+        block = self.config.torch_autocast
+        if not block.enabled:
+            return None
+        dtype = torch_autocast.DTYPES[block.dtype]
+        torch_autocast.mark_lower_precision_params(self.module, dtype, block.lower_precision_safe_modules)
+        return dtype
+
     def _broadcast_model(self) -> None:
         """Every data-parallel replica starts from data-parallel rank 0's weights and buffers
         (parameters ``zero.Init`` partitioned were broadcast when they were sharded)."""
@@ -277,8 +288,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         if self.precision.auto_cast:
             args = cast_inputs(args, self.precision.param_dtype)
             kwargs = cast_inputs(kwargs, self.precision.param_dtype)
-        with self.grid.active():  # layers called without a group use this engine's grid
-            out = self.module(*args, **kwargs)
+        with self.grid.active(), torch_autocast.autocast(self.device, self._autocast_dtype):
+            out = self.module(*args, **kwargs)  # (layers called without a group use this engine's grid)
         self.timers.stop("forward")
         return out
 

@@ -130,6 +130,15 @@ class EngineCompatMixin:
     def fp16_auto_cast(self) -> bool:
         return bool(self.config.fp16.auto_cast)
 
+    def torch_autocast_enabled(self) -> bool:
+        return bool(self.config.torch_autocast.enabled)
+
+    def torch_autocast_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.config.torch_autocast.dtype]
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        return list(self.config.torch_autocast.lower_precision_safe_modules)
+
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
 
