@@ -33,6 +33,13 @@ from shardwise.zero import registry as zero_registry
 
 logger = logging.getLogger("shardwise")
 
+def _check_muon(config) -> None:
+    zc = config.zero_optimization
+    if zc.stage > 0 and zc.offload_optimizer is not None and zc.offload_optimizer.device != "none":
+        raise ValueError("optimizer.type=Muon with zero_optimization.offload_optimizer: not implemented yet "
+                         "(the offloaded step runs sub-group by sub-group; Muon needs every matrix at once)")
+
+
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _TIMERS = ["forward", "backward", "backward_allreduce", "step"]
 
@@ -176,6 +183,10 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             return None
         from shardwise.optim import build_optimizer
 
+        if cfg_opt.type.lower() == "muon":
+            _check_muon(self.config)
+            from shardwise.optim.muon import tag_muon_params
+            tag_muon_params(self.module)  # DeepSpeed's split, where the user set no p.use_muon
         return build_optimizer(cfg_opt.type, dict(cfg_opt.params or {}), params)
 
     def _configure_scheduler(self, client_scheduler):
