@@ -15,8 +15,12 @@ updated from the exchanged momentum. After warm-up, as DeepSpeed does:
 
 Difference from DeepSpeed, on purpose: DeepSpeed's 1-bit LAMB ignores ``bias_correction``;
 here ``true`` (the default) folds it into the step size as ``Lamb`` does (the frozen variance with
-its factor at the freeze); ``false`` gives DeepSpeed's numbers. DeepSpeed's first ``step()`` leaves
-the weights alone (it sets up buffers); here it is a real step.
+its factor at the freeze), compares the frozen and the fresh variance each corrected for its own
+number of terms, and corrects the trust-ratio average for its start from 0 (``1 - coeff_beta**n``);
+``false`` gives DeepSpeed's numbers. Uncorrected, a short warm-up shrinks every later step: the
+fresh variance outgrows the frozen one by its own bias alone, and the average holds only
+``1 - coeff_beta**freeze_step`` of the ratio (docs/onebit.md, "Convergence"). DeepSpeed's first
+``step()`` leaves the weights alone (it sets up buffers); here it is a real step.
 """
 
 from __future__ import annotations
