@@ -9,7 +9,7 @@ from models import base_config, make_data, make_model, mse, zero_fill_grads
 
 MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 1e-2, "weight_decay": 0.01, "momentum": 0.9,
                                    "ns_dtype": "fp32"}}
-STEPS, MICRO = 3, 4
+STEPS, MICRO = 2, 4
 
 
 class Gpt(torch.nn.Module):
