@@ -197,3 +197,49 @@ def test_autocast_and_accum_dtype_match_a_torch_reference_two_ranks():
         # (atol: a reduce-scatter may sum in another order than the all-reduce the reference mimics)
         _assert_same(got, want, f"2 ranks, stage {stage} {model_dtype}/{accum}/{autocast}:", atol=1e-8)
         _assert_same(results[1][(stage, model_dtype, accum, autocast)], got, "rank 1 vs rank 0:")
+
+
+def test_autocast_in_a_pipeline_matches_a_torch_reference():
+    """The pipeline engine runs its stages' forward under the block's autocast too (world 1, 1 stage)."""
+    import shardwise
+    from pipe_models import batch, layer_specs
+    from shardwise.pipe import PipelineModule
+
+    micro, rows, steps = 2, 3, 2
+    shardwise.init_distributed()  # (a world of one when no launcher set it up)
+    model = PipelineModule(layer_specs(), num_stages=1, loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True)
+    cfg = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": micro, "gradient_clipping": 0.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "torch_autocast": {"enabled": True, "dtype": "bf16"}}
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    got = []
+    for step in range(steps):
+        x, y = batch(step, micro, rows)
+        got.append(float(engine.train_batch(iter([(x[i], y[i]) for i in range(micro)]))))
+
+    want, plain = (_sequential_losses(micro, rows, steps, autocast=a) for a in (True, False))
+    assert got == pytest.approx(want, rel=1e-6)
+    assert want != pytest.approx(plain, rel=1e-4)  # autocast changes the numbers
+
+
+def _sequential_losses(micro, rows, steps, *, autocast):
+    from pipe_models import batch, layer_specs
+    from shardwise.optim import build_optimizer
+    from shardwise.pipe.module import build_sequential
+
+    ref = build_sequential(layer_specs(), seed_layers=True)
+    opt = build_optimizer("AdamW", {"lr": 1e-2, "weight_decay": 0.01}, ref.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, micro, rows)
+        opt.zero_grad()
+        total = 0.0
+        for i in range(micro):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = ref(x[i])
+            loss = torch.nn.functional.cross_entropy(out, y[i])
+            (loss / micro).backward()
+            total += float(loss.detach())
+        opt.step()
+        losses.append(total / micro)
+    return losses
