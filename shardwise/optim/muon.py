@@ -105,9 +105,13 @@ def _auto_ns_dtype(method: str, device: torch.device) -> torch.dtype:
 def orthogonalize(update: torch.Tensor, *, method: str = "gram", dtype: torch.dtype = torch.float32,
                   steps: int = 5) -> torch.Tensor:
     """Newton-Schulz orthogonalization of a 2-D matrix, times ``sqrt(max(1, rows / cols))``, in
-    ``update``'s dtype. Computed in ``dtype`` (the normalisation in fp32 when ``update`` is fp16)."""
+    ``update``'s dtype. Computed in ``dtype``; as DeepSpeed, ``gram`` normalises before the cast (in fp32
+    when ``update`` is fp16), ``standard`` after it."""
     rows, cols = update.shape
-    x = update.float() if update.dtype == torch.float16 else update
+    if method == "standard":
+        x = update.to(dtype)
+    else:
+        x = update.float() if update.dtype == torch.float16 else update
     if rows > cols:
         x = x.mT
     x = (x / (x.norm() + 1e-7)).to(dtype)
