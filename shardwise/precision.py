@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -248,7 +248,8 @@ class PrecisionPolicy:
     ``master_weights``: the optimizer updates an fp32 copy of the 16-bit params.
     ``loss_scaling``: losses are scaled (fp16 only). ``auto_cast``: floating-point
     inputs are cast to fp16 before forward. ``check_overflow``: steps with inf/NaN
-    gradients are skipped.
+    gradients are skipped. ``grad_accum_dtype``: the dtype gradients accumulate in over the
+    micro-steps (``data_types.grad_accum_dtype``; None: ``param_dtype``, DeepSpeed's default).
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -256,9 +257,25 @@ class PrecisionPolicy:
     loss_scaling: bool = False
     auto_cast: bool = False
     check_overflow: bool = False
+    grad_accum_dtype: torch.dtype | None = None
+
+    @property
+    def accum_dtype(self) -> torch.dtype:
+        """The dtype of the gradient accumulation buffers."""
+        return self.grad_accum_dtype or self.param_dtype
 
     @classmethod
     def from_config(cls, cfg: Any) -> PrecisionPolicy:
+        policy = cls._from_mixed_precision(cfg)
+        data_types = getattr(cfg, "data_types", None)
+        accum = getattr(data_types, "grad_accum_dtype", None)
+        if accum is not None:
+            dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[accum]
+            policy = replace(policy, grad_accum_dtype=None if dtype == policy.param_dtype else dtype)
+        return policy
+
+    @classmethod
+    def _from_mixed_precision(cls, cfg: Any) -> PrecisionPolicy:
         fp16 = getattr(cfg, "fp16", None)
         bf16 = getattr(cfg, "bf16", None)
         fp16_on = bool(fp16 is not None and fp16.enabled)
@@ -281,6 +298,11 @@ class PrecisionPolicy:
                 auto_cast=False,
                 check_overflow=bool(getattr(bf16, "check_grad_overflow", True)),
             )
+        autocast = getattr(cfg, "torch_autocast", None)
+        if autocast is not None and autocast.enabled and autocast.dtype == "fp16":
+            # fp32 weights, fp16 activations: dynamic loss scaling as DeepSpeed's GradScaler (the fp16
+            # block's scaler settings), so small fp16 activation gradients do not flush to zero
+            return cls(loss_scaling=True, check_overflow=True)
         return cls()
 
 

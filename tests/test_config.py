@@ -97,9 +97,10 @@ OFFLOAD_PARAM_DEFAULTS = {"device": "none", "nvme_path": None, "buffer_count": 5
                           "max_in_cpu": 10**9, "pin_memory": True}
 OFFLOAD_OPTIMIZER_DEFAULTS = {"device": "none", "nvme_path": None, "buffer_count": 4, "pin_memory": True,
                               "pipeline_read": False, "pipeline_write": False, "fast_init": False, "ratio": 1.0}
+REMOVED_BLOCKS = ("eigenvalue", "progressive_layer_drop", "curriculum_learning")
 OTHER_BLOCKS = ["expert_parallel", "hybrid_engine", "compile", "sparse_attention", "eigenvalue",
                 "progressive_layer_drop", "data_efficiency", "curriculum_learning", "compression_training",
-                "nebula", "timers"]
+                "nebula"]
 
 
 # ---------------------------------------------------------------- defaults
@@ -561,13 +562,10 @@ def test_load_config_inputs(tmp_path):
 NOT_YET = [  # (config snippet, key path that must be named), from the task's list
     ({"comet": {"enabled": True}}, "comet"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
-    ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
-    ({"sparse_gradients": True}, "sparse_gradients"),
     ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
      "activation_checkpointing.contiguous_memory_optimization"),
-    ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
     ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage"),
-] + [({name: {"enabled": True}}, name) for name in OTHER_BLOCKS if name not in ("sparse_attention", "compile")]
+] + [({name: {"enabled": True}}, name) for name in OTHER_BLOCKS if name not in ("sparse_attention", "compile", *REMOVED_BLOCKS)]
 
 
 @pytest.mark.parametrize("config,path", NOT_YET)
@@ -581,13 +579,31 @@ def test_check_supported_names_each_feature(config, path):
 
 def test_check_supported_lists_every_feature():
     cfg = load_config({"sparse_gradients": True, "comet": {"enabled": True},
-                       "amp": {"enabled": True}})
+                       "amp": {"enabled": True}, "hybrid_engine": {"enabled": True}})
     with pytest.raises(ConfigError) as info:
         cfg.check_supported()
     text = str(info.value)
-    for path in ("sparse_gradients", "comet", "amp.enabled"):
+    for path in ("comet", "amp.enabled", "hybrid_engine"):
         assert f"not implemented yet: {path}" in text
-    assert len(info.value.problems) == 3
+    assert "sparse_gradients: removed from DeepSpeed" in text
+    assert len(info.value.problems) == 4
+
+
+@pytest.mark.parametrize("config,key,instead", [
+    ({"sparse_gradients": True}, "sparse_gradients", "reduced dense"),
+    ({"eigenvalue": {"enabled": True}}, "eigenvalue", "delete the block"),
+    ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}}, "progressive_layer_drop", "delete the block"),
+    ({"curriculum_learning": {"enabled": True}}, "curriculum_learning",
+     "data_efficiency.data_sampling.curriculum_learning"),
+])
+def test_removed_blocks_refused_as_removed(config, key, instead):
+    """DeepSpeed 0.19.8 refuses these four as removed; so does shardwise, naming what replaces each."""
+    with pytest.raises(ConfigError) as info:
+        load_config(config).check_supported()
+    (problem,) = info.value.problems
+    assert problem.startswith(f"{key}: removed from DeepSpeed") and instead in problem
+    assert not problem.startswith("not implemented")
+    load_config({key: False if key == "sparse_gradients" else {"enabled": False}}).check_supported()
 
 
 def test_supported_features_pass():

@@ -366,3 +366,36 @@ def test_deepspeed_parameters_accepted_and_checked():
         with pytest.raises(ValueError) as info:
             _build(type_name, params)
         assert words in str(info.value), (type_name, params, str(info.value))
+
+
+def test_onebit_lamb_after_warmup_keeps_the_trust_ratio_of_steady_gradients():
+    """Issue 31: with the same gradient every step nothing changes at the freeze, so the factor must
+    stay 1 and the trust ratio must be the warm-up's average, bias-corrected like Adam's moments (the
+    code before compared the fresh variance uncorrected, so the factor fell 10% a step, and averaged
+    from 0, so the ratio was (1 - 0.9**10) = 65% of the warm-up's). benchmarks/onebit_convergence.py."""
+    import shardwise
+
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 48).view(6, 8))
+
+        def forward(self, c):
+            return (self.w * c).sum()
+
+    freeze, beta = 10, 0.9
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+           "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": freeze, "coeff_beta": beta}}}
+    engine, opt, _, _ = shardwise.initialize(model=Linear(), config=cfg)
+    c = torch.linspace(0.5, 2.0, 48).view(6, 8)
+    average, coeffs = 0.0, []
+    for step in range(freeze + 5):
+        engine.backward(engine(c))
+        engine.step()
+        (coeff,) = opt.get_lamb_coeffs()
+        if step < freeze:
+            average = beta * average + (1 - beta) * coeff
+        else:
+            coeffs.append(coeff)
+    want = average / (1 - beta**freeze)
+    assert coeffs == pytest.approx([want] * 5, rel=1e-4), (coeffs, want)

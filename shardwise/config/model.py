@@ -12,7 +12,7 @@ from .errors import describe_value
 from .compile import CompileConfig
 from .base import ConfigModel, Float, Int, OptDType, case_insensitive
 from .monitors import (AutotuningConfig, CometConfig, CommsLoggerConfig, CSVMonitorConfig,
-                       ElasticityConfig, FlopsProfilerConfig, TensorBoardConfig, WandbConfig)
+                       ElasticityConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig, WandbConfig)
 from .precision import AmpConfig, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig
 from .training import (ActivationCheckpointingConfig, AioConfig, CheckpointConfig, OptimizerConfig,
                        PipelineConfig, SchedulerConfig)
@@ -48,7 +48,7 @@ AllreduceOp = Annotated[Literal["mean", "sum"], case_insensitive("mean", "sum")]
 OTHER_BLOCKS = (
     "expert_parallel", "hybrid_engine", "sparse_attention", "eigenvalue",
     "progressive_layer_drop", "data_efficiency", "curriculum_learning", "compression_training",
-    "nebula", "timers",
+    "nebula",
 )
 
 
@@ -120,7 +120,7 @@ class ShardwiseConfig(ConfigModel):
     curriculum_learning: dict[str, Any] = _block(dict)
     compression_training: dict[str, Any] = _block(dict)
     nebula: dict[str, Any] = _block(dict)
-    timers: dict[str, Any] = _block(dict)
+    timers: TimersConfig = _block(TimersConfig)
 
     renamed: ClassVar[dict[str, str]] = {"bfloat16": "bf16"}
 

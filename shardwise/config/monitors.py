@@ -10,7 +10,7 @@ from .base import ConfigModel, Float, Int
 
 __all__ = [
     "TensorBoardConfig", "CSVMonitorConfig", "WandbConfig", "CometConfig", "CommsLoggerConfig",
-    "FlopsProfilerConfig", "AutotuningConfig", "ModelInfoConfig", "ElasticityConfig",
+    "FlopsProfilerConfig", "AutotuningConfig", "ModelInfoConfig", "ElasticityConfig", "TimersConfig",
 ]
 
 
@@ -43,6 +43,17 @@ class CometConfig(ConfigModel):
     experiment_key: str | None = None
     online: bool | None = None
     mode: str | None = None
+
+
+class ThroughputTimerConfig(ConfigModel):
+    """``timers.throughput``: ``engine.tput_timer``; ``synchronized`` waits for the device around each timing."""
+
+    enabled: bool = True
+    synchronized: bool = True
+
+
+class TimersConfig(ConfigModel):
+    throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
 
 
 class CommsLoggerConfig(ConfigModel):

@@ -43,7 +43,9 @@ class AmpConfig(ConfigModel):
     enabled: bool = False
 
 
-_DEFAULT_SAFE_MODULES = ["torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d"]
+# DeepSpeed's default (deepspeed.runtime.torch_autocast.get_default_autocast_lower_precision_modules)
+_DEFAULT_SAFE_MODULES = ["torch.nn.modules.linear.Linear", "torch.nn.modules.conv.Conv1d",
+                         "torch.nn.modules.conv.Conv2d", "torch.nn.modules.conv.Conv3d"]
 
 
 class TorchAutocastConfig(ConfigModel):

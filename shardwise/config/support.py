@@ -1,7 +1,7 @@
-"""Features the config accepts but shardwise does not implement yet.
+"""Features the config accepts but shardwise does not implement yet, and blocks DeepSpeed has removed.
 
 ``NOT_IMPLEMENTED`` is the single list: key path -> predicate "is it switched on in this config?".
-When a feature lands, delete its line.
+When a feature lands, delete its line. ``REMOVED`` lists what DeepSpeed itself refuses as removed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .tensor_parallel import AUTOTP_PRESETS
 if TYPE_CHECKING:  # pragma: no cover
     from .model import ShardwiseConfig
 
-__all__ = ["NOT_IMPLEMENTED", "unsupported_features", "check_supported"]
+__all__ = ["NOT_IMPLEMENTED", "REMOVED", "unsupported_features", "removed_features", "check_supported"]
 
 # optimizer types (compared case-insensitively) that are not implemented yet
 UNIMPLEMENTED_OPTIMIZERS: set[str] = set()
@@ -32,11 +32,8 @@ def _switched_on(block: dict[str, Any]) -> bool:
 
 NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     "amp.enabled": lambda c: c.amp.enabled,
-    "torch_autocast.enabled": lambda c: c.torch_autocast.enabled,
-    "sparse_gradients": lambda c: c.sparse_gradients,
     "activation_checkpointing.contiguous_memory_optimization":
         lambda c: c.activation_checkpointing.contiguous_memory_optimization,
-    "data_types.grad_accum_dtype": lambda c: c.data_types.grad_accum_dtype not in (None, "fp32"),
     "checkpoint.use_node_local_storage": lambda c: c.checkpoint.use_node_local_storage,
     "checkpoint.writer.type": lambda c: c.checkpoint.writer is not None and c.checkpoint.writer.type == "mock",
     "checkpoint.writer.data_parallel": lambda c: c.checkpoint.writer is not None
@@ -55,14 +52,32 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     "tensor_parallel.replace_with_kernel_inject": lambda c: c.tensor_parallel.replace_with_kernel_inject,
     "expert_parallel": lambda c: _switched_on(c.expert_parallel),
     "hybrid_engine": lambda c: _switched_on(c.hybrid_engine),
-    "eigenvalue": lambda c: _switched_on(c.eigenvalue),
-    "progressive_layer_drop": lambda c: _switched_on(c.progressive_layer_drop),
     "data_efficiency": lambda c: _switched_on(c.data_efficiency),
-    "curriculum_learning": lambda c: _switched_on(c.curriculum_learning),
     "compression_training": lambda c: _switched_on(c.compression_training),
     "nebula": lambda c: _switched_on(c.nebula),
-    "timers": lambda c: _switched_on(c.timers),
 }
+
+
+_REMOVED_ISSUE = "https://github.com/deepspeedai/DeepSpeed/issues/8489"
+
+# Blocks DeepSpeed 0.19.8 itself refuses as removed: key -> (is it switched on?, what to do instead).
+REMOVED: dict[str, tuple[Callable[["ShardwiseConfig"], bool], str]] = {
+    "sparse_gradients": (lambda c: c.sparse_gradients,
+                         "delete the flag; embedding gradients are reduced dense"),
+    "eigenvalue": (lambda c: _switched_on(c.eigenvalue),
+                   "it only served Mixture-of-Quantization, which was removed too; delete the block"),
+    "progressive_layer_drop": (lambda c: _switched_on(c.progressive_layer_drop),
+                               "nothing replaces it; delete the block"),
+    "curriculum_learning": (lambda c: _switched_on(c.curriculum_learning),
+                            "DeepSpeed's replacement is data_efficiency.data_sampling.curriculum_learning "
+                            "(not implemented in shardwise yet)"),
+}
+
+
+def removed_features(cfg: "ShardwiseConfig") -> list[str]:
+    """One message per switched-on block that DeepSpeed has removed, naming what replaces it."""
+    return [f"{key}: removed from DeepSpeed (refused since 0.19.8, {_REMOVED_ISSUE}); {instead}"
+            for key, (is_on, instead) in REMOVED.items() if is_on(cfg)]
 
 
 def _shown(cfg: "ShardwiseConfig", path: str) -> str:
@@ -80,6 +95,7 @@ def unsupported_features(cfg: "ShardwiseConfig") -> list[str]:
 
 
 def check_supported(cfg: "ShardwiseConfig") -> None:
-    paths = unsupported_features(cfg)
-    if paths:
-        raise ConfigError([f"not implemented yet: {p}{_shown(cfg, p)}{HINTS.get(p, '')}" for p in paths])
+    problems = removed_features(cfg)
+    problems += [f"not implemented yet: {p}{_shown(cfg, p)}{HINTS.get(p, '')}" for p in unsupported_features(cfg)]
+    if problems:
+        raise ConfigError(problems)

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 # DeepSpeed optimizer types that shardwise does not provide (yet).
 _NOT_IMPLEMENTED = {
-    name.lower(): name for name in ("MuAdam", "MuAdamW", "MuSGD", "Muon")
+    name.lower(): name for name in ("MuAdam", "MuAdamW", "MuSGD")
 }
 _ADAM_EXTRAS = ("torch_adam", "adam_w_mode", "bias_correction", "set_grad_none")
 _ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
@@ -222,6 +222,8 @@ def build_optimizer(type_name: str, params: dict[str, Any] | None, model_paramet
     if key in _NOT_IMPLEMENTED:
         raise ValueError(f"not implemented yet: optimizer.type={_NOT_IMPLEMENTED[key]}")
 
+    if key == "muon":
+        return _build_muon(params, groups)
     if key in ("adam", "adamw"):
         canonical = "Adam" if key == "adam" else "AdamW"
         accepted = _accepted_params(torch.optim.AdamW.__init__, skip=("self", "params"))
@@ -272,6 +274,41 @@ def build_optimizer(type_name: str, params: dict[str, Any] | None, model_paramet
         return cls(groups, **kwargs)
     except (ValueError, TypeError) as err:
         raise ValueError(f"{_culprit('optimizer.params', params, err)}: {canonical} rejected it: {err}") from err
+
+
+_MUON_PARAMS = ("lr", "momentum", "weight_decay", "ns_method", "muon_lr", "adam_lr", "betas", "eps", "adam_w_mode",
+                "per_head_muon", "ns_dtype")
+
+
+def _build_muon(params: dict[str, Any], groups: list) -> torch.optim.Optimizer:
+    """``"type": "Muon"`` (shardwise/optim/muon.py): DeepSpeed's parameters, plus ``ns_dtype``."""
+    from .muon import _DTYPES, NS_METHODS, Muon, muon_param_groups
+
+    _check_names("optimizer.params", "optimizer type Muon", params, _MUON_PARAMS)
+    if params.pop("per_head_muon", False):
+        raise ValueError("not implemented yet: optimizer.params.per_head_muon (Newton-Schulz per attention head)")
+    if params.get("ns_method", "gram") not in NS_METHODS:
+        raise ValueError(f"optimizer.params.ns_method: one of {', '.join(NS_METHODS)}, got {params['ns_method']!r}")
+    ns_dtype = params.pop("ns_dtype", "auto")
+    if ns_dtype != "auto" and ns_dtype not in _DTYPES:
+        raise ValueError(f"optimizer.params.ns_dtype: one of auto, {', '.join(_DTYPES)}, got {ns_dtype!r}")
+    adam_w_mode = params.pop("adam_w_mode", True)
+    if not isinstance(adam_w_mode, bool):
+        raise ValueError(f"optimizer.params.adam_w_mode: must be true or false, got {adam_w_mode!r}")
+    for name, value in params.items():
+        if name == "betas":
+            ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(
+                isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1 for b in value)
+        elif name == "ns_method":
+            ok = True
+        else:
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= 0
+        if not ok:
+            raise ValueError(f"optimizer.params.{name}: invalid value {value!r} for optimizer type Muon")
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    return Muon(muon_param_groups(groups, params), adam_w_mode=adam_w_mode,
+                ns_dtype=None if ns_dtype == "auto" else _DTYPES[ns_dtype])
 
 
 # ----------------------------------------------------------------------------- schedulers

@@ -24,6 +24,7 @@ from shardwise import comm
 from shardwise.pipe import schedule as sched
 from shardwise.pipe.module import PipelineError, PipelineModule
 from shardwise.pipe.p2p import ActivationReceiver, ActivationSender, GradSender, as_tensors, grad_slots, recv_grads
+from shardwise.runtime import autocast as torch_autocast
 from shardwise.runtime.dataloader import RepeatingLoader
 from shardwise.runtime.engine import Engine
 
@@ -255,7 +256,8 @@ class PipelineEngine(Engine):
         key = (ins.micro_batch_id, ins.chunk)
         tensors, single = st.inputs[key]
         self.timers.start("forward")
-        out = self.module(tensors[0] if single else tensors, chunk=ins.chunk)
+        with torch_autocast.autocast(self.device, self._autocast_dtype):  # (the torch_autocast block)
+            out = self.module(tensors[0] if single else tensors, chunk=ins.chunk)
         self.timers.stop("forward")
         if self._is_last_vs(ins.chunk):
             if st.keep_logits:

@@ -22,6 +22,7 @@ from shardwise.moe import parallel as moe_parallel
 from shardwise.moe.utils import has_moe_layers, is_moe_param
 from shardwise.monitor.observer import StepObserver
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
+from shardwise.runtime import autocast as torch_autocast
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.engine_compat import EngineCompatMixin
 from shardwise.runtime.plan import config_features, optimizer_features
@@ -34,6 +35,13 @@ from shardwise.zero import ReduceSettings, build_strategy, is_partitioned
 from shardwise.zero import registry as zero_registry
 
 logger = logging.getLogger("shardwise")
+
+def _check_muon(config) -> None:
+    zc = config.zero_optimization
+    if zc.stage > 0 and zc.offload_optimizer is not None and zc.offload_optimizer.device != "none":
+        raise ValueError("optimizer.type=Muon with zero_optimization.offload_optimizer: not implemented yet "
+                         "(the offloaded step runs sub-group by sub-group; Muon needs every matrix at once)")
+
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _TIMERS = ["forward", "backward", "backward_allreduce", "step"]
@@ -89,6 +97,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         if self.tp_world_size > 1:  # norms/biases on sequence shards: sum their gradients over the tensor ranks
             sync_sequence_parallel_grads(self.module, grid.get_tensor_model_parallel_group())
         self.precision = PrecisionPolicy.from_config(config)
+        self._autocast_dtype = self._configure_autocast()
         self._broadcast_model()
         self._cast_buffers()
 
@@ -133,6 +142,15 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             self.compile(backend=config.compile.backend, compile_kwargs=config.compile.kwargs)
 
     # -- set-up ---------------------------------------------------------------------------
+    def _configure_autocast(self) -> torch.dtype | None:
+        """``torch_autocast``: the dtype the forward autocasts to (None when the block is off)."""
+        block = self.config.torch_autocast
+        if not block.enabled:
+            return None
+        dtype = torch_autocast.DTYPES[block.dtype]
+        torch_autocast.mark_lower_precision_params(self.module, dtype, block.lower_precision_safe_modules)
+        return dtype
+
     def _broadcast_model(self) -> None:
         """Every data-parallel replica starts from data-parallel rank 0's weights and buffers
         (parameters ``zero.Init`` partitioned were broadcast when they were sharded)."""
@@ -175,6 +193,10 @@ class Engine(EngineCompatMixin, torch.nn.Module):
             return None
         from shardwise.optim import build_optimizer
 
+        if cfg_opt.type.lower() == "muon":
+            _check_muon(self.config)
+            from shardwise.optim.muon import tag_muon_params
+            tag_muon_params(self.module)  # DeepSpeed's split, where the user set no p.use_muon
         return build_optimizer(cfg_opt.type, dict(cfg_opt.params or {}), params)
 
     def _configure_scheduler(self, client_scheduler):
@@ -287,8 +309,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         if self.precision.auto_cast:
             args = cast_inputs(args, self.precision.param_dtype)
             kwargs = cast_inputs(kwargs, self.precision.param_dtype)
-        with self.grid.active():  # layers called without a group use this engine's grid
-            out = self.module(*args, **kwargs)
+        with self.grid.active(), torch_autocast.autocast(self.device, self._autocast_dtype):
+            out = self.module(*args, **kwargs)  # (layers called without a group use this engine's grid)
         self.timers.stop("forward")
         return out
 

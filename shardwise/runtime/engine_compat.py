@@ -24,10 +24,11 @@ _DEEPSPEED_OPTIMIZERS = {"adagrad", "adam", "adamw", "lamb", "onebitadam", "zero
 class ThroughputTimer:
     """``engine.tput_timer`` (DeepSpeed's ``ThroughputTimer``): samples per second over optimizer
     steps, leaving out the first ``start_step`` steps (warm-up). The engine starts it in forward
-    and stops it in ``step()``."""
+    and stops it in ``step()``. ``enabled=False`` (config ``timers.throughput.enabled``) makes both no-ops."""
 
     def __init__(self, batch_size: int, start_step: int = 2, steps_per_output=None, monitor_memory=False,
-                 logging_fn=None, synchronize=None) -> None:
+                 logging_fn=None, synchronize=None, *, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.batch_size = batch_size or 1
         self.start_step = start_step
         self.steps_per_output = steps_per_output
@@ -47,7 +48,7 @@ class ThroughputTimer:
         self.micro_step_count = 0
 
     def start(self) -> None:
-        if self.started:
+        if not self.enabled or self.started:
             return  # several forwards before one step (e.g. generation in the loop): timed from the first
         self.started = True
         if self.global_step_count >= self.start_step:
@@ -129,6 +130,15 @@ class EngineCompatMixin:
 
     def fp16_auto_cast(self) -> bool:
         return bool(self.config.fp16.auto_cast)
+
+    def torch_autocast_enabled(self) -> bool:
+        return bool(self.config.torch_autocast.enabled)
+
+    def torch_autocast_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.config.torch_autocast.dtype]
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        return list(self.config.torch_autocast.lower_precision_safe_modules)
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
@@ -237,9 +247,11 @@ class EngineCompatMixin:
     def tput_timer(self) -> ThroughputTimer:
         timer = self.__dict__.get("_tput_timer")
         if timer is None:
-            acc = self.device.type != "cpu"
+            settings = self.config.timers.throughput
+            sync = settings.synchronized and self.device.type != "cpu"
             timer = ThroughputTimer(self.train_batch_size(), steps_per_output=self.config.steps_per_print,
-                                    synchronize=torch.accelerator.synchronize if acc else None)
+                                    synchronize=torch.accelerator.synchronize if sync else None,
+                                    enabled=settings.enabled)
             self.__dict__["_tput_timer"] = timer
         return timer
 

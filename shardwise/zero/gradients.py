@@ -27,17 +27,22 @@ class FlatGradients:
     reduce_every_backward = False  # accumulate locally, reduce at the boundary
     max_in_flight = None
 
-    def __init__(self, groups: list[FlatGroup], chunks: list[list[tuple[int, int]]] | None = None) -> None:
-        """``chunks[g]``: the buffer ranges of group ``g`` this rank owns (stage 1), or None: all (stage 0)."""
+    def __init__(self, groups: list[FlatGroup], chunks: list[list[tuple[int, int]]] | None = None, *,
+                 accum_dtype: torch.dtype | None = None) -> None:
+        """``chunks[g]``: the buffer ranges of group ``g`` this rank owns (stage 1), or None: all (stage 0).
+        ``accum_dtype`` (``data_types.grad_accum_dtype``): the buffers' dtype when it is not the parameters'.
+        Then ``param.grad`` cannot be a view: each backward's gradient is added in and dropped."""
         self.groups = groups
         self.chunks = chunks
-        self.buffers = [g.new_buffer() for g in groups]
+        self.buffers = [g.new_buffer(accum_dtype) for g in groups]
         self.views = [g.views(buf) for g, buf in zip(groups, self.buffers)]
         self.attach()
 
     def attach(self) -> None:
         """Point every ``param.grad`` at its view (someone may have replaced or dropped it)."""
         for g, views in zip(self.groups, self.views):
+            if views and views[0].dtype != g.dtype:
+                continue  # another accumulation dtype: accept() adds each gradient in
             for p, v in zip(g.params, views):
                 p.grad = v
 
@@ -55,7 +60,10 @@ class FlatGradients:
 
     def accept(self, b: Bucket, i: int, p: torch.Tensor) -> None:
         view = self.views[b.group_index][i]
-        if p.grad is not view:  # someone set .grad (e.g. zero_grad(set_to_none=True)): take it back
+        if view.dtype != p.dtype:  # accumulate in the buffer's dtype
+            view.add_(p.grad)
+            p.grad = None
+        elif p.grad is not view:  # someone set .grad (e.g. zero_grad(set_to_none=True)): take it back
             view.copy_(p.grad)
             p.grad = view
 
@@ -82,12 +90,15 @@ class PooledBucketGradients:
     reduce_every_backward = True  # the full gradients do not outlive their bucket
     max_in_flight = 2
 
-    def __init__(self, groups: list[FlatGroup], chunk_local: list[list[int]], world: int) -> None:
-        """``chunk_local[g][k]``: where this rank's chunk of bucket ``k`` of group ``g`` lies in its partition."""
+    def __init__(self, groups: list[FlatGroup], chunk_local: list[list[int]], world: int, *,
+                 accum_dtype: torch.dtype | None = None) -> None:
+        """``chunk_local[g][k]``: where this rank's chunk of bucket ``k`` of group ``g`` lies in its partition.
+        ``accum_dtype``: the partitions' dtype (where micro-steps accumulate) when not the parameters'."""
         self.groups = groups
         self.chunk_local = chunk_local
         self.world = world
-        self.partitions = [torch.zeros(g.partition_numel, dtype=g.dtype, device=g.device) for g in groups]
+        self.partitions = [torch.zeros(g.partition_numel, dtype=accum_dtype or g.dtype, device=g.device)
+                           for g in groups]
         self._spare: dict[tuple, list[torch.Tensor]] = {}
 
     def attach(self) -> None:

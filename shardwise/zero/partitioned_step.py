@@ -108,6 +108,8 @@ class PartitionedOptimizer:
                 view = (self.master_buffers[gi][f.local : f.local + f.numel] if self.master_buffers is not None
                         else source.weight_of(f))
                 f.tensor = torch.nn.Parameter(view, requires_grad=True)
+                # which weight, and where in it (for optimizers that need whole matrices: Muon)
+                f.tensor.zero_whole, f.tensor.zero_range = params_of[f.name], (f.param_start, f.param_end)
                 replace.setdefault(id(params_of[f.name]), []).append(f.tensor)
         if optimizer is not None:
             if optimizer.state:
@@ -116,6 +118,8 @@ class PartitionedOptimizer:
             for group in optimizer.param_groups:  # a parameter owned elsewhere is dropped here
                 group["params"] = [t for p in group["params"]
                                    for t in (replace.get(id(p), []) if id(p) in laid_out else [p])]
+            if hasattr(optimizer, "partitioned"):  # it steps whole matrices from fragments (Muon)
+                optimizer.partitioned(dp_group=dp_group)
         self.swapper = None
         if nvme:  # the fp32 weights (and, once created, the optimizer states) move into files
             from shardwise.zero.offload import NvmeStore, OptimizerSwapper

@@ -58,7 +58,7 @@ class DataParallelStrategy(ZeroStrategy):
         for g in self.groups:
             if g.dtype != precision.param_dtype and g.dtype.is_floating_point:
                 g.cast_(precision.param_dtype)
-        self.gradients = FlatGradients(self.groups)
+        self.gradients = FlatGradients(self.groups, accum_dtype=precision.grad_accum_dtype)
         self.reducer = BucketReducer(self.groups, self.gradients, reduce=reduce, dp_group=dp_group, scatter=False)
 
     # -- set-up ---------------------------------------------------------------------------
@@ -103,7 +103,9 @@ class DataParallelStrategy(ZeroStrategy):
         """The gradients the optimizer steps: the flat buffers themselves, or (16-bit training) fp32
         copies that exist only during the step, attached to the master weights."""
         if self.master_buffers is None:
-            return self.grad_buffers
+            if self.precision.grad_accum_dtype is None:
+                return self.grad_buffers
+            return self._attach_cast_grads()
         out = []
         for group, masters, g in zip(self.groups, self.master_params, self.grad_buffers):
             mg = g.to(torch.float32)
@@ -112,10 +114,24 @@ class DataParallelStrategy(ZeroStrategy):
             out.append(mg)
         return out
 
+    def _attach_cast_grads(self) -> list[torch.Tensor]:
+        """Weights in their own dtype, gradients accumulated in another: the step gets cast copies."""
+        out = []
+        for group, g in zip(self.groups, self.grad_buffers):
+            cast = g.to(group.dtype)
+            for p, view in zip(group.params, group.views(cast)):
+                p.grad = view
+            out.append(cast)
+        return out
+
     def _drop_master_grads(self) -> None:
         for masters in getattr(self, "master_params", []):
             for mp in masters:
                 mp.grad = None
+        if self.master_buffers is None and self.precision.grad_accum_dtype is not None:
+            for group in self.groups:
+                for p in group.params:
+                    p.grad = None
 
     def local_grad_norm_sq(self, *, counted=None) -> torch.Tensor:
         # Every rank holds the whole (already all-reduced) gradients: every element is reported.

@@ -207,7 +207,7 @@ class Stage1Strategy(PartitionedStrategy):
     stage = 1
 
     def _gradient_store(self) -> FlatGradients:
-        return FlatGradients(self.groups, self.chunks)
+        return FlatGradients(self.groups, self.chunks, accum_dtype=self.precision.grad_accum_dtype)
 
 
 class Stage2Strategy(PartitionedStrategy):
@@ -219,7 +219,8 @@ class Stage2Strategy(PartitionedStrategy):
     min_bucket_elements = 1 << 18  # ... of at least this many elements (fewer, larger collectives)
 
     def _gradient_store(self) -> PooledBucketGradients:
-        return PooledBucketGradients(self.groups, self.chunk_local, self.world)
+        return PooledBucketGradients(self.groups, self.chunk_local, self.world,
+                                     accum_dtype=self.precision.grad_accum_dtype)
 
     def _bucket_elements(self, reduce: ReduceSettings, trainable) -> int:
         """At stage 2 a bucket is a short-lived full-size copy of its gradients, alive until reduced:

@@ -60,11 +60,12 @@ class UnitGradients:
     reduce_every_backward = True
     max_in_flight = 2
 
-    def __init__(self, units: list[Unit], world: int) -> None:
+    def __init__(self, units: list[Unit], world: int, *, accum_dtype: torch.dtype | None = None) -> None:
         self.units = units
         self.world = world
         self.layout = _UnitBuckets(units, world)
-        self.partitions = [torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device) for u in units]
+        # (accum_dtype: data_types.grad_accum_dtype, where the micro-steps accumulate, if not the weights')
+        self.partitions = [torch.zeros(u.shard_numel, dtype=accum_dtype or u.dtype, device=u.device) for u in units]
         self._trainable = {u.index: sum(p.requires_grad for p in u.params) for u in units}
         self._accepted = dict.fromkeys(self._trainable, 0)
 
@@ -169,7 +170,7 @@ class Stage3Strategy(ZeroStrategy):
                 u.cast_(precision.param_dtype)
         self.param_store = None
         self._offload_params(param_offload, aio)
-        self.gradients = UnitGradients(self.units, self.world)
+        self.gradients = UnitGradients(self.units, self.world, accum_dtype=precision.grad_accum_dtype)
         self.reducer = BucketReducer([self.gradients.layout], self.gradients, reduce=reduce, dp_group=dp_group,
                                      scatter=True, on_reduced=self._unit_reduced)
         self.coordinator = ParamCoordinator(

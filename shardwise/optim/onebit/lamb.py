@@ -15,8 +15,12 @@ updated from the exchanged momentum. After warm-up, as DeepSpeed does:
 
 Difference from DeepSpeed, on purpose: DeepSpeed's 1-bit LAMB ignores ``bias_correction``;
 here ``true`` (the default) folds it into the step size as ``Lamb`` does (the frozen variance with
-its factor at the freeze); ``false`` gives DeepSpeed's numbers. DeepSpeed's first ``step()`` leaves
-the weights alone (it sets up buffers); here it is a real step.
+its factor at the freeze), compares the frozen and the fresh variance each corrected for its own
+number of terms, and corrects the trust-ratio average for its start from 0 (``1 - coeff_beta**n``);
+``false`` gives DeepSpeed's numbers. Uncorrected, a short warm-up shrinks every later step: the
+fresh variance outgrows the frozen one by its own bias alone, and the average holds only
+``1 - coeff_beta**freeze_step`` of the ratio (docs/onebit.md, "Convergence"). DeepSpeed's first
+``step()`` leaves the weights alone (it sets up buffers); here it is a real step.
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ logger = logging.getLogger("shardwise")
 
 class OneBitLamb(CompressedComm, Lamb):
     """1-bit LAMB: LAMB during warm-up, then frozen variance and 1-bit compressed momentum."""
+
+    # What ``bias_correction: true`` corrects after warm-up (docs/onebit.md, "Convergence"); each switch
+    # undoes one correction (benchmarks/onebit_convergence.py measures them).
+    _raw_coeff_average = False  # the trust-ratio average as an EMA started at 0 (DeepSpeed's)
+    _raw_fresh_variance = False  # compare the frozen and fresh variances uncorrected (DeepSpeed's)
+    _hold_factor = False  # (measurement only) factor 1: the frozen trust-ratio average alone
 
     def __init__(
         self,
@@ -123,8 +133,10 @@ class OneBitLamb(CompressedComm, Lamb):
             if "lamb_coeff_freeze" not in st:
                 st["lamb_coeff_freeze"] = torch.tensor(0.0, dtype=torch.float64)
                 st["last_factor"] = torch.tensor(1.0, dtype=torch.float64)
+                st["coeff_updates"] = torch.tensor(0.0, dtype=torch.float64)
             if coeff != 1.0:
                 st["lamb_coeff_freeze"].mul_(self.coeff_beta).add_((1 - self.coeff_beta) * coeff)
+                st["coeff_updates"] += 1
             if t == self.freeze_step:
                 st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
 
@@ -138,6 +150,7 @@ class OneBitLamb(CompressedComm, Lamb):
                 st.setdefault("exp_avg_sq", torch.zeros_like(p))
                 st.setdefault("lamb_coeff_freeze", torch.tensor(0.0, dtype=torch.float64))
                 st.setdefault("last_factor", torch.tensor(1.0, dtype=torch.float64))
+                st.setdefault("coeff_updates", torch.tensor(0.0, dtype=torch.float64))
                 st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
         if params and "scaling_coeff" not in self.state[params[0]]:
             rms = [float(self.state[p]["exp_avg"].norm() / math.sqrt(max(p.numel(), 1))) for p in params]
@@ -164,8 +177,8 @@ class OneBitLamb(CompressedComm, Lamb):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
-            step_size = lr
-            if group["bias_correction"]:
+            step_size, corrected = lr, group["bias_correction"]
+            if corrected:  # the update divides by the frozen variance: its correction is the freeze's
                 step_size = lr * math.sqrt(1 - beta2**self.freeze_step) / (1 - beta1**t)
             for p in group["params"]:
                 if p.grad is None:
@@ -182,6 +195,11 @@ class OneBitLamb(CompressedComm, Lamb):
                     denom, denom_real = v.sqrt().add_(eps), fresh.sqrt().add_(eps)
                 prelim = m / denom
                 update = prelim + wd * p if wd > 0 else prelim
+                if corrected and not self._raw_fresh_variance:  # both as estimates of E[g^2]: the frozen
+                    # variance holds freeze_step terms, the fresh one t; uncorrected, the fresh one
+                    # outgrows the frozen one by its start from zero alone, not by any change in g
+                    denom = (v / (1 - beta2**self.freeze_step)).sqrt_().add_(eps)
+                    denom_real = (fresh / (1 - beta2**t)).sqrt_().add_(eps)
                 factor = float((denom / denom_real).max())
                 if wd > 0:
                     ratio = min(1.0, float(prelim.norm() / update.norm()))
@@ -191,6 +209,12 @@ class OneBitLamb(CompressedComm, Lamb):
                 factor = min(max(factor, last_factor * (1.0 - self.factor_threshold)),
                              last_factor * (1.0 + self.factor_threshold))
                 st["last_factor"].fill_(factor)
-                coeff = float(st["lamb_coeff_freeze"]) * factor
+                if self._hold_factor:
+                    factor = 1.0
+                average = float(st["lamb_coeff_freeze"])
+                updates = float(st.get("coeff_updates", 0.0))
+                if corrected and not self._raw_coeff_average and updates > 0:  # an EMA started at 0
+                    average /= 1 - self.coeff_beta**updates
+                coeff = average * factor
                 self._coeffs.append(coeff)
                 p.add_(update, alpha=-step_size * coeff)
