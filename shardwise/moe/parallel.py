@@ -21,6 +21,7 @@ import torch
 
 from shardwise import comm
 from shardwise.moe.utils import is_moe_param, moe_layers
+from shardwise.optim.muon import Muon
 from shardwise.utils import groups
 from shardwise.zero.strategy import ZeroStrategy
 
@@ -67,6 +68,9 @@ def build_strategy(build, *, module, named_params, optimizer, dp_group) -> ZeroS
         return build(named_params=named_params, optimizer=optimizer, dp_group=dp_group)
     if optimizer is None:
         raise ValueError("expert parallelism needs an optimizer in the config or passed to initialize()")
+    if isinstance(optimizer, Muon):  # Muon assembles each matrix over one data group, not per part
+        raise ValueError(f"optimizer.type={type(optimizer).__name__} with expert parallelism (ep_size > 1) is not "
+                         "implemented yet: use AdamW, or ep_size 1")
     names = global_expert_names(module)
     parts = []
     for group_name, params in [(None, dense)] + sorted(by_group.items()):
