@@ -21,9 +21,8 @@ import torch
 from shardwise import comm
 from shardwise.precision import PrecisionPolicy, apply_coefficient_, grad_sq_sum
 from shardwise.zero import registry
-from shardwise.zero.buckets import Bucket, BucketReducer
+from shardwise.zero.buckets import Bucket, BucketReducer, FlatGradients
 from shardwise.zero.flat import FlatGroup, group_by_dtype
-from shardwise.zero.gradients import FlatGradients
 from shardwise.zero.strategy import ReduceSettings, ZeroStrategy
 
 

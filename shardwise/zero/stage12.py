@@ -8,7 +8,7 @@ on those chunks is ``PartitionedOptimizer`` (``partitioned_step.py``, shared
 with stage 3).
 
 The two stages differ only in where gradients live, which is the injected
-gradient store (``gradients.py``): stage 1 a full local buffer reduced at the
+gradient store (``buckets.py``): stage 1 a full local buffer reduced at the
 boundary (``FlatGradients``), stage 2 pooled bucket buffers reduced every
 backward into a partition-sized buffer (``PooledBucketGradients``).
 After the optimizer step, updated chunks are all-gathered in place.
@@ -23,9 +23,8 @@ import torch
 from shardwise import comm
 from shardwise.precision import PrecisionPolicy
 from shardwise.zero import registry
-from shardwise.zero.buckets import Bucket, BucketReducer
+from shardwise.zero.buckets import Bucket, BucketReducer, FlatGradients, PooledBucketGradients
 from shardwise.zero.flat import FlatGroup, group_by_dtype
-from shardwise.zero.gradients import FlatGradients, PooledBucketGradients
 from shardwise.zero.partitioned_step import Fragment, PartitionedOptimizer, offload_device
 from shardwise.zero.strategy import ReduceSettings, ZeroStrategy
 
