@@ -81,9 +81,60 @@ def _continue_from_deepspeed(case, rank, world):
     return got
 
 
+def _pipeline_layers(pipe):
+    """make_fixtures.PIPE_LAYERS: Linear(5, 7), Tanh, Linear(7, 6), Tanh, Linear(6, 3)."""
+    sizes = [(5, 7), None, (7, 6), None, (6, 3)]
+    if pipe:
+        from shardwise.pipe import LayerSpec
+
+        return [LayerSpec(torch.nn.Linear, *s) if s else torch.nn.Tanh() for s in sizes]
+    return [torch.nn.Linear(*s) if s else torch.nn.Tanh() for s in sizes]
+
+
+def _continue_from_deepspeed_pipeline(pipe, rank, world):
+    """DeepSpeed's 2-stage PipelineModule checkpoint (layer files, a ZeRO-1 optimizer per stage) into
+    shardwise's 2-stage PipelineModule, or into the same layers as an nn.Sequential (names "<i>.weight"
+    too) trained data-parallel at 2 ranks: each step is the same 8 samples, 2 micro-batches of 4."""
+    import shardwise
+    from shardwise.pipe import PipelineModule
+
+    record = json.loads((FIXTURES / "pipeline_zero1" / "continuation.json").read_text())
+    cfg = ds_model.ds_config(1)
+    if pipe:
+        cfg["gradient_accumulation_steps"] = 2
+        model = PipelineModule(_pipeline_layers(True), num_stages=2, loss_fn=ds_model.loss_fn,
+                               partition_method="parameters")  # another cut than DeepSpeed's 0-2 | 3-4
+    else:
+        model = torch.nn.Sequential(*_pipeline_layers(False))
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    path, client = engine.load_checkpoint(str(FIXTURES / "pipeline_zero1"))
+    assert Path(path) == FIXTURES / "pipeline_zero1" / "global_step3"
+    assert client["epoch"] == 2 and torch.equal(client["counts"], torch.arange(3))
+    assert (engine.global_steps, engine.global_samples) == (3, 24)
+    got = []
+    for entry in record["continuation"]:
+        micro = [ds_model.batch(entry["step"], r) for r in range(2)]
+        if pipe:
+            loss = float(engine.train_batch(iter(micro)))
+        else:
+            x, y = micro[rank]
+            out = ds_model.loss_fn(engine(x), y)
+            engine.backward(out)
+            engine.step()
+            total = out.detach().clone()
+            dist.all_reduce(total)
+            loss = total.item() / world
+        got.append((loss, engine.get_lr()[0]))
+    for (gl, glr), e in zip(got, record["continuation"]):
+        assert gl == pytest.approx(e["loss"], rel=LOSS_RTOL), f"step {e['step']}: loss {gl} vs DeepSpeed's {e['loss']}"
+        assert glr == pytest.approx(e["lr"], rel=LR_RTOL), f"step {e['step']}: lr {glr} vs DeepSpeed's {e['lr']}"
+    return got
+
+
 def _two_ranks(rank, world):
     # same layout as saved, and the other sharding (ZeRO-2 -> ZeRO-3, ZeRO-3 -> ZeRO-1)
     # FusedAdam's / DeepSpeedCPUAdam's int steps, the bf16 optimizer's bf16_ files, ZeRO-3 with offload
+    run_subtests(_continue_from_deepspeed_pipeline, [True, False], rank, world)
     return run_subtests(_continue_from_deepspeed, [("zero2", 2), ("zero2", 3), ("zero3", 3), ("zero3", 1),
                                                    ("zero2_fusedadam", 2), ("zero1_bf16", 1), ("zero3_offload", 3),
                                                    ("zero3_offload_cpuadam", 2), ("zero2_universal", 2),

@@ -54,7 +54,8 @@ DEEPSPEED_KEYS = frozenset({
     "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
 })
 _MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-_PIPELINE_LAYER = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")  # PipelineModule's per-layer files
+# PipelineModule's per-layer files: layer_<index>[-model_<tensor-parallel rank>]-model_states.pt
+_PIPELINE_LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 
 
 class DeepSpeedLayoutError(ValueError):
@@ -193,11 +194,17 @@ class _Reader:
         self.param_names = param_names
         self.out = _Out(tmp)
         names = sorted(p.name for p in folder.iterdir())
-        if any(_PIPELINE_LAYER.match(n) for n in names):
-            raise ValueError(f"{folder} is a DeepSpeed pipeline-parallel checkpoint (layer_*-model_states.pt files): "
-                             "shardwise reads data-parallel DeepSpeed checkpoints only (no pipeline stages)")
+        layers = {n: m for n in names if (m := _PIPELINE_LAYER.match(n))}
         mp = sorted({int(m.group(2)) for n in names if (m := _MODEL_STATES.match(n))})
-        if mp != [0]:
+        self.pipeline = bool(layers)
+        self.mp, self.rank_base = 0, 0  # the model-states index (a pipeline's stage) being read, its first rank
+        if self.pipeline:
+            tp = sorted({int(m.group(2) or 0) for m in layers.values()})
+            if tp != [0]:
+                raise ValueError(f"{folder} is a DeepSpeed pipeline checkpoint with tensor-parallel layer slices "
+                                 f"(layer_*-model_<rank>-model_states.pt for model ranks {tp}): shardwise reads "
+                                 "pipeline checkpoints without tensor parallelism only")
+        elif mp != [0]:
             raise ValueError(f"{folder} holds tensor-parallel model-states files for mp ranks {mp}: shardwise reads "
                              "DeepSpeed checkpoints without tensor (model) parallelism only")
         first = folder / "mp_rank_00_model_states.pt"
@@ -212,13 +219,15 @@ class _Reader:
         dims = self.ms.get("checkpoint_parallel_dimensions") or {}
         pp, tp = int(dims.get("pp_degree", 1)), int(dims.get("tp_degree", 1))
         mpw = int(self.ms.get("mp_world_size", 1))
-        if pp > 1 or tp > 1 or mpw > 1:
+        if self.pipeline:
+            self.stages = self._pipeline_stages(mp, pp if dims else mpw, tp)
+        elif pp > 1 or tp > 1 or mpw > 1:
             raise ValueError(f"{first}: saved with pipeline degree {pp}, tensor-parallel degree {max(tp, mpw)}; "
                              "shardwise reads DeepSpeed checkpoints of pure data parallelism only (the pipeline "
                              "stage and tensor-slice mapping are missing here)")
         self.cfg = self.ms.get("ds_config") if isinstance(self.ms.get("ds_config"), dict) else {}
         self.world = int(self.ms["dp_world_size"])
-        self.module: dict[str, torch.Tensor] = dict(self.ms["module"])
+        self.module: dict[str, torch.Tensor] = self._layer_weights(layers) if self.pipeline else dict(self.ms["module"])
         # The stage from the files (ds_config may be a path, not a dict); ZeRO-1 vs 2 from 'zero_stage' later.
         if first.name.startswith("zero_pp_rank_"):
             self.stage = 3
@@ -229,18 +238,76 @@ class _Reader:
         self.fp16 = bool((self.cfg.get("fp16") or {}).get("enabled", False)) or \
             any(v.dtype == torch.float16 for v in self.module.values())
         self.buffers = set(self.ms.get("buffer_names") or [])
+        self.total_ranks = self.world
         self.aliases = dict(self.ms.get("shared_params") or {})
         self.param_shapes = [dict(g) for g in (self.ms.get("param_shapes") or [])]
 
+    # -- pipelines: PipelineModule's layer files -------------------------------------------------
+    def _pipeline_stages(self, mp: list[int], pp: int, tp: int) -> list[int]:
+        """The stages (model-states indices; the pipeline's stage when there is no tensor parallelism)."""
+        if tp > 1:
+            raise ValueError(f"{self.ms_path}: a pipeline saved with tensor-parallel degree {tp}; shardwise reads "
+                             "DeepSpeed pipeline checkpoints without tensor parallelism only")
+        missing = [f"mp_rank_{s:02d}_model_states.pt" for s in range(max(pp, len(mp))) if s not in mp]
+        if missing:
+            raise FileNotFoundError(f"DeepSpeed pipeline checkpoint {self.folder} was saved by {pp} stages but "
+                                    f"{', '.join(missing)} (one per stage) missing")
+        return mp
+
+    def _layer_weights(self, layers: dict) -> dict[str, torch.Tensor]:
+        """The layer files' state dicts as the PipelineModule's: layer i's ``key`` is ``"<i>.<key>"``
+        (DeepSpeed's and shardwise's PipelineModule both register layer i as the submodule ``str(i)``)."""
+        module = {}
+        for name, m in sorted(layers.items(), key=lambda kv: int(kv[1].group(1))):
+            sd = load_deepspeed_file(self.folder / name)
+            if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+                raise DeepSpeedLayoutError(f"{self.folder / name}: expected a layer's state dict (names -> tensors), "
+                                           f"found {type(sd).__name__}")
+            module.update({f"{int(m.group(1))}.{k}": v for k, v in sd.items()})
+        return module
+
+    def _check_layers(self) -> None:
+        """Every parameter the stages' optimizers hold has its weight in a layer file."""
+        for name in self.trainable:
+            if name not in self.module:
+                idx = name.split(".", 1)[0]
+                where = (f"layer_{int(idx):02d}-model_states.pt holds no '{name.split('.', 1)[1]}'"
+                         if idx.isdigit() and any(k.startswith(f"{idx}.") for k in self.module) else
+                         f"its layer file layer_{int(idx):02d}-model_states.pt is missing" if idx.isdigit() else
+                         "it is not in a numbered layer (tied layers are not read)")
+                raise FileNotFoundError(f"DeepSpeed pipeline checkpoint {self.folder}: parameter {name} of stage "
+                                        f"{self.mp} ({self.ms_path.name}): {where}")
+
+    def _read_pipeline(self) -> None:
+        """Each stage's optimizer partitions, as its own data-parallel ZeRO-1 checkpoint would be read."""
+        trainable, base = [], 0
+        for stage in self.stages:
+            self.mp, self.rank_base = stage, base
+            self.ms_path = self.folder / f"mp_rank_{stage:02d}_model_states.pt"
+            ms = self.ms if stage == self.stages[0] else load_deepspeed_file(self.ms_path)
+            self.world = int(_need(ms, "dp_world_size", self.ms_path))
+            self.buffers |= set(ms.get("buffer_names") or [])
+            self.param_shapes = [dict(g) for g in (ms.get("param_shapes") or [])]
+            if self.stage == 0:
+                raise ValueError(f"{self.folder}: a DeepSpeed pipeline checkpoint without ZeRO (the optimizer "
+                                 "inside mp_rank_*_model_states.pt); shardwise reads pipeline checkpoints of "
+                                 "ZeRO stage 1 (what DeepSpeed's pipeline allows besides 0)")
+            self._read_flat_partitions()
+            self._check_layers()
+            trainable += self.trainable
+            base += self.world
+        self.trainable, self.total_ranks = trainable, base
+
     # -- file names ------------------------------------------------------------------------
     def optim_path(self, rank: int) -> Path:
+        mp = f"{self.mp:02d}"
         for prefix in ("", "bf16_"):
             for sep in ("_", ""):  # DeepSpeed's old name lacked the underscore before optim_states
-                p = self.folder / f"{prefix}zero_pp_rank_{rank}_mp_rank_00{sep}optim_states.pt"
+                p = self.folder / f"{prefix}zero_pp_rank_{rank}_mp_rank_{mp}{sep}optim_states.pt"
                 if p.exists():
                     return p
         raise FileNotFoundError(f"DeepSpeed checkpoint {self.folder} was saved by {self.world} data-parallel ranks "
-                                f"but rank {rank}'s optimizer file zero_pp_rank_{rank}_mp_rank_00_optim_states.pt "
+                                f"but rank {rank}'s optimizer file zero_pp_rank_{rank}_mp_rank_{mp}_optim_states.pt "
                                 "(or bf16_zero_pp_rank_...) is missing")
 
     def model_states_path(self, rank: int) -> Path:
@@ -254,7 +321,9 @@ class _Reader:
     def read(self) -> None:
         self.param_groups = None
         self.loss_scaler = None
-        if (self.folder / "zero" / "optimizer_state.pt").is_file():
+        if self.pipeline:
+            self._read_pipeline()
+        elif (self.folder / "zero" / "optimizer_state.pt").is_file():
             self._read_universal()
         elif self.stage == 0:
             self._read_stage0(self.ms.get("optimizer"))
@@ -330,7 +399,8 @@ class _Reader:
                     n = _numel(shape)
                     lo, hi = max(off, lo_r), min(off + n, hi_r)
                     if lo < hi:
-                        self.out.fragment(rank, name, shape, lo - off, hi - off, part[lo - lo_r:hi - lo_r],
+                        self.out.fragment(self.rank_base + rank, name, shape, lo - off, hi - off,
+                                          part[lo - lo_r:hi - lo_r],
                                           _split_states(states[g], lo - lo_r, hi - lo_r, f"{path} group {g}"))
                         seen[name] = (hi - lo, lo - lo_r)
                     off += n + (int(align[g][j]) if align else 0)
@@ -541,7 +611,7 @@ class _Reader:
         return {
             "format": FORMAT, "version": VERSION, "shardwise_version": __version__, "tag": tag,
             "tensors": tensors, "aliases": self.aliases, "module_keys": list(self.module), "frozen": frozen,
-            "topology": {"world_size": self.world, "dp_world_size": self.world, "zero_stage": self.stage},
+            "topology": {"world_size": self.total_ranks, "dp_world_size": self.world, "zero_stage": self.stage},
             "engine": {"global_steps": int(ms["global_steps"]),
                        "global_samples": int(ms.get("global_samples", 0) or 0),
                        "micro_steps": int(ms["global_steps"]) * gas,
