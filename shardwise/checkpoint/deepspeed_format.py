@@ -90,6 +90,17 @@ def is_deepspeed_checkpoint(load_dir, tag=None) -> bool:
     return find_deepspeed_folder(load_dir, tag) is not None
 
 
+def pipeline_module_keys(folder: Path) -> set[str] | None:
+    """The module names of a DeepSpeed pipeline checkpoint's layer files (``"<layer>.<key>"``), or None
+    when ``folder`` has none (the layer files are small: one layer's weights each)."""
+    keys = set()
+    for path in folder.iterdir():
+        if m := _PIPELINE_LAYER.match(path.name):
+            sd = load_deepspeed_file(path)
+            keys.update(f"{int(m.group(1))}.{k}" for k in (sd if isinstance(sd, dict) else {}))
+    return keys if any(_PIPELINE_LAYER.match(p.name) for p in folder.iterdir()) else None
+
+
 # ---------------------------------------------------------------------------------------------
 # reading
 
@@ -208,6 +219,8 @@ class _Reader:
             raise ValueError(f"{folder} holds tensor-parallel model-states files for mp ranks {mp}: shardwise reads "
                              "DeepSpeed checkpoints without tensor (model) parallelism only")
         first = folder / "mp_rank_00_model_states.pt"
+        if not first.exists() and self.pipeline:
+            raise FileNotFoundError(f"DeepSpeed pipeline checkpoint {folder}: stage 0's {first.name} is missing")
         if not first.exists():
             first = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
         self.ms_path = first
