@@ -7,9 +7,9 @@
 * Layout coverage: ``ds_layout.py`` writes DeepSpeed-layout folders (ZeRO 0-3, fp32/fp16/bf16,
   several param groups, odd sizes, 3 ranks) from known weights and Adam states, following
   DeepSpeed's source; converting them must give back exactly those values.
-* Pipelines: tests/fixtures/deepspeed/pipeline_zero1 (DeepSpeed's PipelineModule, 2 stages, ZeRO-1)
-  continues with DeepSpeed's losses in shardwise's 2-stage PipelineEngine and in an nn.Sequential of
-  the same layers trained data-parallel.
+* Pipelines: tests/fixtures/deepspeed/pipeline_zero{0,1} (DeepSpeed's PipelineModule, 2 stages)
+  continue with DeepSpeed's losses in shardwise's 2-stage PipelineEngine and (ZeRO-1's, at ZeRO-2) in
+  an nn.Sequential of the same layers trained data-parallel.
 * Security and errors: a pickle naming ``os.system`` is refused unexecuted; tensor-parallel checkpoints,
   layout changes, missing rank files and missing or damaged pipeline layer files are errors that name
   what is wrong.
@@ -95,15 +95,17 @@ def _pipeline_layers(pipe):
     return [torch.nn.Linear(*s) if s else torch.nn.Tanh() for s in sizes]
 
 
-def _continue_from_deepspeed_pipeline(pipe, rank, world, tmp):
-    """DeepSpeed's 2-stage PipelineModule checkpoint (layer files, a ZeRO-1 optimizer per stage) into
-    shardwise's 2-stage PipelineModule, or into the same layers as an nn.Sequential (names "<i>.weight"
-    too) trained data-parallel at 2 ranks: each step is the same 8 samples, 2 micro-batches of 4."""
+def _continue_from_deepspeed_pipeline(case, rank, world, tmp):
+    """DeepSpeed's 2-stage PipelineModule checkpoint (layer files; per stage a ZeRO-1 optimizer, or at
+    ZeRO-0 the optimizer in its model states) into shardwise's 2-stage PipelineModule, or into the same
+    layers as an nn.Sequential (names "<i>.weight" too) trained data-parallel at 2 ranks, at ZeRO
+    ``stage``: each step is the same 8 samples, 2 micro-batches of 4."""
     import shardwise
     from shardwise.pipe import PipelineModule
 
-    record = json.loads((FIXTURES / "pipeline_zero1" / "continuation.json").read_text())
-    cfg = ds_model.ds_config(1)
+    fixture, pipe, stage = case
+    record = json.loads((FIXTURES / fixture / "continuation.json").read_text())
+    cfg = ds_model.ds_config(stage)
     if pipe:
         cfg["gradient_accumulation_steps"] = 2
         model = PipelineModule(_pipeline_layers(True), num_stages=2, loss_fn=ds_model.loss_fn,
@@ -111,11 +113,11 @@ def _continue_from_deepspeed_pipeline(pipe, rank, world, tmp):
     else:
         model = torch.nn.Sequential(*_pipeline_layers(False))
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    path, client = engine.load_checkpoint(str(FIXTURES / "pipeline_zero1"))
-    assert Path(path) == FIXTURES / "pipeline_zero1" / "global_step3"
+    path, client = engine.load_checkpoint(str(FIXTURES / fixture))
+    assert Path(path) == FIXTURES / fixture / "global_step3"
     assert client["epoch"] == 2 and torch.equal(client["counts"], torch.arange(3))
     assert (engine.global_steps, engine.global_samples) == (3, 24)
-    if pipe:  # a strict load names the stage's layers, and the file, missing from the folder
+    if pipe and stage == 1:  # a strict load names the stage's layers, and the file, missing from the folder
         import shutil
 
         damaged = Path(tmp) / "no_layer_04"
@@ -149,7 +151,8 @@ def _continue_from_deepspeed_pipeline(pipe, rank, world, tmp):
 def _two_ranks(rank, world, tmp):
     # same layout as saved, and the other sharding (ZeRO-2 -> ZeRO-3, ZeRO-3 -> ZeRO-1)
     # FusedAdam's / DeepSpeedCPUAdam's int steps, the bf16 optimizer's bf16_ files, ZeRO-3 with offload
-    run_subtests(_continue_from_deepspeed_pipeline, [True, False], rank, world, tmp)
+    run_subtests(_continue_from_deepspeed_pipeline, [("pipeline_zero1", True, 1), ("pipeline_zero1", False, 2),
+                                                     ("pipeline_zero0", True, 0)], rank, world, tmp)
     return run_subtests(_continue_from_deepspeed, [("zero2", 2), ("zero2", 3), ("zero3", 3), ("zero3", 1),
                                                    ("zero2_fusedadam", 2), ("zero1_bf16", 1), ("zero3_offload", 3),
                                                    ("zero3_offload_cpuadam", 2), ("zero2_universal", 2),
@@ -339,6 +342,13 @@ def test_pipeline_checkpoint_problems_name_the_file(tmp_path):
     for edit, error, message in cases:
         with pytest.raises(error, match=message):
             convert_deepspeed_checkpoint(damaged(edit), tmp_path / "out")
+    # ZeRO-0: the optimizer names no parameters; without layer 0's file the matching cannot hold
+    shutil.rmtree(tmp_path / "ds")
+    shutil.copytree(FIXTURES / "pipeline_zero0", tmp_path / "ds")
+    (tmp_path / "ds" / "global_step3" / "layer_00-model_states.pt").unlink()
+    with pytest.raises(DeepSpeedLayoutError, match=r"mp_rank_00_model_states\.pt field 'optimizer'.*stage 0; the layer "
+                                                   r"files with weights are those of layers \[2, 4\]"):
+        convert_deepspeed_checkpoint(tmp_path / "ds", tmp_path / "out")
 
 
 def test_layout_differences_name_the_field(tmp_path):

@@ -301,11 +301,16 @@ class _Reader:
             self.world = int(_need(ms, "dp_world_size", self.ms_path))
             self.buffers |= set(ms.get("buffer_names") or [])
             self.param_shapes = [dict(g) for g in (ms.get("param_shapes") or [])]
-            if self.stage == 0:
-                raise ValueError(f"{self.folder}: a DeepSpeed pipeline checkpoint without ZeRO (the optimizer "
-                                 "inside mp_rank_*_model_states.pt); shardwise reads pipeline checkpoints of "
-                                 "ZeRO stage 1 (what DeepSpeed's pipeline allows besides 0)")
-            self._read_flat_partitions()
+            if self.stage == 0:  # the stage's optimizer holds the next parameters in layer order
+                try:
+                    self._read_stage0(ms.get("optimizer"), params=[k for k in self.module if k not in self.buffers
+                                                                   and k not in trainable])
+                except DeepSpeedLayoutError as e:
+                    held = sorted({int(k.split(".", 1)[0]) for k in self.module})
+                    raise DeepSpeedLayoutError(f"{e} (stage {stage}; the layer files with weights are those of "
+                                               f"layers {held}: a missing layer file shifts this matching)") from None
+            else:
+                self._read_flat_partitions()
             self._check_layers()
             trainable += self.trainable
             base += self.world
@@ -524,14 +529,15 @@ class _Reader:
         self.world = 1  # every parameter whole, as one rank's
         self.trainable = list(shapes)
 
-    def _read_stage0(self, opt) -> None:
+    def _read_stage0(self, opt, *, params: list[str] | None = None) -> None:
         """No ZeRO: the optimizer's state_dict is inside the model states; it names no parameters, so they
-        are matched to the module's parameters in order."""
+        are matched to the module's parameters in order (``params``: a pipeline stage's first candidates)."""
         self.trainable = []
         if opt is None:
             return
         where = f"{self.ms_path} field 'optimizer'"
-        params = self._stage0_names()
+        stage_params = params
+        params = self._stage0_names() if params is None else params
         if "optimizer_state_dict" in opt:  # FP16_Optimizer / FP16_UnfusedOptimizer (fp16 and bf16)
             inner = opt["optimizer_state_dict"]
             self._scaler(opt)
@@ -554,9 +560,17 @@ class _Reader:
                 self.trainable += gnames
             return
         masters = [t for g in opt["fp32_groups"] for t in g] if "fp32_groups" in opt else None
+        if stage_params is not None:
+            params = params[:len(ids)]
         names = self._match_names(params, len(ids), per_group=False, where=where)
         for k, (i, name) in enumerate(zip(ids, names)):
             n = self.module[name].numel()
+            sizes = {key: v.numel() for key, v in dict(state.get(i, {})).items()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0}
+            if any(size != n for size in sizes.values()):
+                raise DeepSpeedLayoutError(f"{where}: the state of optimizer parameter {k} has {sizes} elements, "
+                                           f"parameter {name} (matched in order) {n}; frozen parameters among the "
+                                           "trainable ones cannot be told apart here")
             master = masters[k].reshape(-1) if masters is not None else None
             if master is not None and master.numel() != n:
                 raise DeepSpeedLayoutError(f"{where}: 'fp32_groups' entry {k} has {master.numel()} elements, "
