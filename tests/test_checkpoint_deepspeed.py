@@ -7,9 +7,9 @@
 * Layout coverage: ``ds_layout.py`` writes DeepSpeed-layout folders (ZeRO 0-3, fp32/fp16/bf16,
   several param groups, odd sizes, 3 ranks) from known weights and Adam states, following
   DeepSpeed's source; converting them must give back exactly those values.
-* Pipelines: tests/fixtures/deepspeed/pipeline_zero{0,1} (DeepSpeed's PipelineModule, 2 stages)
-  continue with DeepSpeed's losses in shardwise's 2-stage PipelineEngine and (ZeRO-1's, at ZeRO-2) in
-  an nn.Sequential of the same layers trained data-parallel.
+* Pipelines: tests/fixtures/deepspeed/pipeline_zero{0,1,1_dp2} (DeepSpeed's PipelineModule, 2 stages,
+  data-parallel size 1 or 2) continue with DeepSpeed's losses in shardwise's 2-stage PipelineEngine
+  and (ZeRO-1's, at ZeRO-2) in an nn.Sequential of the same layers trained data-parallel.
 * Security and errors: a pickle naming ``os.system`` is refused unexecuted; tensor-parallel checkpoints,
   layout changes, missing rank files and missing or damaged pipeline layer files are errors that name
   what is wrong.
@@ -117,7 +117,7 @@ def _continue_from_deepspeed_pipeline(case, rank, world, tmp):
     assert Path(path) == FIXTURES / fixture / "global_step3"
     assert client["epoch"] == 2 and torch.equal(client["counts"], torch.arange(3))
     assert (engine.global_steps, engine.global_samples) == (3, 24)
-    if pipe and stage == 1:  # a strict load names the stage's layers, and the file, missing from the folder
+    if pipe and fixture == "pipeline_zero1":  # a strict load names the stage's layers, and the file, missing from the folder
         import shutil
 
         damaged = Path(tmp) / "no_layer_04"
@@ -151,8 +151,11 @@ def _continue_from_deepspeed_pipeline(case, rank, world, tmp):
 def _two_ranks(rank, world, tmp):
     # same layout as saved, and the other sharding (ZeRO-2 -> ZeRO-3, ZeRO-3 -> ZeRO-1)
     # FusedAdam's / DeepSpeedCPUAdam's int steps, the bf16 optimizer's bf16_ files, ZeRO-3 with offload
+    # DeepSpeed pipelines (2 stages, data-parallel size 1 or 2) into shardwise's (data-parallel size 1)
+    # and into a plain nn.Sequential
     run_subtests(_continue_from_deepspeed_pipeline, [("pipeline_zero1", True, 1), ("pipeline_zero1", False, 2),
-                                                     ("pipeline_zero0", True, 0)], rank, world, tmp)
+                                                     ("pipeline_zero0", True, 0), ("pipeline_zero1_dp2", True, 1)],
+                 rank, world, tmp)
     return run_subtests(_continue_from_deepspeed, [("zero2", 2), ("zero2", 3), ("zero3", 3), ("zero3", 1),
                                                    ("zero2_fusedadam", 2), ("zero1_bf16", 1), ("zero3_offload", 3),
                                                    ("zero3_offload_cpuadam", 2), ("zero2_universal", 2),
