@@ -293,6 +293,10 @@ class _Reader:
 
     def _read_pipeline(self) -> None:
         """Each stage's optimizer partitions, as its own data-parallel ZeRO-1 checkpoint would be read."""
+        tied = [n for n in self.param_names or [] if n.startswith("tied_modules.")]
+        if tied:  # their layer files do not say which tie key they hold
+            raise ValueError(f"{self.folder}: loading a DeepSpeed pipeline checkpoint into a model with tied layers "
+                             f"({', '.join(tied)}) is not supported: the layer files do not name the tie key")
         trainable, base = [], 0
         for stage in self.stages:
             self.mp, self.rank_base = stage, base
