@@ -345,6 +345,9 @@ def test_pipeline_checkpoint_problems_name_the_file(tmp_path):
     for edit, error, message in cases:
         with pytest.raises(error, match=message):
             convert_deepspeed_checkpoint(damaged(edit), tmp_path / "out")
+    with pytest.raises(ValueError, match=r"into a model with tied layers \(tied_modules\.emb\.weight\)"):
+        convert_deepspeed_checkpoint(FIXTURES / "pipeline_zero1", tmp_path / "out",
+                                     param_names=["0.weight", "tied_modules.emb.weight"])
     # ZeRO-0: the optimizer names no parameters; without layer 0's file the matching cannot hold
     shutil.rmtree(tmp_path / "ds")
     shutil.copytree(FIXTURES / "pipeline_zero0", tmp_path / "ds")
