@@ -117,7 +117,7 @@ def _continue_from_deepspeed_pipeline(case, rank, world, tmp):
     assert Path(path) == FIXTURES / fixture / "global_step3"
     assert client["epoch"] == 2 and torch.equal(client["counts"], torch.arange(3))
     assert (engine.global_steps, engine.global_samples) == (3, 24)
-    if pipe and fixture == "pipeline_zero1":  # a strict load names the stage's layers, and the file, missing from the folder
+    if pipe and fixture == "pipeline_zero1":  # a strict load names the stage's missing layers and their file
         import shutil
 
         damaged = Path(tmp) / "no_layer_04"

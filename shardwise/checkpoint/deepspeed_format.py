@@ -17,6 +17,10 @@ A DeepSpeed checkpoint folder ``<dir>/<tag>/`` holds (``deepspeed/runtime/engine
   own into ``ceil(numel / world)`` pieces; rank r's pieces, end to end in ``param_shapes`` order,
   are ``fp32_flat_groups`` (sub-groups) with moments in ``optimizer_state_dict``.
 
+A pipeline (``PipelineEngine``) checkpoint has no ``module``: each layer's state dict is its own
+``layer_<i>-model_states.pt`` (layer i is the submodule ``str(i)``, so its ``weight`` is ``i.weight``), and
+each stage s is ``mp_rank_<s>`` in the other files' names, its optimizer read as a data-parallel one.
+
 Each rank's flat data is cut into (parameter name, flat range) fragments, exactly what
 shardwise's own checkpoints store, and written as a native checkpoint (``convert_deepspeed_checkpoint``);
 ``engine.load_checkpoint`` does that into a temporary folder and loads it with the ordinary

@@ -65,7 +65,8 @@ def check_stage_layers(engine, load_dir, tag, *, stage_id: int) -> None:
         ds_folder = find_deepspeed_folder(load_dir, tag)
         if ds_folder is None:
             ckpt = open_checkpoint(load_dir, tag)
-            folder, saved = (ckpt.folder, set(ckpt.manifest.get("module_keys", []))) if ckpt is not None else (None, None)
+            folder = ckpt.folder if ckpt is not None else None
+            saved = set(ckpt.manifest.get("module_keys", [])) if ckpt is not None else None
         else:  # DeepSpeed's: its pipeline layer files name the layers (a data-parallel one: judged on loading)
             folder, saved = ds_folder, pipeline_module_keys(ds_folder)
         missing = sorted(k for k in engine.module.state_dict() if saved is not None and k not in saved)
