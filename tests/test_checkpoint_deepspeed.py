@@ -7,8 +7,12 @@
 * Layout coverage: ``ds_layout.py`` writes DeepSpeed-layout folders (ZeRO 0-3, fp32/fp16/bf16,
   several param groups, odd sizes, 3 ranks) from known weights and Adam states, following
   DeepSpeed's source; converting them must give back exactly those values.
-* Security and errors: a pickle naming ``os.system`` is refused unexecuted; pipeline / tensor-parallel
-  checkpoints, layout changes and missing rank files are errors that name what is wrong.
+* Pipelines: tests/fixtures/deepspeed/pipeline_zero{0,1,1_dp2} (DeepSpeed's PipelineModule, 2 stages,
+  data-parallel size 1 or 2) continue with DeepSpeed's losses in shardwise's 2-stage PipelineEngine
+  and (ZeRO-1's, at ZeRO-2) in an nn.Sequential of the same layers trained data-parallel.
+* Security and errors: a pickle naming ``os.system`` is refused unexecuted; tensor-parallel checkpoints,
+  layout changes, missing rank files and missing or damaged pipeline layer files are errors that name
+  what is wrong.
 """
 
 from __future__ import annotations
@@ -81,9 +85,77 @@ def _continue_from_deepspeed(case, rank, world):
     return got
 
 
-def _two_ranks(rank, world):
+def _pipeline_layers(pipe):
+    """make_fixtures.PIPE_LAYERS: Linear(5, 7), Tanh, Linear(7, 6), Tanh, Linear(6, 3)."""
+    sizes = [(5, 7), None, (7, 6), None, (6, 3)]
+    if pipe:
+        from shardwise.pipe import LayerSpec
+
+        return [LayerSpec(torch.nn.Linear, *s) if s else torch.nn.Tanh() for s in sizes]
+    return [torch.nn.Linear(*s) if s else torch.nn.Tanh() for s in sizes]
+
+
+def _continue_from_deepspeed_pipeline(case, rank, world, tmp):
+    """DeepSpeed's 2-stage PipelineModule checkpoint (layer files; per stage a ZeRO-1 optimizer, or at
+    ZeRO-0 the optimizer in its model states) into shardwise's 2-stage PipelineModule, or into the same
+    layers as an nn.Sequential (names "<i>.weight" too) trained data-parallel at 2 ranks, at ZeRO
+    ``stage``: each step is the same 8 samples, 2 micro-batches of 4."""
+    import shardwise
+    from shardwise.pipe import PipelineModule
+
+    fixture, pipe, stage = case
+    record = json.loads((FIXTURES / fixture / "continuation.json").read_text())
+    cfg = ds_model.ds_config(stage)
+    if pipe:
+        cfg["gradient_accumulation_steps"] = 2
+        model = PipelineModule(_pipeline_layers(True), num_stages=2, loss_fn=ds_model.loss_fn,
+                               partition_method="parameters")  # another cut than DeepSpeed's 0-2 | 3-4
+    else:
+        model = torch.nn.Sequential(*_pipeline_layers(False))
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    path, client = engine.load_checkpoint(str(FIXTURES / fixture))
+    assert Path(path) == FIXTURES / fixture / "global_step3"
+    assert client["epoch"] == 2 and torch.equal(client["counts"], torch.arange(3))
+    assert (engine.global_steps, engine.global_samples) == (3, 24)
+    if pipe and fixture == "pipeline_zero1":  # a strict load names the stage's missing layers and their file
+        import shutil
+
+        damaged = Path(tmp) / "no_layer_04"
+        if rank == 0:
+            shutil.copytree(FIXTURES / "pipeline_zero1", damaged)
+            (damaged / "global_step3" / "layer_04-model_states.pt").unlink()
+        dist.barrier()
+        with pytest.raises(ValueError, match=r"lacks layers of pipeline stage 1: 4\.bias, 4\.weight \(DeepSpeed's "
+                                             r"layer files layer_04-model_states\.pt are missing or lack them\)"):
+            engine.load_checkpoint(str(damaged))
+    got = []
+    for entry in record["continuation"]:
+        micro = [ds_model.batch(entry["step"], r) for r in range(2)]
+        if pipe:
+            loss = float(engine.train_batch(iter(micro)))
+        else:
+            x, y = micro[rank]
+            out = ds_model.loss_fn(engine(x), y)
+            engine.backward(out)
+            engine.step()
+            total = out.detach().clone()
+            dist.all_reduce(total)
+            loss = total.item() / world
+        got.append((loss, engine.get_lr()[0]))
+    for (gl, glr), e in zip(got, record["continuation"]):
+        assert gl == pytest.approx(e["loss"], rel=LOSS_RTOL), f"step {e['step']}: loss {gl} vs DeepSpeed's {e['loss']}"
+        assert glr == pytest.approx(e["lr"], rel=LR_RTOL), f"step {e['step']}: lr {glr} vs DeepSpeed's {e['lr']}"
+    return got
+
+
+def _two_ranks(rank, world, tmp):
     # same layout as saved, and the other sharding (ZeRO-2 -> ZeRO-3, ZeRO-3 -> ZeRO-1)
     # FusedAdam's / DeepSpeedCPUAdam's int steps, the bf16 optimizer's bf16_ files, ZeRO-3 with offload
+    # DeepSpeed pipelines (2 stages, data-parallel size 1 or 2) into shardwise's (data-parallel size 1)
+    # and into a plain nn.Sequential
+    run_subtests(_continue_from_deepspeed_pipeline, [("pipeline_zero1", True, 1), ("pipeline_zero1", False, 2),
+                                                     ("pipeline_zero0", True, 0), ("pipeline_zero1_dp2", True, 1)],
+                 rank, world, tmp)
     return run_subtests(_continue_from_deepspeed, [("zero2", 2), ("zero2", 3), ("zero3", 3), ("zero3", 1),
                                                    ("zero2_fusedadam", 2), ("zero1_bf16", 1), ("zero3_offload", 3),
                                                    ("zero3_offload_cpuadam", 2), ("zero2_universal", 2),
@@ -130,8 +202,8 @@ def _load_written_layout(layout, rank, world, tmp):
     assert steps == {5.0}
 
 
-def test_real_deepspeed_checkpoints_continue_at_two_ranks():
-    run_distributed(_two_ranks, 2, timeout=240)
+def test_real_deepspeed_checkpoints_continue_at_two_ranks(tmp_path):
+    run_distributed(_two_ranks, 2, args=(str(tmp_path),), timeout=240)
 
 
 def test_deepspeed_checkpoints_load_at_one_rank_zero0(tmp_path):
@@ -235,16 +307,53 @@ def test_missing_rank_files_are_named(tmp_path):
         convert_deepspeed_checkpoint(tmp_path / "ds3", tmp_path / "out3")
 
 
-def test_pipeline_and_tensor_parallel_checkpoints_are_refused(tmp_path):
+def test_tensor_parallel_checkpoints_are_refused(tmp_path):
     import shutil
 
     folder = _ds(tmp_path)
     shutil.copy(folder / "mp_rank_00_model_states.pt", folder / "mp_rank_01_model_states.pt")
     with pytest.raises(ValueError, match=r"tensor-parallel model-states files for mp ranks \[0, 1\]"):
         convert_deepspeed_checkpoint(tmp_path / "ds", tmp_path / "out")
-    (folder / "mp_rank_01_model_states.pt").unlink()
-    (folder / "layer_01-model_00-model_states.pt").write_bytes(b"")
-    with pytest.raises(ValueError, match="pipeline-parallel checkpoint"):
+
+
+def test_pipeline_checkpoint_problems_name_the_file(tmp_path):
+    import shutil
+
+    def damaged(edit):
+        folder = tmp_path / "ds" / "global_step3"
+        shutil.rmtree(tmp_path / "ds", ignore_errors=True)
+        shutil.copytree(FIXTURES / "pipeline_zero1", tmp_path / "ds")
+        edit(folder)
+        return tmp_path / "ds"
+
+    cases = [  # (edit, error, message)
+        (lambda f: (f / "layer_02-model_states.pt").unlink(), FileNotFoundError,
+         r"parameter 2\.weight of stage 0 \(mp_rank_00_model_states\.pt\): its layer file "
+         r"layer_02-model_states\.pt is missing"),
+        (lambda f: torch.save({"bias": torch.zeros(3)}, f / "layer_04-model_states.pt"), FileNotFoundError,
+         r"parameter 4\.weight of stage 1 \(mp_rank_01_model_states\.pt\): layer_04-model_states\.pt holds no "
+         r"'weight'"),
+        (lambda f: (f / "layer_04-model_states.pt").write_bytes(b"not a pickle"), ValueError,
+         r"layer_04-model_states\.pt: not a readable torch checkpoint file"),
+        (lambda f: (f / "mp_rank_01_model_states.pt").unlink(), FileNotFoundError,
+         r"saved by 2 stages but mp_rank_01_model_states\.pt \(one per stage\) missing"),
+        (lambda f: (f / "zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink(), FileNotFoundError,
+         r"rank 0's optimizer file zero_pp_rank_0_mp_rank_01_optim_states\.pt"),
+        (lambda f: shutil.copy(f / "layer_00-model_states.pt", f / "layer_00-model_01-model_states.pt"), ValueError,
+         r"tensor-parallel layer slices \(layer_\*-model_<rank>-model_states\.pt for model ranks \[0, 1\]\)"),
+    ]
+    for edit, error, message in cases:
+        with pytest.raises(error, match=message):
+            convert_deepspeed_checkpoint(damaged(edit), tmp_path / "out")
+    with pytest.raises(ValueError, match=r"into a model with tied layers \(tied_modules\.emb\.weight\)"):
+        convert_deepspeed_checkpoint(FIXTURES / "pipeline_zero1", tmp_path / "out",
+                                     param_names=["0.weight", "tied_modules.emb.weight"])
+    # ZeRO-0: the optimizer names no parameters; without layer 0's file the matching cannot hold
+    shutil.rmtree(tmp_path / "ds")
+    shutil.copytree(FIXTURES / "pipeline_zero0", tmp_path / "ds")
+    (tmp_path / "ds" / "global_step3" / "layer_00-model_states.pt").unlink()
+    with pytest.raises(DeepSpeedLayoutError, match=r"mp_rank_00_model_states\.pt field 'optimizer'.*stage 0; the layer "
+                                                   r"files with weights are those of layers \[2, 4\]"):
         convert_deepspeed_checkpoint(tmp_path / "ds", tmp_path / "out")
 
 

@@ -17,6 +17,10 @@ A DeepSpeed checkpoint folder ``<dir>/<tag>/`` holds (``deepspeed/runtime/engine
   own into ``ceil(numel / world)`` pieces; rank r's pieces, end to end in ``param_shapes`` order,
   are ``fp32_flat_groups`` (sub-groups) with moments in ``optimizer_state_dict``.
 
+A pipeline (``PipelineEngine``) checkpoint has no ``module``: each layer's state dict is its own
+``layer_<i>-model_states.pt`` (layer i is the submodule ``str(i)``, so its ``weight`` is ``i.weight``), and
+each stage s is ``mp_rank_<s>`` in the other files' names, its optimizer read as a data-parallel one.
+
 Each rank's flat data is cut into (parameter name, flat range) fragments, exactly what
 shardwise's own checkpoints store, and written as a native checkpoint (``convert_deepspeed_checkpoint``);
 ``engine.load_checkpoint`` does that into a temporary folder and loads it with the ordinary
@@ -54,7 +58,8 @@ DEEPSPEED_KEYS = frozenset({
     "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
 })
 _MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-_PIPELINE_LAYER = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")  # PipelineModule's per-layer files
+# PipelineModule's per-layer files: layer_<index>[-model_<tensor-parallel rank>]-model_states.pt
+_PIPELINE_LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 
 
 class DeepSpeedLayoutError(ValueError):
@@ -87,6 +92,17 @@ def find_deepspeed_folder(load_dir, tag=None) -> Path | None:
 
 def is_deepspeed_checkpoint(load_dir, tag=None) -> bool:
     return find_deepspeed_folder(load_dir, tag) is not None
+
+
+def pipeline_module_keys(folder: Path) -> set[str] | None:
+    """The module names of a DeepSpeed pipeline checkpoint's layer files (``"<layer>.<key>"``), or None
+    when ``folder`` has none (the layer files are small: one layer's weights each)."""
+    keys = set()
+    for path in folder.iterdir():
+        if m := _PIPELINE_LAYER.match(path.name):
+            sd = load_deepspeed_file(path)
+            keys.update(f"{int(m.group(1))}.{k}" for k in (sd if isinstance(sd, dict) else {}))
+    return keys if any(_PIPELINE_LAYER.match(p.name) for p in folder.iterdir()) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,14 +209,22 @@ class _Reader:
         self.param_names = param_names
         self.out = _Out(tmp)
         names = sorted(p.name for p in folder.iterdir())
-        if any(_PIPELINE_LAYER.match(n) for n in names):
-            raise ValueError(f"{folder} is a DeepSpeed pipeline-parallel checkpoint (layer_*-model_states.pt files): "
-                             "shardwise reads data-parallel DeepSpeed checkpoints only (no pipeline stages)")
+        layers = {n: m for n in names if (m := _PIPELINE_LAYER.match(n))}
         mp = sorted({int(m.group(2)) for n in names if (m := _MODEL_STATES.match(n))})
-        if mp != [0]:
+        self.pipeline = bool(layers)
+        self.mp, self.rank_base = 0, 0  # the model-states index (a pipeline's stage) being read, its first rank
+        if self.pipeline:
+            tp = sorted({int(m.group(2) or 0) for m in layers.values()})
+            if tp != [0]:
+                raise ValueError(f"{folder} is a DeepSpeed pipeline checkpoint with tensor-parallel layer slices "
+                                 f"(layer_*-model_<rank>-model_states.pt for model ranks {tp}): shardwise reads "
+                                 "pipeline checkpoints without tensor parallelism only")
+        elif mp != [0]:
             raise ValueError(f"{folder} holds tensor-parallel model-states files for mp ranks {mp}: shardwise reads "
                              "DeepSpeed checkpoints without tensor (model) parallelism only")
         first = folder / "mp_rank_00_model_states.pt"
+        if not first.exists() and self.pipeline:
+            raise FileNotFoundError(f"DeepSpeed pipeline checkpoint {folder}: stage 0's {first.name} is missing")
         if not first.exists():
             first = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
         self.ms_path = first
@@ -212,13 +236,15 @@ class _Reader:
         dims = self.ms.get("checkpoint_parallel_dimensions") or {}
         pp, tp = int(dims.get("pp_degree", 1)), int(dims.get("tp_degree", 1))
         mpw = int(self.ms.get("mp_world_size", 1))
-        if pp > 1 or tp > 1 or mpw > 1:
+        if self.pipeline:
+            self.stages = self._pipeline_stages(mp, pp if dims else mpw, tp)
+        elif pp > 1 or tp > 1 or mpw > 1:
             raise ValueError(f"{first}: saved with pipeline degree {pp}, tensor-parallel degree {max(tp, mpw)}; "
                              "shardwise reads DeepSpeed checkpoints of pure data parallelism only (the pipeline "
                              "stage and tensor-slice mapping are missing here)")
         self.cfg = self.ms.get("ds_config") if isinstance(self.ms.get("ds_config"), dict) else {}
         self.world = int(self.ms["dp_world_size"])
-        self.module: dict[str, torch.Tensor] = dict(self.ms["module"])
+        self.module: dict[str, torch.Tensor] = self._layer_weights(layers) if self.pipeline else dict(self.ms["module"])
         # The stage from the files (ds_config may be a path, not a dict); ZeRO-1 vs 2 from 'zero_stage' later.
         if first.name.startswith("zero_pp_rank_"):
             self.stage = 3
@@ -229,18 +255,85 @@ class _Reader:
         self.fp16 = bool((self.cfg.get("fp16") or {}).get("enabled", False)) or \
             any(v.dtype == torch.float16 for v in self.module.values())
         self.buffers = set(self.ms.get("buffer_names") or [])
+        self.total_ranks = self.world
         self.aliases = dict(self.ms.get("shared_params") or {})
         self.param_shapes = [dict(g) for g in (self.ms.get("param_shapes") or [])]
 
+    # -- pipelines: PipelineModule's layer files -------------------------------------------------
+    def _pipeline_stages(self, mp: list[int], pp: int, tp: int) -> list[int]:
+        """The stages (model-states indices; the pipeline's stage when there is no tensor parallelism)."""
+        if tp > 1:
+            raise ValueError(f"{self.ms_path}: a pipeline saved with tensor-parallel degree {tp}; shardwise reads "
+                             "DeepSpeed pipeline checkpoints without tensor parallelism only")
+        missing = [f"mp_rank_{s:02d}_model_states.pt" for s in range(max(pp, len(mp))) if s not in mp]
+        if missing:
+            raise FileNotFoundError(f"DeepSpeed pipeline checkpoint {self.folder} was saved by {pp} stages but "
+                                    f"{', '.join(missing)} (one per stage) missing")
+        return mp
+
+    def _layer_weights(self, layers: dict) -> dict[str, torch.Tensor]:
+        """The layer files' state dicts as the PipelineModule's: layer i's ``key`` is ``"<i>.<key>"``
+        (DeepSpeed's and shardwise's PipelineModule both register layer i as the submodule ``str(i)``)."""
+        module = {}
+        for name, m in sorted(layers.items(), key=lambda kv: int(kv[1].group(1))):
+            sd = load_deepspeed_file(self.folder / name)
+            if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+                raise DeepSpeedLayoutError(f"{self.folder / name}: expected a layer's state dict (names -> tensors), "
+                                           f"found {type(sd).__name__}")
+            module.update({f"{int(m.group(1))}.{k}": v for k, v in sd.items()})
+        return module
+
+    def _check_layers(self) -> None:
+        """Every parameter the stages' optimizers hold has its weight in a layer file."""
+        for name in self.trainable:
+            if name not in self.module:
+                idx = name.split(".", 1)[0]
+                where = (f"layer_{int(idx):02d}-model_states.pt holds no '{name.split('.', 1)[1]}'"
+                         if idx.isdigit() and any(k.startswith(f"{idx}.") for k in self.module) else
+                         f"its layer file layer_{int(idx):02d}-model_states.pt is missing" if idx.isdigit() else
+                         "it is not in a numbered layer (tied layers are not read)")
+                raise FileNotFoundError(f"DeepSpeed pipeline checkpoint {self.folder}: parameter {name} of stage "
+                                        f"{self.mp} ({self.ms_path.name}): {where}")
+
+    def _read_pipeline(self) -> None:
+        """Each stage's optimizer partitions, as its own data-parallel ZeRO-1 checkpoint would be read."""
+        tied = [n for n in self.param_names or [] if n.startswith("tied_modules.")]
+        if tied:  # their layer files do not say which tie key they hold
+            raise ValueError(f"{self.folder}: loading a DeepSpeed pipeline checkpoint into a model with tied layers "
+                             f"({', '.join(tied)}) is not supported: the layer files do not name the tie key")
+        trainable, base = [], 0
+        for stage in self.stages:
+            self.mp, self.rank_base = stage, base
+            self.ms_path = self.folder / f"mp_rank_{stage:02d}_model_states.pt"
+            ms = self.ms if stage == self.stages[0] else load_deepspeed_file(self.ms_path)
+            self.world = int(_need(ms, "dp_world_size", self.ms_path))
+            self.buffers |= set(ms.get("buffer_names") or [])
+            self.param_shapes = [dict(g) for g in (ms.get("param_shapes") or [])]
+            if self.stage == 0:  # the stage's optimizer holds the next parameters in layer order
+                try:
+                    self._read_stage0(ms.get("optimizer"), params=[k for k in self.module if k not in self.buffers
+                                                                   and k not in trainable])
+                except DeepSpeedLayoutError as e:
+                    held = sorted({int(k.split(".", 1)[0]) for k in self.module})
+                    raise DeepSpeedLayoutError(f"{e} (stage {stage}; the layer files with weights are those of "
+                                               f"layers {held}: a missing layer file shifts this matching)") from None
+            else:
+                self._read_flat_partitions()
+            self._check_layers()
+            trainable += self.trainable
+            base += self.world
+        self.trainable, self.total_ranks = trainable, base
+
     # -- file names ------------------------------------------------------------------------
     def optim_path(self, rank: int) -> Path:
+        mp = f"{self.mp:02d}"
         for prefix in ("", "bf16_"):
             for sep in ("_", ""):  # DeepSpeed's old name lacked the underscore before optim_states
-                p = self.folder / f"{prefix}zero_pp_rank_{rank}_mp_rank_00{sep}optim_states.pt"
+                p = self.folder / f"{prefix}zero_pp_rank_{rank}_mp_rank_{mp}{sep}optim_states.pt"
                 if p.exists():
                     return p
         raise FileNotFoundError(f"DeepSpeed checkpoint {self.folder} was saved by {self.world} data-parallel ranks "
-                                f"but rank {rank}'s optimizer file zero_pp_rank_{rank}_mp_rank_00_optim_states.pt "
+                                f"but rank {rank}'s optimizer file zero_pp_rank_{rank}_mp_rank_{mp}_optim_states.pt "
                                 "(or bf16_zero_pp_rank_...) is missing")
 
     def model_states_path(self, rank: int) -> Path:
@@ -254,7 +347,9 @@ class _Reader:
     def read(self) -> None:
         self.param_groups = None
         self.loss_scaler = None
-        if (self.folder / "zero" / "optimizer_state.pt").is_file():
+        if self.pipeline:
+            self._read_pipeline()
+        elif (self.folder / "zero" / "optimizer_state.pt").is_file():
             self._read_universal()
         elif self.stage == 0:
             self._read_stage0(self.ms.get("optimizer"))
@@ -330,7 +425,8 @@ class _Reader:
                     n = _numel(shape)
                     lo, hi = max(off, lo_r), min(off + n, hi_r)
                     if lo < hi:
-                        self.out.fragment(rank, name, shape, lo - off, hi - off, part[lo - lo_r:hi - lo_r],
+                        self.out.fragment(self.rank_base + rank, name, shape, lo - off, hi - off,
+                                          part[lo - lo_r:hi - lo_r],
                                           _split_states(states[g], lo - lo_r, hi - lo_r, f"{path} group {g}"))
                         seen[name] = (hi - lo, lo - lo_r)
                     off += n + (int(align[g][j]) if align else 0)
@@ -441,14 +537,15 @@ class _Reader:
         self.world = 1  # every parameter whole, as one rank's
         self.trainable = list(shapes)
 
-    def _read_stage0(self, opt) -> None:
+    def _read_stage0(self, opt, *, params: list[str] | None = None) -> None:
         """No ZeRO: the optimizer's state_dict is inside the model states; it names no parameters, so they
-        are matched to the module's parameters in order."""
+        are matched to the module's parameters in order (``params``: a pipeline stage's first candidates)."""
         self.trainable = []
         if opt is None:
             return
         where = f"{self.ms_path} field 'optimizer'"
-        params = self._stage0_names()
+        stage_params = params
+        params = self._stage0_names() if params is None else params
         if "optimizer_state_dict" in opt:  # FP16_Optimizer / FP16_UnfusedOptimizer (fp16 and bf16)
             inner = opt["optimizer_state_dict"]
             self._scaler(opt)
@@ -471,9 +568,17 @@ class _Reader:
                 self.trainable += gnames
             return
         masters = [t for g in opt["fp32_groups"] for t in g] if "fp32_groups" in opt else None
+        if stage_params is not None:
+            params = params[:len(ids)]
         names = self._match_names(params, len(ids), per_group=False, where=where)
         for k, (i, name) in enumerate(zip(ids, names)):
             n = self.module[name].numel()
+            sizes = {key: v.numel() for key, v in dict(state.get(i, {})).items()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0}
+            if any(size != n for size in sizes.values()):
+                raise DeepSpeedLayoutError(f"{where}: the state of optimizer parameter {k} has {sizes} elements, "
+                                           f"parameter {name} (matched in order) {n}; frozen parameters among the "
+                                           "trainable ones cannot be told apart here")
             master = masters[k].reshape(-1) if masters is not None else None
             if master is not None and master.numel() != n:
                 raise DeepSpeedLayoutError(f"{where}: 'fp32_groups' entry {k} has {master.numel()} elements, "
@@ -541,7 +646,7 @@ class _Reader:
         return {
             "format": FORMAT, "version": VERSION, "shardwise_version": __version__, "tag": tag,
             "tensors": tensors, "aliases": self.aliases, "module_keys": list(self.module), "frozen": frozen,
-            "topology": {"world_size": self.world, "dp_world_size": self.world, "zero_stage": self.stage},
+            "topology": {"world_size": self.total_ranks, "dp_world_size": self.world, "zero_stage": self.stage},
             "engine": {"global_steps": int(ms["global_steps"]),
                        "global_samples": int(ms.get("global_samples", 0) or 0),
                        "micro_steps": int(ms["global_steps"]) * gas,

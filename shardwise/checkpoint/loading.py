@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 from shardwise.checkpoint.agreement import agree_on_load
-from shardwise.checkpoint.deepspeed_format import convert_deepspeed_checkpoint, find_deepspeed_folder
+from shardwise.checkpoint.deepspeed_format import convert_deepspeed_checkpoint, find_deepspeed_folder, \
+    pipeline_module_keys
 from shardwise.checkpoint.engine_io import read_checkpoint, wait_for_save
 from shardwise.checkpoint.manifest import list_tags, open_checkpoint
 from shardwise.checkpoint.writer import CheckpointWriter
@@ -61,12 +62,22 @@ def check_stage_layers(engine, load_dir, tag, *, stage_id: int) -> None:
     stage's). Collective: the ranks agree, so a stage missing layers is named on every rank."""
     error = None
     try:
-        ckpt = open_checkpoint(load_dir, tag) if find_deepspeed_folder(load_dir, tag) is None else None
-        saved = set(ckpt.manifest.get("module_keys", [])) if ckpt is not None else None
+        ds_folder = find_deepspeed_folder(load_dir, tag)
+        if ds_folder is None:
+            ckpt = open_checkpoint(load_dir, tag)
+            folder = ckpt.folder if ckpt is not None else None
+            saved = set(ckpt.manifest.get("module_keys", [])) if ckpt is not None else None
+        else:  # DeepSpeed's: its pipeline layer files name the layers (a data-parallel one: judged on loading)
+            folder, saved = ds_folder, pipeline_module_keys(ds_folder)
         missing = sorted(k for k in engine.module.state_dict() if saved is not None and k not in saved)
+        hint = ""
+        if missing and ds_folder is not None:
+            files = sorted({f"layer_{int(k.split('.')[0]):02d}-model_states.pt" for k in missing
+                            if k.split(".")[0].isdigit()})
+            hint = f" (DeepSpeed's layer files {', '.join(files)} are missing or lack them)" if files else ""
         if missing:
-            raise ValueError(f"checkpoint {ckpt.folder} lacks layers of pipeline stage {stage_id}: "
-                             f"{', '.join(missing)}; load_module_strict=False keeps their current values")
+            raise ValueError(f"checkpoint {folder} lacks layers of pipeline stage {stage_id}: "
+                             f"{', '.join(missing)}{hint}; load_module_strict=False keeps their current values")
     except Exception as e:
         error = e
     agree_on_load(error, f"loading the checkpoint in {load_dir}")
