@@ -32,7 +32,6 @@ def test_docs_print_the_combination_table():
      "optimizer.type=ZeroOneAdam with zero_optimization.stage=1"),
     (dict(pipe=2, zero_stage=1, tied_pipeline_layers=True), 2, "layers tied across pipeline stages with "
                                                               "zero_optimization.stage 1"),
-    (dict(data=4, offload_param=True, zero_stage=2), 4, "offload_param with zero_optimization.stage 2"),
     (dict(data=2, tensor=2), 8, r"data 2 x pipe 1 x tensor 2 x sequence 1 = 4 ranks, but the world has 8"),
     (dict(data=0), None, "data-parallel size must be an integer >= 1"),
 ])

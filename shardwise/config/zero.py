@@ -127,9 +127,9 @@ class ZeroConfig(ConfigModel):
         offloaded = isinstance(block, dict) and block.get("device") in ("cpu", "nvme")
         if isinstance(stage, int) and stage < 3 and offloaded:
             # DeepSpeed ignores it below stage 3 (DeepSpeed-Chat's --offload writes both blocks at any stage)
+            # The block stays (DeepSpeed's config object keeps it too); nothing below stage 3 reads it.
             report.warn(f"{_join(path, 'offload_param')} is ignored: parameter offload needs ZeRO stage 3 "
                         f"(stage is {stage}); the parameters stay on the device")
-            data.pop("offload_param")
         return data
 
     @model_validator(mode="after")

@@ -109,6 +109,9 @@ def estimate_model_states(num_params: float, *, num_gpus: int = 1, num_nodes: in
         raise ValueError(f"tensor_parallel {tensor_parallel} x pipeline_parallel {pipeline_parallel} does not divide "
                          f"the {world} ranks (num_gpus x num_nodes)")
     n = world // model_parallel
+    if offload_param != "none" and stage != 3:
+        raise ValueError(f"offload_param={offload_param!r} with ZeRO stage {stage}: parameter offload needs "
+                         "ZeRO stage 3 (DeepSpeed and shardwise ignore it below)")
     ParallelDims(data=n, tensor=tensor_parallel, pipe=pipeline_parallel, zero_stage=stage,
                  offload_optimizer=offload_optimizer != "none",
                  offload_param=offload_param != "none").validate(world)  # the one table of allowed combinations

@@ -57,7 +57,7 @@ def config_features(cfg, *, model=None, optimizer=None) -> dict:
     zero = cfg.zero_optimization
     out = {"zero_stage": int(zero.stage),
            "offload_optimizer": _offloaded(zero.offload_optimizer),
-           "offload_param": _offloaded(zero.offload_param),
+           "offload_param": int(zero.stage) == 3 and _offloaded(zero.offload_param),  # ignored below 3
            "tied_pipeline_layers": bool(getattr(model, "tied_comms", None)) if _is_pipeline_module(model) else False,
            "virtual_stages": int(getattr(model, "virtual_stages", 1)) if _is_pipeline_module(model) else 1,
            "expert": _expert_size(model)}

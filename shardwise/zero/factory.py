@@ -22,7 +22,7 @@ def build_strategy(zero_config, *, aio=None, module, optimizer, dp_group=None, d
     compressed = bool(getattr(optimizer, "compressed_communication", False))
     if dims is None:
         dims = ParallelDims(zero_stage=stage, offload_optimizer=offload_device(zero_config.offload_optimizer) != "none",
-                            offload_param=offload_device(zero_config.offload_param) != "none",
+                            offload_param=stage == 3 and offload_device(zero_config.offload_param) != "none",
                             compressed_optimizer=type(optimizer).__name__ if compressed else None,
                             compressed_zero1=bool(getattr(optimizer, "supports_zero1", False))).validate()
     if stage == 0:
