@@ -225,3 +225,17 @@ def test_bad_sizes_are_named():
                                                            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     with pytest.raises(ValueError, match="expert > 1|ep_size 2\\) with zero_optimization.stage 3"):
         ParallelDims(data=2, expert=2, zero_stage=3).validate()
+
+
+def test_expert_rank_lists_follow_deepspeeds_layout():
+    """DeepSpeed's example: 16 ranks, tensor 2, ep 4: data groups [0,2,..,14] and [1,3,..,15] are cut in
+    order into expert groups, and each expert's replicas are the same slot of each cut."""
+    from shardwise.utils.groups import _get_expert_parallel_ranks
+
+    ep, edp = _get_expert_parallel_ranks(world_size=16, tensor_parallel_size_=2, expert_parallel_size_=4)
+    assert ep == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    assert edp == [[0, 8], [2, 10], [4, 12], [6, 14], [1, 9], [3, 11], [5, 13], [7, 15]]
+    ep, edp = _get_expert_parallel_ranks(8, 1, 2, pipeline_parallel_size_=2)  # two stages of 4 data ranks
+    assert ep == [[0, 1], [2, 3], [4, 5], [6, 7]] and edp == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    with pytest.raises(ValueError, match="not divisible by ep_size 3"):
+        _get_expert_parallel_ranks(8, 2, 3)

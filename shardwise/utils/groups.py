@@ -14,7 +14,7 @@ is off: size 1, rank 0, and the sequence-data-parallel group is every rank.
 from __future__ import annotations
 
 from shardwise import comm
-from shardwise.topology import active_grid
+from shardwise.topology import PipeModelDataParallelTopology, active_grid
 
 __all__ = ["get_tensor_model_parallel_group", "get_tensor_model_parallel_world_size",
            "get_tensor_model_parallel_rank", "get_tensor_model_parallel_src_rank", "get_model_parallel_group",
@@ -147,6 +147,34 @@ def _data_axis_rank_lists() -> list[list[int]]:
     return [list(r) for r in sorted({tuple(r) for r in everyone})]
 
 
+def _split_data_ranks(data_ranks: list[int], ep: int, data_before_expert: bool):
+    """(expert-parallel groups, expert-data-parallel groups) cut from one data-parallel group's ranks."""
+    blocks = len(data_ranks) // ep
+    if data_before_expert:  # data-parallel replicas are the consecutive blocks instead
+        return ([data_ranks[i::blocks] for i in range(blocks)],
+                [data_ranks[i * blocks:(i + 1) * blocks] for i in range(ep)])
+    return [data_ranks[i * ep:(i + 1) * ep] for i in range(blocks)], [data_ranks[i::ep] for i in range(ep)]
+
+
+def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expert_parallel_size_: int,
+                               pipeline_parallel_size_: int = 1, use_data_before_expert_parallel_: bool = False):
+    """DeepSpeed's rank arithmetic (no groups are created): the expert-parallel and expert-data-parallel
+    rank lists of a (pipe, data, tensor) layout, data group by data group."""
+    model = tensor_parallel_size_ * pipeline_parallel_size_
+    if world_size % model or (world_size // model) % expert_parallel_size_:
+        raise ValueError(f"world size {world_size} with tensor {tensor_parallel_size_} x pipe "
+                         f"{pipeline_parallel_size_}: the data-parallel size is not divisible by ep_size "
+                         f"{expert_parallel_size_}")
+    topology = PipeModelDataParallelTopology(num_pp=pipeline_parallel_size_, num_mp=tensor_parallel_size_,
+                                             num_dp=world_size // model)
+    ep_all, edp_all = [], []
+    for data_ranks in topology.axis_groups("data"):
+        ep_groups, edp_groups = _split_data_ranks(data_ranks, expert_parallel_size_, use_data_before_expert_parallel_)
+        ep_all += ep_groups
+        edp_all += edp_groups
+    return ep_all, edp_all
+
+
 def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False):
     """Create the groups of ``ep_size_{expert_parallel_size_}`` (collective: every rank creates every group)."""
     name = f"ep_size_{expert_parallel_size_}"
@@ -157,13 +185,7 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before
         if len(data_ranks) % ep:
             raise ValueError(f"MoE ep_size {ep} does not divide the data-parallel size {len(data_ranks)} "
                              f"(data ranks {data_ranks})")
-        blocks = len(data_ranks) // ep
-        if use_data_before_expert_parallel_:  # data-parallel replicas are the consecutive blocks instead
-            ep_groups = [data_ranks[i::blocks] for i in range(blocks)]
-            edp_groups = [data_ranks[i * blocks:(i + 1) * blocks] for i in range(ep)]
-        else:
-            ep_groups = [data_ranks[i * ep:(i + 1) * ep] for i in range(blocks)]
-            edp_groups = [data_ranks[i::ep] for i in range(ep)]
+        ep_groups, edp_groups = _split_data_ranks(data_ranks, ep, use_data_before_expert_parallel_)
         for table, ranks_table, lists in ((_EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_GROUP_RANKS, edp_groups),
                                           (_EXPERT_PARALLEL_GROUP, _EXPERT_PARALLEL_GROUP_RANKS, ep_groups)):
             for ranks in lists:
