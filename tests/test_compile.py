@@ -126,7 +126,7 @@ def test_inductor_on_a_model_without_repeated_blocks():
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=0)
 
 
-def test_refusals_name_the_problem(monkeypatch):
+def test_refusals_name_the_problem():
     import shardwise
     from shardwise.config import ConfigError, load_config
 
@@ -139,9 +139,12 @@ def test_refusals_name_the_problem(monkeypatch):
         engine.compile(backend="aot_eager", compile_kwargs={"fulgraph": True})
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "no-such-c++"))
-    with pytest.raises(ValueError, match=r"needs a C\+\+ compiler.*'no-such-c\+\+'.*apt-get install g\+\+"):
-        engine.compile(backend="inductor")
+    # torch's own patch context: pytest's monkeypatch undo left inductor's config without cpp.cxx, which broke
+    # a later in-process compile (flex attention's mask in tests/test_sequence_parallel.py)
+    with inductor_config.patch({"cpp.cxx": (None, "no-such-c++")}):
+        with pytest.raises(ValueError, match=r"needs a C\+\+ compiler.*'no-such-c\+\+'.*apt-get install g\+\+"):
+            engine.compile(backend="inductor")
+    assert inductor_config.cpp.cxx != (None, "no-such-c++")
     assert not engine.is_compiled
     with pytest.raises(ConfigError, match="compile.deepcompile, compile.free_activation configure DeepCompile"):
         load_config({"compile": {"deepcompile": True, "free_activation": True}})
