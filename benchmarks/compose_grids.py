@@ -33,6 +33,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from tensor_parallel import _Meter  # noqa: E402  (the saved-activation meter of the 3D benchmark)
 GRIDS = [  # name, pp, tp, sp, dp, ZeRO stage
     ("dp8 Z3", 1, 1, 1, 8, 3),
     ("tp2 x dp4 Z3", 1, 2, 1, 4, 3),
@@ -42,23 +44,6 @@ GRIDS = [  # name, pp, tp, sp, dp, ZeRO stage
 LONGEST = [("sp2 x dp2", 1, 1, 2, 2, 1), ("sp2 x tp2", 1, 2, 2, 1, 1)]
 FOUR_D = ("dp2 x pp2 x tp2 x sp2", 2, 2, 2, 2)  # name, pp, tp, sp, dp
 LR, SGD_LR = 1e-3, 0.1
-
-
-class _Meter:
-    live = peak = 0
-
-    @classmethod
-    def pack(cls, t):
-        n = t.numel() * t.element_size()
-        cls.live += n
-        cls.peak = max(cls.peak, cls.live)
-        return (t, n)
-
-    @classmethod
-    def unpack(cls, packed):
-        t, n = packed
-        cls.live -= n
-        return t
 
 
 def gpt_config(args):
