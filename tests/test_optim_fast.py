@@ -338,3 +338,37 @@ def test_fp32_states_survive_state_dict_round_trip_with_bf16_params():
             _step(o2, second, s, torch.bfloat16)
         for x, y in zip(straight, second):
             assert torch.equal(x, y), cls.__name__
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_cpu_adam_step_subgroup_is_a_step_and_rollback_undoes_it(adamw_mode):
+    """DeepSpeed's sub-group interface of DeepSpeedCPUAdam: ``step_subgroup`` computes what ``step``
+    does, with one set of moments per sub-group id; ``rollback_subgroup`` brings parameters and moments
+    back to before the last step (fp32 rounding), and refuses a sub-group never stepped or at step 0."""
+    CPUAdam = _ops()[0]
+    torch.manual_seed(0)
+    start = torch.randn(64)
+    a, b = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    sub = CPUAdam([a], lr=0.05, weight_decay=0.1, adamw_mode=adamw_mode)
+    plain = CPUAdam([b], lr=0.05, weight_decay=0.1, adamw_mode=adamw_mode)
+    history = []
+    for _ in range(3):
+        g = torch.randn(64)
+        a.grad, b.grad = g.clone(), g.clone()
+        history.append((a.detach().clone(), sub.state[0]["exp_avg"].clone() if 0 in sub.state else None))
+        sub.step_subgroup(0)
+        plain.step()
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+    assert sub.state[0]["step"] == 3 and 1 not in sub.state
+    before, m_before = history[-1]
+    sub.rollback_subgroup(0)  # the last gradient is still in a.grad
+    assert sub.state[0]["step"] == 2
+    torch.testing.assert_close(a.detach(), before, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sub.state[0]["exp_avg"], m_before, rtol=1e-5, atol=1e-6)
+    sub.step_subgroup(1)  # another sub-group: its own moments and count
+    assert sub.state[1]["step"] == 1 and sub.state[0]["step"] == 2
+    with pytest.raises(RuntimeError, match="Cannot rollback optimizer state for sub_group_id 5"):
+        sub.rollback_subgroup(5)
+    sub.rollback_subgroup(1)
+    with pytest.raises(RuntimeError, match="Cannot rollback sub_group_id 1: step count is 0"):
+        sub.rollback_subgroup(1)
