@@ -95,13 +95,18 @@ def is_deepspeed_checkpoint(load_dir, tag=None) -> bool:
 
 
 def pipeline_module_keys(folder: Path) -> set[str] | None:
-    """The module names of a DeepSpeed pipeline checkpoint's layer files (``"<layer>.<key>"``), or None
-    when ``folder`` has none (the layer files are small: one layer's weights each)."""
+    """The module names of a DeepSpeed pipeline checkpoint's layer files (``"<layer>.<key>"``) and its tied
+    modules' (``tied_modules.<key>.<name>``, as the stages' optimizers name them), or None when ``folder`` has
+    no layer files (they are small: one layer's weights each)."""
     keys = set()
     for path in folder.iterdir():
         if m := _PIPELINE_LAYER.match(path.name):
             sd = load_deepspeed_file(path)
             keys.update(f"{int(m.group(1))}.{k}" for k in (sd if isinstance(sd, dict) else {}))
+        elif (m := _MODEL_STATES.match(path.name)) and m.group(1) is None:  # a stage's: tied modules by name
+            ms = load_deepspeed_file(path)
+            for g in (ms.get("param_shapes") or []) if isinstance(ms, dict) else []:
+                keys.update(k for k in dict(g) if k.startswith("tied_modules."))  # (read from a layer file)
     return keys if any(_PIPELINE_LAYER.match(p.name) for p in folder.iterdir()) else None
 
 
@@ -124,8 +129,12 @@ class _Out:
             self.written[name] = (write_tensors(self.tmp / name, tensors, copy=False), 0)
         self.files = {}
 
+    skip: set[str] = field(default_factory=set)  # names an earlier pipeline stage wrote (tied layers)
+
     def fragment(self, rank: int, name: str, shape, start: int, end: int, master: torch.Tensor | None,
                  states: dict[str, torch.Tensor]) -> None:
+        if name in self.skip:
+            return
         key = f"{name}@{start}:{end}"
         base = {"name": name, "shape": [int(d) for d in shape], "start": start, "end": end}
         if master is not None:
@@ -291,16 +300,65 @@ class _Reader:
                 where = (f"layer_{int(idx):02d}-model_states.pt holds no '{name.split('.', 1)[1]}'"
                          if idx.isdigit() and any(k.startswith(f"{idx}.") for k in self.module) else
                          f"its layer file layer_{int(idx):02d}-model_states.pt is missing" if idx.isdigit() else
-                         "it is not in a numbered layer (tied layers are not read)")
+                         "it is neither in a numbered layer nor a tied module found in a layer file")
                 raise FileNotFoundError(f"DeepSpeed pipeline checkpoint {self.folder}: parameter {name} of stage "
                                         f"{self.mp} ({self.ms_path.name}): {where}")
 
+    def _tie_layers(self) -> None:
+        """Name the tied modules' weights. DeepSpeed saves a ``TiedLayerSpec`` used without ``forward_fn``
+        as that layer's file (``layer_<i>``), which does not say its tie key; the stages' optimizers name
+        the tied parameters (``tied_modules.<key>.<name>``) and not the layer. A layer file whose weights
+        no stage's optimizer names as ``<i>.<name>`` is the tied module whose names and shapes it has."""
+        shapes = {}
+        for stage in self.stages:
+            path = self.folder / f"mp_rank_{stage:02d}_model_states.pt"
+            ms = self.ms if stage == self.stages[0] else load_deepspeed_file(path)
+            for g in ms.get("param_shapes") or []:
+                shapes.update({k: tuple(v) for k, v in dict(g).items()})
+        ties: dict[str, dict[str, tuple]] = {}
+        for name, shape in shapes.items():
+            if name.startswith("tied_modules."):
+                key, _, rest = name[len("tied_modules."):].partition(".")
+                ties.setdefault(key, {})[rest] = shape
+        wanted = {n for n in self.param_names or [] if n.startswith("tied_modules.")}
+        if not ties:
+            if wanted:
+                raise ValueError(f"{self.folder}: loading into a model with tied layers ({', '.join(sorted(wanted))}), "
+                                 "but no stage of this DeepSpeed pipeline checkpoint names a tied module in its "
+                                 "optimizer states (a model without them saved it, or ZeRO-0, which names nothing)")
+            return
+        if self.stage == 0:
+            raise ValueError(f"{self.folder}: a ZeRO-0 DeepSpeed pipeline checkpoint with tied layers "
+                             f"({', '.join(sorted(ties))}): its optimizer names no parameters, so the tied "
+                             "weights cannot be matched; DeepSpeed's ZeRO-1 pipeline checkpoints can be read")
+        layers: dict[int, dict[str, torch.Tensor]] = {}
+        for name, value in self.module.items():
+            idx, _, rest = name.partition(".")
+            layers.setdefault(int(idx), {})[rest] = value
+        found: dict[str, int] = {}
+        for idx, sd in sorted(layers.items()):
+            if any(f"{idx}.{k}" in shapes for k in sd):
+                continue
+            layout = {k: tuple(v.shape) for k, v in sd.items()}
+            keys = [key for key, tied in ties.items() if tied == {k: layout[k] for k in tied if k in layout}
+                    and set(tied) <= set(layout)]
+            if len(keys) > 1:
+                raise DeepSpeedLayoutError(f"{self.folder}: layer_{idx:02d}-model_states.pt could hold tied module "
+                                           f"{' or '.join(keys)} (same names and shapes): the files do not say which")
+            if keys and keys[0] not in found:
+                found[keys[0]] = idx
+                for k, v in sd.items():
+                    del self.module[f"{idx}.{k}"]
+                    self.module[f"tied_modules.{keys[0]}.{k}"] = v
+        missing = sorted(set(ties) - set(found))
+        if missing:
+            raise FileNotFoundError(f"DeepSpeed pipeline checkpoint {self.folder}: no layer file holds the weights of "
+                                    f"tied module(s) {', '.join(missing)} (shapes {[ties[k] for k in missing]})")
+
     def _read_pipeline(self) -> None:
-        """Each stage's optimizer partitions, as its own data-parallel ZeRO-1 checkpoint would be read."""
-        tied = [n for n in self.param_names or [] if n.startswith("tied_modules.")]
-        if tied:  # their layer files do not say which tie key they hold
-            raise ValueError(f"{self.folder}: loading a DeepSpeed pipeline checkpoint into a model with tied layers "
-                             f"({', '.join(tied)}) is not supported: the layer files do not name the tie key")
+        """Each stage's optimizer partitions, as its own data-parallel ZeRO-1 checkpoint would be read. A tied
+        module is in the optimizer of every stage using it: the first stage's copy is the one read."""
+        self._tie_layers()
         trainable, base = [], 0
         for stage in self.stages:
             self.mp, self.rank_base = stage, base
@@ -320,7 +378,8 @@ class _Reader:
             else:
                 self._read_flat_partitions()
             self._check_layers()
-            trainable += self.trainable
+            trainable += [n for n in self.trainable if n not in self.out.skip]
+            self.out.skip |= set(self.trainable)
             base += self.world
         self.trainable, self.total_ranks = trainable, base
 
