@@ -1,6 +1,6 @@
 """Writing a parameter's whole gradient (``safe_set_full_grad``), ZeRO-3's per-rank accessors
-(``safe_*_local_*``), ``empty_partition_cache``, ``ignore_unused_parameters: false`` and
-``zero_force_ds_cpu_optimizer``: one spawn of two ranks, every case inside it."""
+(``safe_*_local_*``), ``empty_partition_cache``, ``ignore_unused_parameters: false``,
+``zero_force_ds_cpu_optimizer`` and ``skip_init`` under ``zero.Init``: one spawn of two ranks, every case inside it."""
 
 from __future__ import annotations
 
@@ -136,6 +136,26 @@ def _force_cpu_optimizer_case():
     return out
 
 
+class _Nested(torch.nn.Module):
+    def __init__(self, size, device=None):
+        super().__init__()
+        self.inner = torch.nn.ModuleList([torch.nn.Linear(size, size, device=device)])
+
+
+def _skip_init_case():
+    """torch.nn.utils.skip_init under zero.Init: built on meta (children too), sharded once to_empty gave
+    the whole tree storage."""
+    import shardwise
+    from torch.nn.utils import skip_init
+
+    with shardwise.zero.Init():
+        model = skip_init(_Nested, 10)
+    params = list(model.parameters())
+    with shardwise.zero.GatheredParameters(params):
+        whole = [p.detach().clone().view(torch.int32) for p in params]  # (uninitialised: compare bits)
+    return [p.ds_tensor.numel() for p in params], whole
+
+
 def _body(rank, world):
     return {
         "set": {stage: _set_grad_case(stage, rank) for stage in (0, 1, 2, 3)},
@@ -143,6 +163,7 @@ def _body(rank, world):
         "cache": _cache_case(rank),
         "unused": [_unused_case(False), _unused_case(True)],
         "force": _force_cpu_optimizer_case(),
+        "skip_init": _skip_init_case(),
     }
 
 
@@ -172,6 +193,8 @@ def test_grad_access_cache_and_zero_checks_two_ranks():
         assert r["unused"] == ["raised", "stepped"]
         assert r["force"] == ["refused", "accepted"]
     torch.testing.assert_close(results[0]["local"]["exp_avg"], results[1]["local"]["exp_avg"])
+    assert [r["skip_init"][0] for r in results] == [[50, 5], [50, 5]]  # ceil(numel / 2) elements per rank
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["skip_init"][1], results[1]["skip_init"][1]))
     # the fp32 chunks of the two ranks together: the weights the reference step gave, then zero padding
     fp32 = torch.cat([results[0]["local"]["fp32_chunk"], results[1]["local"]["fp32_chunk"]])
     numel = ref[0].weight.numel()
