@@ -24,7 +24,7 @@ from shardwise.monitor.observer import StepObserver
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime import autocast as torch_autocast
 from shardwise.runtime.dataloader import build_dataloader
-from shardwise.runtime.engine_compat import EngineCompatMixin
+from shardwise.runtime.engine_compat import EngineCompatMixin, check_forced_cpu_optimizer
 from shardwise.runtime.plan import config_features, optimizer_features
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
@@ -185,9 +185,9 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         params = model_parameters if model_parameters is not None else self.module.parameters()
         if client_optimizer is not None:
             if isinstance(client_optimizer, torch.optim.Optimizer):
-                return client_optimizer
+                return check_forced_cpu_optimizer(self.config, client_optimizer)
             if callable(client_optimizer):
-                return client_optimizer(params)
+                return check_forced_cpu_optimizer(self.config, client_optimizer(params))
             raise ValueError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(client_optimizer)!r}")
         if cfg_opt is None:
             return None

@@ -21,6 +21,32 @@ _DEEPSPEED_OPTIMIZERS = {"adagrad", "adam", "adamw", "lamb", "onebitadam", "zero
                          "muon"}
 
 
+class ZeroSetupError(ValueError):
+    """A ZeRO setup refused at initialize, as DeepSpeed refuses it with ``ZeRORuntimeException`` (which
+    is this class under the compat package): ``zero_force_ds_cpu_optimizer: true`` with the optimizer
+    offloaded and a client optimizer that is not ``DeepSpeedCPUAdam`` / ``DeepSpeedCPULion``."""
+
+
+def check_forced_cpu_optimizer(config, optimizer):
+    """DeepSpeed refuses a client optimizer other than its CPU Adam/Lion for an offloaded optimizer when
+    ``zero_force_ds_cpu_optimizer`` is true (its default), for speed. shardwise's CPU optimizers run the
+    same torch kernels as any torch optimizer, so it refuses only where the config sets the key true."""
+    block = config.zero_optimization.offload_optimizer
+    if ("zero_force_ds_cpu_optimizer" not in config.model_fields_set or not config.zero_force_ds_cpu_optimizer
+            or config.zero_optimization.stage == 0 or block is None or block.device not in ("cpu", "nvme")):
+        return optimizer
+    from shardwise.ops.adam import DeepSpeedCPUAdam
+    from shardwise.ops.lion import DeepSpeedCPULion
+
+    if not isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPULion)):
+        raise ZeroSetupError(
+            f"zero_force_ds_cpu_optimizer is true and zero_optimization.offload_optimizer.device is '{block.device}', "
+            f"but the optimizer passed to initialize() is {type(optimizer).__name__}: pass DeepSpeedCPUAdam "
+            "(shardwise.ops.adam) or DeepSpeedCPULion, put an 'optimizer' block in the config, or set "
+            "zero_force_ds_cpu_optimizer: false")
+    return optimizer
+
+
 class ThroughputTimer:
     """``engine.tput_timer`` (DeepSpeed's ``ThroughputTimer``): samples per second over optimizer
     steps, leaving out the first ``start_step`` steps (warm-up). The engine starts it in forward
@@ -277,6 +303,14 @@ class EngineCompatMixin:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
         return {prefix + k: v for k, v in state.items()}
+
+    def empty_partition_cache(self) -> None:
+        """Release the ZeRO-3 parameters still gathered (persistent ones, those kept for reuse) to free
+        their memory; they are gathered again when next used. Nothing to do below stage 3."""
+        for strategy in [self.strategy, *getattr(self.strategy, "strategies", ())]:  # (MoE: each part's)
+            coordinator = getattr(strategy, "coordinator", None) if strategy.shards_parameters else None
+            if coordinator is not None:
+                coordinator.release_all()
 
     # -- teardown --------------------------------------------------------------------------------------
     def destroy(self) -> None:

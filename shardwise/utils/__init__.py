@@ -3,7 +3,20 @@
 
 from shardwise.utils.init_on_device import OnDevice
 from shardwise.utils.logging import log_dist, log_dist_once, logger, print_json_dist, set_log_level_from_string
-from shardwise.utils.set_full import safe_set_full_fp32_param, safe_set_full_optimizer_state
+from shardwise.utils.local_state import (
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+)
+from shardwise.utils.set_full import (
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_update_full_grad_vectorized,
+)
 from shardwise.utils.tensor_fragment import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from shardwise.utils.z3_leaf_module import (
     get_z3_leaf_modules,
@@ -34,8 +47,16 @@ __all__ = [
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param",
+    "safe_set_full_grad",
     "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
     "set_log_level_from_string",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",

@@ -1,5 +1,5 @@
-"""Setting whole parameters and optimizer states under any ZeRO stage
-(DeepSpeed's ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``).
+"""Setting whole parameters, gradients and optimizer states under any ZeRO stage
+(DeepSpeed's ``safe_set_full_fp32_param`` / ``safe_set_full_grad`` / ``safe_set_full_optimizer_state``).
 
 The value is the whole tensor, given on every rank; each rank writes the part it owns.
 """
@@ -11,7 +11,8 @@ import torch
 from shardwise.zero import registry
 from shardwise.zero.partitioned_param import full_shape, is_partitioned, scatter_full_
 
-__all__ = ["safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
+__all__ = ["safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+           "safe_update_full_grad_vectorized"]
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -32,6 +33,37 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
     """Set one per-element optimizer state of ``param`` (e.g. ``"exp_avg"``) to ``value`` (whole)."""
     strategy, name = _owner(param)
     _write_fragments(strategy, name, _whole(param, value), state_key=optim_state_key)
+
+
+def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Replace the reduced gradient of ``param`` by ``value`` (the whole, unscaled gradient, on every
+    rank), after ``engine.backward`` at an accumulation boundary and before ``engine.step``: the step
+    (its norm, clipping and overflow check included) then uses it. Call it on every rank."""
+    strategy, name = _owner(param)
+    if not param.requires_grad:
+        raise ValueError(f"safe_set_full_grad: parameter {name} is frozen (requires_grad=False): it has no gradient")
+    partition = getattr(strategy, "partition", None)
+    if partition is not None and partition.step_in_flight:
+        raise RuntimeError("safe_set_full_grad: with offload_optimizer the optimizer step of each sub-group runs "
+                           "during the boundary backward (no clipping, no overflow check), before the gradient "
+                           "can be replaced; set engine.strategy.partition.overlap_step = False to step after it")
+    full = _whole(param, value) * registry.loss_scale_of(strategy)  # stored as backward left them: scaled
+    with torch.no_grad():
+        for fname, start, end, _ in (x for batch in strategy.fragment_batches() for x in batch):
+            if fname == name:
+                grad = strategy.local_grad(name, start, end)
+                grad.view(-1).copy_(full[start:end].to(grad.device))
+
+
+def safe_update_full_grad_vectorized(params, update_func) -> None:
+    """For each trainable parameter ``p`` of ``params``: set its whole gradient to
+    ``update_func(<its whole gradient>, p)`` (``safe_get_full_grad`` then ``safe_set_full_grad``).
+    Call it on every rank with the same list."""
+    from shardwise.utils.tensor_fragment import safe_get_full_grad
+
+    for p in params:
+        if p.requires_grad:
+            safe_set_full_grad(p, update_func(safe_get_full_grad(p), p))
 
 
 def _owner(param: torch.nn.Parameter):

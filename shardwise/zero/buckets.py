@@ -112,6 +112,7 @@ class BucketReducer:
         self.on_reduced = on_reduced  # called with each bucket once its reduction is complete (and stored)
         self._launched = 0
         self._arrived: set[tuple[int, int]] = set()
+        self.seen: set[tuple[int, int]] = set()  # (group, parameter) with a gradient since the owner cleared it
         self._in_flight: deque[Bucket] = deque()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(gi, i))
@@ -154,6 +155,7 @@ class BucketReducer:
             if not grad_is_ready(p):
                 return  # a tiled computation (sequence_parallel.tiled) adds more of this gradient first
             bucket = self._bucket_of[id(p)]
+            self.seen.add((gi, i))
             if self.active:
                 if (gi, i) in self._arrived:
                     raise RuntimeError(self._second_gradient_message(gi, i))

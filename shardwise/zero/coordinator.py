@@ -317,6 +317,16 @@ class ParamCoordinator:
             u.exposed = False  # (the graph of the pass is gone)
 
 
+    def release_all(self) -> None:
+        """Release every gathered unit, persistent ones included (``engine.empty_partition_cache()``);
+        the next forward or backward gathers what it needs again."""
+        for u in self.units:
+            if u.pending is not None:
+                u.finish_gather()
+            if u.gathered:
+                u.release()
+
+
 def user_gathered(p: torch.nn.Parameter) -> bool:
     """Inside ``GatheredParameters`` over ``p`` (its ``.data`` is that block's copy)."""
     return getattr(p, "_ds_user_gathered", 0) > 0

@@ -35,6 +35,7 @@ def build_strategy(zero_config, *, aio=None, module, optimizer, dp_group=None, d
             use_reduce_scatter=bool(zero_config.reduce_scatter),
             offload_optimizer=zero_config.offload_optimizer,
             sub_group_size=int(zero_config.sub_group_size),
+            ignore_unused_parameters=bool(zero_config.ignore_unused_parameters),
             aio=aio,
             optimizer=optimizer,
             dp_group=dp_group,

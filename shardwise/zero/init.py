@@ -95,6 +95,7 @@ class Init:
         self.dtype = dtype
         self._patched: list[tuple[type, str, object]] = []
         self._depth: dict[int, int] = {}
+        self._meta_depth = 0  # modules being built on the meta device (skip_init), outermost included
         if module is not None and enabled:  # DeepSpeed also accepts an already built module
             comm.init_distributed()
             self._shard_tree(module)
@@ -130,17 +131,37 @@ class Init:
 
         def __init__(module, *args, **kwargs):
             key = id(module)
+            on_meta = str(kwargs.get("device")) == "meta"  # torch.nn.utils.skip_init builds on meta, then to_empty
             ctx._depth[key] = ctx._depth.get(key, 0) + 1
+            ctx._meta_depth += on_meta
             try:
                 original(module, *args, **kwargs)
             finally:
                 ctx._depth[key] -= 1
+                ctx._meta_depth -= on_meta
             if ctx._depth[key] == 0:
                 del ctx._depth[key]
-                ctx._shard_tree(module)
+                if on_meta and ctx._meta_depth == 0:
+                    _shard_after_to_empty(module, ctx)
+                elif ctx._meta_depth == 0:  # (inside a meta build, the outermost module shards the tree)
+                    ctx._shard_tree(module)
 
         __init__.__wrapped__ = original
         return __init__
+
+
+def _shard_after_to_empty(module: torch.nn.Module, ctx: Init) -> None:
+    """A module built on the meta device has no values to shard yet; ``skip_init`` gives it (uninitialised)
+    storage with ``to_empty`` right after: shard it then (every rank takes rank 0's values, as always)."""
+    original = module.to_empty
+
+    def to_empty(*args, **kwargs):
+        del module.to_empty  # back to the class's method
+        out = original(*args, **kwargs)
+        ctx._shard_tree(module)
+        return out
+
+    module.to_empty = to_empty
 
 
 def _all_module_classes() -> list[type]:

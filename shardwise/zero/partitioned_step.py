@@ -146,6 +146,12 @@ class PartitionedOptimizer:
         self._overlap: _Overlap | None = None
 
     @property
+    def step_in_flight(self) -> bool:
+        """True between a boundary backward whose step overlaps it and ``apply_step``: sub-groups may
+        have stepped already, with the gradients backward produced."""
+        return self._overlap is not None
+
+    @property
     def separate_master(self) -> bool:
         """True when the optimizer steps a copy of the weights (fp32 master, or offloaded)."""
         return self.master_buffers is not None or self.swapper is not None

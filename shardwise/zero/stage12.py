@@ -47,8 +47,10 @@ class PartitionedStrategy(ZeroStrategy):
         offload_optimizer=None,
         sub_group_size: int = 1_000_000_000,
         aio=None,
+        ignore_unused_parameters: bool = True,
     ) -> None:
         self.optimizer = optimizer
+        self.ignore_unused_parameters = ignore_unused_parameters
         self.precision = precision
         self.dp_group = dp_group
         self.world = self.dp_world_size = comm.get_world_size(dp_group)
@@ -145,7 +147,25 @@ class PartitionedStrategy(ZeroStrategy):
 
     # -- step -----------------------------------------------------------------------------
     def local_grad_norm_sq(self, *, counted=None) -> torch.Tensor:
+        if not self.ignore_unused_parameters:
+            self._check_all_used()
         return self.partition.grad_norm_sq(self, counted=counted)
+
+    def _check_all_used(self) -> None:
+        """``ignore_unused_parameters: false``: at the step, every trainable parameter must have had a
+        gradient since the last step, on every rank; the ranks agree before raising (none is left waiting)."""
+        missing = [g.names[i] for gi, g in enumerate(self.groups) for i in range(len(g.params))
+                   if (gi, i) not in self.reducer.seen]
+        count = torch.tensor([float(len(missing))])
+        if self.world > 1:
+            comm.all_reduce(count, group=self.dp_group)
+        if count.item() > 0:
+            where = f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} got" if missing else \
+                "on another data-parallel rank, parameters got"
+            raise UnusedParametersError(
+                f"zero_optimization.ignore_unused_parameters is false, and {where} no gradient since the last step: "
+                "make every trainable parameter take part in the loss (or freeze it), or set "
+                "ignore_unused_parameters: true (the default) to train with parameters that get no gradient")
 
     def apply_step(self, *, coef: float, coef_fixed: bool = False) -> None:
         self.partition.apply_step(self, coef=coef, coef_fixed=coef_fixed)
@@ -170,6 +190,7 @@ class PartitionedStrategy(ZeroStrategy):
 
     def zero_grad(self) -> None:
         self.gradients.zero_()
+        self.reducer.seen.clear()
 
     # -- introspection --------------------------------------------------------------------
     @property
@@ -198,6 +219,11 @@ class PartitionedStrategy(ZeroStrategy):
 
     def local_fragments(self):
         return self.partition.local_fragments()
+
+
+class UnusedParametersError(ValueError, AssertionError):
+    """A trainable parameter got no gradient with ``ignore_unused_parameters: false``: a ValueError (a
+    model/config mismatch) that is also the AssertionError DeepSpeed raises here."""
 
 
 class Stage1Strategy(PartitionedStrategy):

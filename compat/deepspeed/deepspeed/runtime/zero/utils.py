@@ -1,9 +1,5 @@
-"""``deepspeed.runtime.zero.utils``: the exception class DeepSpeed's ZeRO raises for unsupported setups."""
-
-
-class ZeRORuntimeException(Exception):
-    """DeepSpeed's error for a ZeRO setup it refuses at initialize (for example a client optimizer
-    with ``zero_force_ds_cpu_optimizer`` and offload). shardwise raises ``ValueError`` for these."""
-
+"""``deepspeed.runtime.zero.utils``: the exception class DeepSpeed's ZeRO raises for setups it refuses at
+initialize. It is shardwise's ``ZeroSetupError`` (a ``ValueError``), so either name catches it."""
+from shardwise.runtime.engine_compat import ZeroSetupError as ZeRORuntimeException
 
 __all__ = ["ZeRORuntimeException"]
