@@ -117,6 +117,7 @@ def _train(case, rank, folder):
     engine.save_16bit_model(out)  # every expert, in the model's published per-expert layout
     if rank == 0:
         engine.module.config.save_pretrained(out)
+    engine.save_checkpoint(f"{out}-ckpt", tag="t")  # experts by global index
     return kind, out, {n: p.detach().clone() for n, p in ref.named_parameters()}, losses
 
 
@@ -132,10 +133,81 @@ def test_expert_parallel_trains_as_one_process_and_exports(tmp_path):
     process; the exported folder loads with ``from_pretrained`` into the weights one process trained."""
     from distributed import run_distributed
 
+    import shardwise
+
     results = run_distributed(_all_cases, WORLD, args=(str(tmp_path),), timeout=300)
     for kind, out, ref, _ in results[0]:
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
-        got = dict(loaded.named_parameters())
-        assert sorted(got) == sorted(ref), kind
-        for name, want in ref.items():
-            torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{kind} {name}: {m}")
+        _same_weights(transformers.AutoModelForCausalLM.from_pretrained(out), ref, kind)
+    # the ep 2 checkpoint loads in one process at autoep_size 1 (experts by global index) and exports the same
+    kind, out, ref, _ = results[0][-1]
+    model = tiny_model(kind, seed=1)
+    engine, *_ = shardwise.initialize(model=model, optimizer=_optimizer(model), config={
+        "train_batch_size": 2, "expert_parallel": {"enabled": True, "autoep_size": 1}})
+    engine.load_checkpoint(f"{out}-ckpt", tag="t")
+    engine.save_16bit_model(tmp_path / "one")
+    model.config.save_pretrained(tmp_path / "one")
+    _same_weights(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one"), ref, kind)
+
+
+def _same_weights(loaded, ref, kind):
+    got = dict(loaded.named_parameters())
+    assert sorted(got) == sorted(ref), kind
+    for name, want in ref.items():  # (weight gradients summed in another order: float rounding)
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{kind} {name}: {m}")
+
+
+# -- options and bad input ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_loss_free_balancing_moves_the_bias_after_each_step(kind):
+    """``load_balance_coeff``: after an optimizer step the bias of the over-loaded experts goes down by the
+    coefficient and the others' up (DeepSeek-V3: its own ``e_score_correction_bias``); routing follows it."""
+    from shardwise.moe.autoep.block import AutoEPMoE
+    from shardwise.moe.autoep.presets import spec_of
+
+    block = tiny_model(kind).model.layers[1].mlp
+    with torch.no_grad():
+        block.gate.weight[0] = 3.0  # expert 0 wins every token of positive inputs
+    mine = AutoEPMoE(block, spec_of(block, "qwen3_moe" if kind == "qwen3_moe" else kind, _cfg()), ep_size=1,
+                     ep_rank=0, load_balance_coeff=0.5)
+    bias = mine._selection_bias()
+    assert bias is (mine.gate.e_score_correction_bias if kind == "deepseek_v3" else mine.expert_bias)
+    start = bias.clone()
+    opt = torch.optim.SGD(mine.parameters(), lr=0.0)
+    x = torch.rand(4, 8, 16)
+
+    def routes():
+        from shardwise.moe.autoep.router import route
+
+        return torch.bincount(route(mine.gate(x.reshape(-1, 16))[0], mine.spec, mine._selection_bias())[1].reshape(-1),
+                              minlength=mine.num_experts)
+
+    before = routes()
+    mine(x).sum().backward()
+    torch.testing.assert_close(bias, start)  # nothing moves before the step
+    opt.step()
+    mine(x)  # the first forward after the step applies the counts of the step's forwards
+    step = torch.sign(before.float().mean() - before.float()) * 0.5
+    torch.testing.assert_close(bias, start + step)
+    assert routes()[0] < before[0]
+
+
+def test_bad_input_is_named():
+    import shardwise
+    from shardwise.config import load_config
+    from shardwise.config.errors import ConfigError
+    from shardwise.moe.autoep import check_sizes
+
+    model = tiny_model("qwen3_moe")  # 4 experts per layer
+    with pytest.raises(ValueError, match=r"autoep_size=3: the 4 experts of model.layers.0.mlp \(Qwen3MoeSparse"):
+        check_sizes(model, _cfg(autoep_size=3), data_size=3)
+    with pytest.raises(ValueError, match="autoep_size=2 does not divide the data-parallel size 3"):
+        check_sizes(model, _cfg(autoep_size=2), data_size=3)
+    with pytest.raises(ValueError, match="no MoE block AutoEP knows in Sequential.*classes are: Linear, ReLU"):
+        shardwise.initialize(model=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), config={
+            "train_batch_size": 1, "expert_parallel": {"enabled": True, "autoep_size": 1}})
+    with pytest.raises(ValueError, match="preset_model='mixtral'"):
+        check_sizes(model, _cfg(preset_model="mixtral"), data_size=1)
+    with pytest.raises(ConfigError, match="not implemented yet: expert_parallel.comm_backend"):
+        load_config({"expert_parallel": {"enabled": True, "comm_backend": "deepep"}}).check_supported()
+    with pytest.raises(ConfigError, match="autoep_size"):
+        load_config({"expert_parallel": {"enabled": True, "autoep_size": 0}})
