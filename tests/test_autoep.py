@@ -140,6 +140,10 @@ def test_expert_parallel_trains_as_one_process_and_exports(tmp_path):
         _same_weights(transformers.AutoModelForCausalLM.from_pretrained(out), ref, kind)
     # the ep 2 checkpoint loads in one process at autoep_size 1 (experts by global index) and exports the same
     kind, out, ref, _ = results[0][-1]
+    from shardwise.checkpoint.consolidate import consolidate_checkpoint
+
+    consolidate_checkpoint(f"{out}-ckpt", tmp_path / "hf", tag="t", hf_config=out)  # `shardwise consolidate`
+    _same_weights(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), ref, kind)
     model = tiny_model(kind, seed=1)
     engine, *_ = shardwise.initialize(model=model, optimizer=_optimizer(model), config={
         "train_batch_size": 2, "expert_parallel": {"enabled": True, "autoep_size": 1}})
