@@ -41,7 +41,7 @@ def exchange_counts(counts: Tensor, *, ep_size: int, group) -> Tensor:
 def run_experts(rows: Tensor, counts: list[int], w13: Tensor, w2: Tensor, act, *, grouped: bool) -> Tensor:
     """``rows`` grouped by local expert (``counts[e]`` rows each); expert e computes
     ``act(gate) * up @ w2[e]`` with ``[gate, up] = rows @ w13[e].T``."""
-    if grouped and rows.is_cuda and hasattr(torch, "_grouped_mm"):
+    if grouped and _grouped_mm_fits(rows, w13, w2):
         offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
         h = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offs)
         gate, up = h.chunk(2, dim=-1)
@@ -55,6 +55,12 @@ def run_experts(rows: Tensor, counts: list[int], w13: Tensor, w2: Tensor, act, *
     if not outs:  # no route reached these experts: an empty result still joins the autograd graph
         return rows[:0, :w2.shape[1]] * 0 + (w13.sum() + w2.sum()) * 0
     return torch.cat(outs)
+
+
+def _grouped_mm_fits(rows: Tensor, w13: Tensor, w2: Tensor) -> bool:
+    """CUDA, bf16, and rows of a multiple of 16 bytes (what ``torch._grouped_mm`` takes)."""
+    return (rows.is_cuda and hasattr(torch, "_grouped_mm") and rows.dtype == w13.dtype == torch.bfloat16
+            and rows.shape[1] % 8 == 0 and w2.shape[2] % 8 == 0)
 
 
 def expert_ids_of(received: Tensor) -> Tensor:
