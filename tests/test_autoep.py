@@ -95,16 +95,17 @@ def _train(case, rank, folder):
     import shardwise
     from shardwise.moe.autoep import AutoEPMoE
 
-    kind, stage = case
+    kind, stage, ep = case
     ref_losses, ref = _reference(kind)
     model = tiny_model(kind)
     opt = _optimizer(model)  # built on the original experts: AutoEP re-points it
     engine, *_ = shardwise.initialize(model=model, optimizer=opt, config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
-        "expert_parallel": {"enabled": True, "autoep_size": 2}})
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+        "expert_parallel": {"enabled": True, "autoep_size": ep}})
     blocks = [m for m in engine.module.modules() if isinstance(m, AutoEPMoE)]
-    assert blocks and all(b.num_local_experts == b.num_experts // 2 for b in blocks)
-    assert engine.has_moe_layers and engine.dims.expert == 2
+    assert blocks and all(b.num_local_experts == b.num_experts // ep for b in blocks)
+    assert engine.has_moe_layers and engine.dims.expert == ep
     losses = []
     for step in range(STEPS):
         ids = _ids(step)
@@ -113,7 +114,7 @@ def _train(case, rank, folder):
         engine.step()
         losses.append(float(loss))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[rank] for r in ref_losses]), rtol=1e-6, atol=0)
-    out = f"{folder}/{kind}-{stage}"
+    out = f"{folder}/{kind}-{stage}-{ep}"
     engine.save_16bit_model(out)  # every expert, in the model's published per-expert layout
     if rank == 0:
         engine.module.config.save_pretrained(out)
@@ -124,13 +125,17 @@ def _train(case, rank, folder):
 def _all_cases(rank, world, folder):
     from distributed import run_subtests
 
-    # ZeRO-3 joins this list once stage 3 partitions expert parameters (expert > 1 with stage 3 is refused on main)
-    return run_subtests(_train, [("qwen3_moe", 2), ("deepseek_v3", 2)], rank, folder)
+    # (kind, ZeRO stage, autoep_size). ep 2 at ZeRO-3 joins once stage 3 partitions expert parameters within
+    # their expert-data-parallel group (refused on main: "expert > 1 with ZeRO stage 3"); ZeRO-3 at ep 1 already
+    # gathers the experts around the block (external parameters). The last case's checkpoint is reloaded below.
+    cases = [("deepseek_v3", 3, 1), ("qwen3_moe", 2, 2), ("deepseek_v3", 2, 2)]
+    return run_subtests(_train, cases, rank, folder)
 
 
 def test_expert_parallel_trains_as_one_process_and_exports(tmp_path):
-    """ep 2 over 2 ranks at ZeRO-2 (fp32): the losses of each step equal the unmodified model trained in one
-    process; the exported folder loads with ``from_pretrained`` into the weights one process trained."""
+    """ep 2 over 2 ranks at ZeRO-2 (and ep 1 at ZeRO-3), fp32: the losses of each step equal the unmodified model
+    trained in one process; the exported folder loads with ``from_pretrained`` into the weights one process
+    trained; the ep 2 checkpoint loads at ep 1 in one process and consolidates into a Hugging Face folder."""
     from distributed import run_distributed
 
     import shardwise
