@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shardwise import comm
 from shardwise.param_attrs import add_external_param
@@ -69,7 +68,6 @@ class AutoEPMoE(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
         self.register_buffer("_pending_counts", torch.zeros(spec.num_experts, dtype=torch.long), persistent=False)
         self.ep_group = self.dp_group = None
-        self._seen_steps = _STEPS[0]
 
     # -- engine hooks ------------------------------------------------------------------------------
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
@@ -89,10 +87,11 @@ class AutoEPMoE(nn.Module):
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
                 1.0 - self.spec.jitter, 1.0 + self.spec.jitter)
         x = hidden_states.reshape(-1, shape[-1])
+        balancing = self.training and bool(self.load_balance_coeff)
         logits = self.gate(x)[0]  # the model's router: Hugging Face records these for the auxiliary loss
         weights, experts = route(logits, self.spec, self._selection_bias())
-        if self.training and self.load_balance_coeff:
-            self._balance(experts)
+        if balancing:
+            self._pending_counts += torch.bincount(experts.reshape(-1), minlength=self.num_experts)
         out = self._experts(x, weights, experts).to(x.dtype)
         if self.spec.shared:
             shared = getattr(self, self.spec.shared)(x)
@@ -152,29 +151,21 @@ class AutoEPMoE(nn.Module):
         return bias if bias is not None else getattr(self, "expert_bias", None)
 
     @torch.no_grad()
-    def _balance(self, experts: Tensor) -> None:
-        """Count this forward's routes; after each optimizer step, move the bias by the counts of the
-        step's forwards summed over the data axis (every rank moves it the same way)."""
-        if self._seen_steps != _STEPS[0]:
-            self._seen_steps = _STEPS[0]
-            counts = self._pending_counts.clone()
-            if self.dp_group is not None or comm.is_initialized():
-                comm.all_reduce(counts, group=self.dp_group)
-            if counts.sum() > 0:
-                self._selection_bias().add_(bias_update(counts, self.load_balance_coeff))
-            self._pending_counts.zero_()
-        self._pending_counts += torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+    def move_bias(self) -> None:
+        """After an optimizer step (the engine calls it, on every rank): move the bias by the routes counted
+        since the last step, summed over the data axis (so every rank moves it the same way). Collective."""
+        counts = self._pending_counts.clone()
+        if comm.is_initialized():
+            comm.all_reduce(counts, group=self.dp_group)
+        if counts.sum() > 0:
+            self._selection_bias().add_(bias_update(counts, self.load_balance_coeff))
+        self._pending_counts.zero_()
 
 
 def _has_correction_bias(gate: nn.Module) -> bool:
     return getattr(gate, "e_score_correction_bias", None) is not None
 
 
-_STEPS = [0]  # optimizer steps taken in this process (any optimizer): the balancing bias moves after each
-
-
-def _count_step(optimizer, args, kwargs) -> None:
-    _STEPS[0] += 1
-
-
-register_optimizer_step_post_hook(_count_step)
+def balancing_blocks(module: nn.Module) -> list[AutoEPMoE]:
+    """The AutoEP blocks whose bias moves after each optimizer step (``load_balance_coeff`` set)."""
+    return [m for m in module.modules() if isinstance(m, AutoEPMoE) and m.load_balance_coeff]
