@@ -12,6 +12,7 @@ from torch import nn
 
 from shardwise.moe.autoep.block import AutoEPMoE
 from shardwise.moe.autoep.presets import find_blocks, spec_of
+from shardwise.zero.init import GatheredParameters
 
 
 def check_sizes(model: nn.Module, cfg, *, data_size: int) -> list:
@@ -42,8 +43,9 @@ def apply_autoep(model: nn.Module, cfg, *, optimizer=None, model_parameters=None
     ep_rank = groups._get_expert_parallel_rank(name) if ep > 1 else 0
     sources: dict[int, list[torch.Tensor]] = {}
     for path, module, preset in find_blocks(model, cfg):
-        block = AutoEPMoE(module, spec_of(module, preset, cfg), ep_size=ep, ep_rank=ep_rank,
-                          use_grouped_mm=cfg.use_grouped_mm, load_balance_coeff=cfg.load_balance_coeff)
+        with GatheredParameters(list(module.experts.parameters())):  # (built under zero.Init: whole first)
+            block = AutoEPMoE(module, spec_of(module, preset, cfg), ep_size=ep, ep_rank=ep_rank,
+                              use_grouped_mm=cfg.use_grouped_mm, load_balance_coeff=cfg.load_balance_coeff)
         gate_up = [p for e in block.experts for p in e.weights()[:2]]
         sources[id(module.experts.gate_up_proj)] = gate_up
         sources[id(module.experts.down_proj)] = [e.weights()[2] for e in block.experts]
