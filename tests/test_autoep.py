@@ -229,9 +229,29 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="no MoE block AutoEP knows in Sequential.*classes are: Linear, ReLU"):
         shardwise.initialize(model=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), config={
             "train_batch_size": 1, "expert_parallel": {"enabled": True, "autoep_size": 1}})
+    with pytest.raises(ValueError, match="preset_model='llama': shardwise's AutoEP knows mixtral, qwen3_moe"):
+        check_sizes(model, _cfg(preset_model="llama"), data_size=1)
     with pytest.raises(ValueError, match="preset_model='mixtral'"):
         check_sizes(model, _cfg(preset_model="mixtral"), data_size=1)
     with pytest.raises(ConfigError, match="not implemented yet: expert_parallel.comm_backend"):
         load_config({"expert_parallel": {"enabled": True, "comm_backend": "deepep"}}).check_supported()
     with pytest.raises(ConfigError, match="autoep_size"):
         load_config({"expert_parallel": {"enabled": True, "autoep_size": 0}})
+
+
+def test_score_apply_pre_weights_the_token_before_the_expert():
+    """``score_apply: "pre"``: each route computes expert(weight x token) and the routes are summed unweighted."""
+    from dataclasses import replace
+
+    from shardwise.moe.autoep.block import AutoEPMoE
+    from shardwise.moe.autoep.presets import spec_of
+
+    block = tiny_model("qwen3_moe").model.layers[1].mlp
+    spec = replace(spec_of(block, "qwen3_moe", _cfg()), score_apply="pre")
+    mine = AutoEPMoE(block, spec, ep_size=1, ep_rank=0)
+    x = torch.randn(10, 16)
+    with torch.no_grad():
+        _, w, idx = block.gate(x)
+        want = sum(block.experts(x * w[:, k:k + 1], idx[:, k:k + 1], torch.ones_like(w[:, k:k + 1])) for k in range(2))
+        torch.testing.assert_close(mine(x.view(2, 5, 16)).view(10, 16), want, rtol=1e-6, atol=1e-7)
+        assert not torch.allclose(want, block(x.view(2, 5, 16)).view(10, 16), atol=1e-4)  # a different model

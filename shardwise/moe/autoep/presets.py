@@ -57,6 +57,9 @@ def preset_of(module: nn.Module) -> Optional[str]:
 def find_blocks(model: nn.Module, cfg) -> list[tuple[str, nn.Module, str]]:
     """``(name, module, preset)`` of every MoE block AutoEP replaces; a ValueError naming the module
     classes found when there is none."""
+    if cfg.preset_model is not None and cfg.preset_model not in PRESETS:
+        raise ValueError(f"expert_parallel.preset_model={cfg.preset_model!r}: shardwise's AutoEP knows "
+                         f"{', '.join(PRESETS)} (qwen3_moe also covers Qwen2-MoE)")
     found = []
     for name, module in model.named_modules():
         preset = preset_of(module)
@@ -77,9 +80,6 @@ def find_blocks(model: nn.Module, cfg) -> list[tuple[str, nn.Module, str]]:
 
 def spec_of(module: nn.Module, preset: str, cfg) -> LayerSpec:
     """The block's routing as its router computes it, with the config's overrides."""
-    if cfg.preset_model is not None and cfg.preset_model not in PRESETS:
-        raise ValueError(f"expert_parallel.preset_model={cfg.preset_model!r}: shardwise's AutoEP knows "
-                         f"{', '.join(PRESETS)}")
     gate = module.gate
     _, weight_names, shared, shared_gate = PRESETS[preset]
     num_experts = int(gate.weight.shape[0])
