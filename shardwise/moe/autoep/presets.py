@@ -81,6 +81,12 @@ def find_blocks(model: nn.Module, cfg) -> list[tuple[str, nn.Module, str]]:
 def spec_of(module: nn.Module, preset: str, cfg) -> LayerSpec:
     """The block's routing as its router computes it, with the config's overrides."""
     gate = module.gate
+    if not hasattr(module.experts, "gate_up_proj") or isinstance(gate, nn.Linear):
+        import transformers
+
+        raise ValueError(f"expert_parallel: {type(module).__name__} has the transformers 4 layout (experts as a "
+                         f"module list, the router a plain Linear); AutoEP reads transformers 5's fused experts "
+                         f"and router modules (installed: transformers {transformers.__version__})")
     _, weight_names, shared, shared_gate = PRESETS[preset]
     num_experts = int(gate.weight.shape[0])
     groups = limited = None
