@@ -35,8 +35,9 @@ def tiny_config(kind: str):
     return c
 
 
-def tiny_model(kind: str, *, seed: int = 0):
-    """The causal LM with random weights; DeepSeek-V3's score-correction bias random too (so it routes)."""
+def tiny_model(kind: str, *, seed: int = 0, starve: bool = False):
+    """The causal LM with random weights; DeepSeek-V3's score-correction bias random too (so it routes).
+    ``starve`` (DeepSeek-V3): the upper half of the experts (expert-parallel rank 1's at ep 2) is never chosen."""
     import transformers
 
     torch.manual_seed(seed)
@@ -45,4 +46,6 @@ def tiny_model(kind: str, *, seed: int = 0):
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape) * 0.1)
+                if starve:
+                    buf[buf.numel() // 2:] -= 10.0
     return model

@@ -73,11 +73,11 @@ def _ids(step):
     return torch.randint(0, 64, (WORLD, 2, 6), generator=torch.Generator().manual_seed(500 + step))
 
 
-def _reference(kind, coeff=None):
+def _reference(kind, coeff=None, starve=False):
     """The unmodified model in one process: each rank's micro-batch forwarded on its own, the mean loss.
     ``coeff``: DeepSeek-V3's loss-free balancing done by hand (each router's bias moved after the step by
     the routes of both micro-batches)."""
-    model = tiny_model(kind)
+    model = tiny_model(kind, starve=starve)
     opt = _optimizer(model)
     counts = {}
     routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")] if coeff else []
@@ -94,6 +94,7 @@ def _reference(kind, coeff=None):
         with torch.no_grad():
             for r in routers:
                 c = counts.pop(r).float()
+                assert not starve or c[r.num_experts // 2:].sum() == 0  # rank 1's experts: no route at all
                 r.e_score_correction_bias += coeff * torch.sign(c.mean() - c)
         losses.append([float(v.detach()) for v in per_rank])
     return losses, model
@@ -103,9 +104,9 @@ def _train(case, rank, folder):
     import shardwise
     from shardwise.moe.autoep import AutoEPMoE
 
-    kind, stage, ep, coeff = case
-    ref_losses, ref = _reference(kind, coeff)
-    model = tiny_model(kind)
+    kind, stage, ep, coeff, starve = case
+    ref_losses, ref = _reference(kind, coeff, starve)
+    model = tiny_model(kind, starve=starve)
     opt = _optimizer(model)  # built on the original experts: AutoEP re-points it
     engine, *_ = shardwise.initialize(model=model, optimizer=opt, config={
         "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
@@ -138,8 +139,8 @@ def _all_cases(rank, world, folder):
     # (kind, ZeRO stage, autoep_size). ep 2 at ZeRO-3 joins once stage 3 partitions expert parameters within
     # their expert-data-parallel group (refused on main: "expert > 1 with ZeRO stage 3"); ZeRO-3 at ep 1 already
     # gathers the experts around the block (external parameters). The last case's checkpoint is reloaded below.
-    # (kind, stage, autoep_size, load_balance_coeff)
-    cases = [("deepseek_v3", 3, 1, None), ("qwen3_moe", 2, 2, None), ("deepseek_v3", 2, 2, 0.05)]
+    # (kind, stage, autoep_size, load_balance_coeff, starve: expert-parallel rank 1's experts never chosen)
+    cases = [("deepseek_v3", 3, 1, None, False), ("qwen3_moe", 2, 2, None, False), ("deepseek_v3", 2, 2, 0.05, True)]
     return run_subtests(_train, cases, rank, folder)
 
 
@@ -160,7 +161,7 @@ def test_expert_parallel_trains_as_one_process_and_exports(tmp_path):
 
     consolidate_checkpoint(f"{out}-ckpt", tmp_path / "hf", tag="t", hf_config=out)  # `shardwise consolidate`
     _same_weights(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), ref, kind)
-    model = tiny_model(kind, seed=1)
+    model = tiny_model(kind, seed=1, starve=True)
     engine, *_ = shardwise.initialize(model=model, optimizer=_optimizer(model), config={
         "train_batch_size": 2, "expert_parallel": {"enabled": True, "autoep_size": 1}})
     engine.load_checkpoint(f"{out}-ckpt", tag="t")
