@@ -67,8 +67,18 @@ def initialize(
         raise ValueError("the config has a 'pipeline' block but the model is not a shardwise.pipe.PipelineModule "
                          f"({type(model).__name__}); pipeline parallelism needs one (and one process per stage), "
                          "else remove the block")
+    if cfg.expert_parallel.enabled:  # AutoEP: the blocks and sizes checked before any group exists
+        from shardwise.moe.autoep import check_sizes
+
+        data = comm.get_world_size() // (max(1, cfg.tensor_parallel.autotp_size) * max(1, cfg.sequence_parallel_size))
+        check_sizes(model, cfg.expert_parallel, data_size=data)
     grid, dims = plan_grid(cfg, mpu=mpu, model=model, optimizer=optimizer)  # every size, validated once
     grid.activate()  # DeepSpeed's group accessors (utils.groups, mpu views) answer from the engine's grid
+    if cfg.expert_parallel.enabled:  # AutoEP: this rank's experts in expert-parallel blocks
+        from shardwise.moe.autoep import apply_autoep
+
+        model, model_parameters = apply_autoep(model, cfg.expert_parallel, optimizer=optimizer,
+                                               model_parameters=model_parameters)
     if isinstance(model, PipelineModule):
         from shardwise.pipe.engine import PipelineEngine
 

@@ -193,9 +193,21 @@ def _check_hf_names(src: Path, names: list[str], *, allow_missing: bool) -> None
         return  # no architecture named: nothing to check against
     with torch.device("meta"):
         expected = set(cls(config).state_dict())
-    missing = [] if allow_missing else sorted(expected - set(names))
-    unexpected = sorted(set(names) - expected)
+    names = {_as_transformers_loads_it(n) for n in names}
+    missing = [] if allow_missing else sorted(expected - names)
+    unexpected = sorted(names - expected)
     if unexpected or missing:
         raise ValueError(f"checkpoint names do not match {arch} from {src / 'config.json'}: "
                          f"missing {missing[:10]}{' ...' if len(missing) > 10 else ''}, "
                          f"unexpected {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+
+
+# experts stored one by one (the published checkpoints' layout, and AutoEP's): transformers fuses them on loading
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+
+
+def _as_transformers_loads_it(name: str) -> str:
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return name
+    return f"{m[1]}.{'down_proj' if m[2] in ('down_proj', 'w2') else 'gate_up_proj'}"

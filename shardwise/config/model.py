@@ -17,6 +17,7 @@ from .precision import AmpConfig, BF16Config, DataTypesConfig, FP16Config, Torch
 from .training import (ActivationCheckpointingConfig, AioConfig, CheckpointConfig, OptimizerConfig,
                        PipelineConfig, SchedulerConfig)
 from .tensor_parallel import TensorParallelConfig
+from .expert_parallel import ExpertParallelConfig
 from .zero import ZeroConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,7 +47,7 @@ AllreduceOp = Annotated[Literal["mean", "sum"], case_insensitive("mean", "sum")]
 # Blocks of features we accept as keys but do not model yet: free-form, and an
 # error from check_supported() as soon as they are switched on.
 OTHER_BLOCKS = (
-    "expert_parallel", "hybrid_engine", "sparse_attention", "eigenvalue",
+    "hybrid_engine", "sparse_attention", "eigenvalue",
     "progressive_layer_drop", "data_efficiency", "curriculum_learning", "compression_training",
     "nebula",
 )
@@ -110,7 +111,7 @@ class ShardwiseConfig(ConfigModel):
     elasticity: ElasticityConfig = _block(ElasticityConfig)
 
     tensor_parallel: TensorParallelConfig = _block(TensorParallelConfig)
-    expert_parallel: dict[str, Any] = _block(dict)
+    expert_parallel: ExpertParallelConfig = _block(ExpertParallelConfig)
     hybrid_engine: dict[str, Any] = _block(dict)
     compile: CompileConfig = _block(CompileConfig)
     sparse_attention: dict[str, Any] = _block(dict)

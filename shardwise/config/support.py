@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 
 from .errors import ConfigError, describe_value
+from .expert_parallel import NOT_IMPLEMENTED_KEYS as EXPERT_PARALLEL_NOT_IMPLEMENTED
 from .tensor_parallel import AUTOTP_PRESETS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -21,8 +22,7 @@ __all__ = ["NOT_IMPLEMENTED", "REMOVED", "unsupported_features", "removed_featur
 UNIMPLEMENTED_OPTIMIZERS: set[str] = set()
 
 
-HINTS = {"expert_parallel": " (AutoEP for Hugging Face MoE models; DeepSpeed's MoE layer, shardwise.moe.layer.MoE, "
-                           "does train with expert parallelism: docs/moe.md)"}
+HINTS: dict[str, str] = {}
 
 
 def _switched_on(block: dict[str, Any]) -> bool:
@@ -50,7 +50,8 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     "tensor_parallel.preset_model": lambda c: c.tensor_parallel.preset_model is not None
     and c.tensor_parallel.preset_model.lower() not in AUTOTP_PRESETS,
     "tensor_parallel.replace_with_kernel_inject": lambda c: c.tensor_parallel.replace_with_kernel_inject,
-    "expert_parallel": lambda c: _switched_on(c.expert_parallel),
+    **{f"expert_parallel.{key}": (lambda c, f=set_: c.expert_parallel.enabled and f(c.expert_parallel))
+       for key, set_ in EXPERT_PARALLEL_NOT_IMPLEMENTED.items()},
     "hybrid_engine": lambda c: _switched_on(c.hybrid_engine),
     "data_efficiency": lambda c: _switched_on(c.data_efficiency),
     "compression_training": lambda c: _switched_on(c.compression_training),

@@ -16,6 +16,8 @@ from shardwise.moe.sharded_moe import MOELayer, TopKGate
 
 
 class MoE(nn.Module):
+    local_experts_path = "deepspeed_moe.experts.deepspeed_experts"  # this rank's expert list (moe.parallel)
+
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.moe.utils import is_moe_param, moe_layers
+from shardwise.moe.utils import is_moe_layer, is_moe_param, moe_layers
 from shardwise.optim.muon import Muon
 from shardwise.utils import groups
 from shardwise.zero.strategy import ZeroStrategy
@@ -37,7 +37,7 @@ def configure(module: torch.nn.Module) -> None:
         layer.set_deepspeed_parallelism()
         if layer.ep_size == 1:
             continue
-        for p in layer.deepspeed_moe.experts.parameters():
+        for p in layer.get_submodule(layer.local_experts_path).parameters():
             if not getattr(p, "_shardwise_ep_divided", False) and p.requires_grad:
                 p.register_hook(lambda g, n=layer.ep_size: g / n)
                 p._shardwise_ep_divided = True
@@ -87,13 +87,11 @@ def build_strategy(build, *, module, named_params, optimizer, dp_group) -> ZeroS
 
 
 def _expert_blocks(module: torch.nn.Module):
-    """``(prefix of the layer's expert list, layer)`` for every MoE layer, e.g.
-    ``("moe.deepspeed_moe.experts.deepspeed_experts.", layer)``."""
-    from shardwise.moe.layer import MoE
-
+    """``(prefix of the layer's expert list, layer)`` for every MoE layer (DeepSpeed's ``MoE`` or an
+    AutoEP block), e.g. ``("moe.deepspeed_moe.experts.deepspeed_experts.", layer)``."""
     for name, m in module.named_modules():
-        if isinstance(m, MoE):
-            yield f"{name + '.' if name else ''}deepspeed_moe.experts.deepspeed_experts.", m
+        if is_moe_layer(m):
+            yield f"{name + '.' if name else ''}{m.local_experts_path}.", m
 
 
 def _expert_offset(layer) -> int:
@@ -108,7 +106,7 @@ def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
     out = {}
     for prefix, layer in _expert_blocks(module):
         offset = _expert_offset(layer)
-        for key in layer.deepspeed_moe.experts.deepspeed_experts.state_dict(keep_vars=True):
+        for key in layer.get_submodule(layer.local_experts_path).state_dict(keep_vars=True):
             j, rest = key.split(".", 1)
             if offset:
                 out[prefix + key] = f"{prefix}{offset + int(j)}.{rest}"
@@ -155,7 +153,7 @@ class ExpertSplitStrategy(ZeroStrategy):
         mine, every = set(), set()
         for prefix, layer in _expert_blocks(module):
             offset = _expert_offset(layer)
-            for key in layer.deepspeed_moe.experts.deepspeed_experts.state_dict(keep_vars=True):
+            for key in layer.get_submodule(layer.local_experts_path).state_dict(keep_vars=True):
                 j, rest = key.split(".", 1)
                 mine.add(f"{prefix}{offset + int(j)}.{rest}")
                 every.update(f"{prefix}{g}.{rest}" for g in range(layer.num_experts))
@@ -225,7 +223,7 @@ class ExpertSplitStrategy(ZeroStrategy):
         """The whole module with every expert (collective: gathered over each expert-parallel group)."""
         state = self.dense.module_state_dict(module)
         for prefix, layer in _expert_blocks(module):
-            local = layer.deepspeed_moe.experts.deepspeed_experts.state_dict()
+            local = layer.get_submodule(layer.local_experts_path).state_dict()
             for key in local:
                 state.pop(prefix + key, None)
             group = groups._get_expert_parallel_group(layer.expert_group_name) if layer.ep_size > 1 else None

@@ -10,18 +10,22 @@ from torch import nn
 
 def has_moe_layers(m: nn.Module) -> tuple[bool, int]:
     """``(True, num_experts of the first MoE layer)`` or ``(False, 0)``."""
-    from shardwise.moe.layer import MoE
-
     for module in m.modules():
-        if isinstance(module, MoE):
+        if is_moe_layer(module):
             return True, module.num_experts
     return False, 0
 
 
-def moe_layers(m: nn.Module) -> list:
+def is_moe_layer(module: nn.Module) -> bool:
+    """DeepSpeed's ``MoE`` layer, or the block AutoEP put in place of a Hugging Face MoE block."""
+    from shardwise.moe.autoep.block import AutoEPMoE
     from shardwise.moe.layer import MoE
 
-    return [module for module in m.modules() if isinstance(module, MoE)]
+    return isinstance(module, (MoE, AutoEPMoE))
+
+
+def moe_layers(m: nn.Module) -> list:
+    return [module for module in m.modules() if is_moe_layer(module)]
 
 
 def is_moe_param(param: torch.Tensor) -> bool:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise import comm
+from shardwise.moe.autoep.block import balancing_blocks
 from shardwise.precision import StepResult, unscale_and_clip
 from shardwise.training_state import StepCounters
 
@@ -62,6 +63,7 @@ class TrainingStep:
         self._gas = gradient_accumulation_steps  # callables: set_train_batch_size changes them
         self._batch_size = train_batch_size
         self._grid, self._module, self._norm_skip = grid, module, frozenset(norm_skip)
+        self._balancing = balancing_blocks(module) if module is not None else []
         self._clip, self._check_overflow, self._device = float(clip), bool(check_overflow), device
         self.global_steps = 0
         self.global_samples = 0
@@ -138,8 +140,11 @@ class TrainingStep:
             self.loss_scaler.update_scale(result.overflow)
         if result.overflow:
             self.skipped_steps += 1
-        elif self.lr_scheduler is not None:
-            self.lr_scheduler.step(**lr_kwargs)
+        else:
+            for block in self._balancing:  # AutoEP's loss-free balancing: the router biases move (collective)
+                block.move_bias()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**lr_kwargs)
         self.strategy.zero_grad()
         self.global_steps += 1
         self.global_samples += self._batch_size()
