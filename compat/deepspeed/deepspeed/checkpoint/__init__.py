@@ -3,6 +3,7 @@ package's modules (DeepSpeed's checkpoint key names and its AutoTP restore helpe
 shardwise's (``deepspeed.checkpoint.utils`` is ``shardwise.checkpoint.utils``)."""
 import shardwise.checkpoint as _checkpoint
 from shardwise.checkpoint import *  # noqa: F401,F403
+from deepspeed.checkpoint.constants import *  # noqa: F401,F403 (DeepSpeed exports its key names here too)
 
 
 def __getattr__(name: str):
