@@ -95,6 +95,12 @@ def _shard_case(kind, path, world_size):
                                    msg=lambda m: f"{kind} weight {name}: {m}")
         torch.testing.assert_close(_grad_full(p, world_size),
                                    ref_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{kind} grad {name}: {m}")
+        if getattr(p, "tensor_model_parallel", False):  # DeepSpeed's per-parameter gather and re-partition
+            piece = p.detach().clone()
+            p.gather_params([p])
+            assert torch.equal(p.detach(), ref.get_parameter(name).detach()), (kind, name)
+            p._tp_partition([p])
+            assert torch.equal(p.detach(), piece), (kind, name)
 
     # greedy generation: sharded across the ranks == one process
     prompt = batch(seed=7, bsz=2, seq=5)["input_ids"]
