@@ -235,6 +235,53 @@ def _train_gpt2_case(path, ckpt_root):
     return "gpt2"
 
 
+class _PlanModel(torch.nn.Module):
+    """Projections named nothing AutoTP's rules know: sharded by the Hugging Face tp_plan on its config."""
+
+    def __init__(self):
+        import types
+
+        super().__init__()
+        self.config = types.SimpleNamespace(base_model_tp_plan={
+            "blocks.*.mix.inp": "colwise", "blocks.*.mix.out": "rowwise", "head": "colwise_gather_output"})
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"mix": torch.nn.ModuleDict(
+            {"inp": torch.nn.Linear(8, 16), "out": torch.nn.Linear(16, 8)})}) for _ in range(2))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b["mix"]["out"](torch.relu(b["mix"]["inp"](x)))
+        return self.head(x)
+
+
+def _train_plan_case():
+    """A model sharded by its tp_plan trains at ZeRO 0 like one process."""
+    import shardwise
+    from shardwise.tensor_parallel.autotp_layers import LinearAllreduce, LinearLayer
+
+    torch.manual_seed(0)
+    model, ref = _PlanModel(), _PlanModel()
+    ref.load_state_dict(model.state_dict())
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=_ds_config(0, 2))
+    assert isinstance(model.blocks[1]["mix"]["inp"], LinearLayer) and isinstance(model.blocks[1]["mix"]["out"],
+                                                                                  LinearAllreduce)
+    assert type(model.head) is torch.nn.Linear  # colwise_gather_output: kept whole
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(30 + step)
+        x, y = torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        want = torch.nn.functional.mse_loss(ref(x), y)
+        want.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - want.item()) <= 1e-6 * abs(want.item()), (step, loss.item(), want.item())
+    return "plan"
+
+
 def _check_export(engine, ref, path, out):
     """save_16bit_model writes the ordinary, unsharded Hugging Face weights of the trained model."""
     import shutil
@@ -261,11 +308,13 @@ def _body(rank, world_size, paths, ckpt_root):
             return _shard_case(arg, paths[arg], world_size)
         if arg == "gpt2":
             return _train_gpt2_case(paths["gpt2"], ckpt_root)
+        if arg == "plan":
+            return _train_plan_case()
         return _train_case(int(arg), paths["llama"], ckpt_root, world_size)
     return run_subtests(case, CASES)
 
 
-CASES = ("shard:llama", "shard:qwen3", "shard:gpt2", "train:1", "train:2", "train:gpt2")
+CASES = ("shard:llama", "shard:qwen3", "shard:gpt2", "train:1", "train:2", "train:gpt2", "train:plan")
 
 
 def test_autotp_equals_one_process(tmp_path):
@@ -274,7 +323,7 @@ def test_autotp_equals_one_process(tmp_path):
     through initialize, then the tp-2 checkpoint loaded at tp 1 and training continued; GPT-2 training."""
     paths = {kind: save_tiny(kind, tmp_path / kind) for kind in ("llama", "qwen3", "gpt2")}
     results = run_distributed(_body, 2, args=(paths, str(tmp_path / "ckpt")), timeout=300)
-    assert results == [["llama", "qwen3", "gpt2", 1, 2, "gpt2"]] * 2
+    assert results == [["llama", "qwen3", "gpt2", 1, 2, "gpt2", "plan"]] * 2
 
 
 # --------------------------------------------------------------------------- in process: no ranks needed
