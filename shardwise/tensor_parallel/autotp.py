@@ -11,7 +11,8 @@ Embeddings, norms and the LM head stay replicated, so logits are whole on every 
 and ``generate`` are the ones of the unsharded model. A block is sharded only when both its column
 and its row projections are recognised; anything else stays replicated (always correct, not
 faster). A model none of whose projections these names match is sharded by its Hugging Face
-``tp_plan`` (``config.base_model_tp_plan``, ``_tp_plan``) when it has one: ``colwise`` / ``rowwise``. Attention head counts (``num_attention_heads``, ``num_key_value_heads``) must divide by the
+``tp_plan`` (``config.base_model_tp_plan``, ``_tp_plan``) when it has one: ``colwise`` / ``rowwise``.
+Attention head counts (``num_attention_heads``, ``num_key_value_heads``) must divide by the
 tensor size; attributes of the attention modules that count heads or features per rank
 (``num_heads``, ``split_size``, ...) are divided so Hugging Face's forward runs on the shard, while
 ``model.config`` keeps describing the whole model (``save_pretrained`` writes the real config).

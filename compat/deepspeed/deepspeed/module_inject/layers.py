@@ -201,7 +201,8 @@ def _infer_subparam_logical_shapes(weight_shape, shape, partition_dim, name=None
                 count = elem if elem > 0 else None
                 dims.append(None)
             else:
-                raise ValueError(f"{label}: the partition_dim entry must be a positive int, -1 or a tuple, got {elem!r}")
+                raise ValueError(f"{label}: the partition_dim entry must be a positive int, -1 or a tuple, "
+                                 f"got {elem!r}")
         elif isinstance(d, int) and (d == -1 or d > 0):
             dims.append(None if d == -1 else d)
         else:
@@ -678,8 +679,8 @@ class _Unsplittable:
 
     def _tp_partition(self, params_list) -> None:
         if self.mp_group is not None:
-            raise NotImplementedError(f"AutoTP layer '{self.name}' ({type(self).__name__}): {self._unsupported_uc_reason}"
-                                      "; shardwise does not implement this split")
+            raise NotImplementedError(f"AutoTP layer '{self.name}' ({type(self).__name__}): "
+                                      f"{self._unsupported_uc_reason}; shardwise does not implement this split")
 
     def gather_params(self, params_list) -> None:
         raise RuntimeError(self._unsupported_uc_reason)
