@@ -9,10 +9,15 @@ another trains through ``initialize`` at ZeRO 1 and 2 and round-trips a checkpoi
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+
 import pytest
 import torch
 
 from distributed import run_distributed, run_subtests
+
+COMPAT = str(Path(__file__).resolve().parents[1] / "compat" / "deepspeed")
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,6 +100,12 @@ def _shard_case(kind, path, world_size):
                                    msg=lambda m: f"{kind} weight {name}: {m}")
         torch.testing.assert_close(_grad_full(p, world_size),
                                    ref_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{kind} grad {name}: {m}")
+        if getattr(p, "tensor_model_parallel", False):  # DeepSpeed's per-parameter gather and re-partition
+            piece = p.detach().clone()
+            p.gather_params([p])
+            assert torch.equal(p.detach(), ref.get_parameter(name).detach()), (kind, name)
+            p._tp_partition([p])
+            assert torch.equal(p.detach(), piece), (kind, name)
 
     # greedy generation: sharded across the ranks == one process
     prompt = batch(seed=7, bsz=2, seq=5)["input_ids"]
@@ -229,6 +240,126 @@ def _train_gpt2_case(path, ckpt_root):
     return "gpt2"
 
 
+class _PlanModel(torch.nn.Module):
+    """Projections named nothing AutoTP's rules know: sharded by the Hugging Face tp_plan on its config."""
+
+    def __init__(self):
+        import types
+
+        super().__init__()
+        self.config = types.SimpleNamespace(base_model_tp_plan={
+            "blocks.*.mix.inp": "colwise", "blocks.*.mix.out": "rowwise", "head": "colwise_gather_output"})
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"mix": torch.nn.ModuleDict(
+            {"inp": torch.nn.Linear(8, 16), "out": torch.nn.Linear(16, 8)})}) for _ in range(2))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b["mix"]["out"](torch.relu(b["mix"]["inp"](x)))
+        return self.head(x)
+
+
+def _train_plan_case():
+    """A model sharded by its tp_plan trains at ZeRO 0 like one process."""
+    import shardwise
+    from shardwise.tensor_parallel.autotp_layers import LinearAllreduce, LinearLayer
+
+    torch.manual_seed(0)
+    model, ref = _PlanModel(), _PlanModel()
+    ref.load_state_dict(model.state_dict())
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=_ds_config(0, 2))
+    assert isinstance(model.blocks[1]["mix"]["inp"], LinearLayer) and isinstance(model.blocks[1]["mix"]["out"],
+                                                                                  LinearAllreduce)
+    assert type(model.head) is torch.nn.Linear  # colwise_gather_output: kept whole
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(30 + step)
+        x, y = torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        want = torch.nn.functional.mse_loss(ref(x), y)
+        want.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - want.item()) <= 1e-6 * abs(want.item()), (step, loss.item(), want.item())
+    return "plan"
+
+
+def _compat_layers_case(rank, compat):
+    """DeepSpeed's AutoTP layer classes of the compat package (``deepspeed.module_inject.layers``): forward and
+    gradients equal the unsharded layers, the universal-checkpoint metadata each parameter carries restores
+    exactly the piece the rank holds, ``gather_params`` / ``_tp_partition`` round-trip, and a split
+    shardwise's checkpoints cannot describe is refused. Last case of the spawn: importing the compat package
+    installs its import hook for ``deepspeed``."""
+    import sys
+
+    import pytest
+    sys.path.insert(0, compat)
+    from deepspeed.checkpoint.constants import (PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, PARAMETER_WITH_SUB_PARAMS,
+                                                TP_REPLICATED_PARAMETER_PATTERNS)
+    from deepspeed.checkpoint.universal_checkpoint import _resolve_autotp_partition
+    from deepspeed.module_inject.layers import (GateUpPack_LinearLayer, LinearAllreduce, LinearLayer,
+                                                SubParamLinearLayer, collect_autotp_universal_checkpoint_info,
+                                                set_autotp_mode)
+
+    set_autotp_mode(training=True)
+    group = torch.distributed.new_group([0, 1])
+    torch.manual_seed(0)
+    col, row, qkv, gate_up = (torch.nn.Linear(8, 12), torch.nn.Linear(12, 8), torch.nn.Linear(8, 12),
+                              torch.nn.Linear(8, 12, bias=False))
+    x = torch.randn(3, 8)
+
+    model = torch.nn.Module()
+    model.col = LinearLayer(copy.deepcopy(col), group, name="col")
+    model.row = LinearAllreduce(copy.deepcopy(row), group, name="row")
+    model.qkv = SubParamLinearLayer(copy.deepcopy(qkv), group, shape=(3, -1), partition_dim=0, name="qkv")
+    model.gate_up = GateUpPack_LinearLayer(copy.deepcopy(gate_up), group, name="dense_h_to_4h")
+
+    # forward and gradients: the unsharded layers' (row-parallel output all-reduced, bias added once)
+    out = model.row(model.col(x))
+    want = row(col(x))
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-7)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(model.col.weight.grad, col.weight.grad.chunk(2, 0)[rank], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(model.row.weight.grad, row.weight.grad.chunk(2, 1)[rank], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(model.row.bias.grad, row.bias.grad, rtol=1e-6, atol=1e-7)
+
+    # sub-parameters: each rank holds its slice of every block (Megatron's strided layout, stride = blocks)
+    pieces = {"qkv": torch.cat([b.chunk(2, 0)[rank] for b in qkv.weight.detach().chunk(3, 0)]),
+              "gate_up": torch.cat([b.chunk(2, 0)[rank] for b in gate_up.weight.detach().chunk(2, 0)])}
+    assert torch.equal(model.qkv.weight.detach(), pieces["qkv"]) and model.qkv.weight.partition_stride == 3
+    assert torch.equal(model.gate_up.weight.detach(), pieces["gate_up"]) and model.gate_up.weight.partition_stride == 2
+    torch.testing.assert_close(model.qkv(x), torch.nn.functional.linear(x, pieces["qkv"], torch.cat(
+        [b.chunk(2, 0)[rank] for b in qkv.bias.detach().chunk(3, 0)])), rtol=1e-6, atol=1e-7)
+
+    # the metadata restores exactly the piece the rank holds, from the whole tensor
+    for name, full in (("col", col.weight), ("row", row.weight), ("qkv", qkv.weight), ("gate_up", gate_up.weight)):
+        param = getattr(model, name).weight
+        got = _resolve_autotp_partition(param, {}, full.detach().flatten(), rank, 2)
+        assert torch.equal(got, param.detach().flatten()), name
+        piece = param.detach().clone()
+        param.gather_params([param])
+        assert torch.equal(param.detach(), full.detach()), name
+        param._tp_partition([param])
+        assert torch.equal(param.detach(), piece), name
+
+    info = collect_autotp_universal_checkpoint_info(model)
+    assert info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] == [r"^row\.weight$"]
+    assert r"^row\.bias$" in info[TP_REPLICATED_PARAMETER_PATTERNS]
+    assert [e["patterns"] for e in info[PARAMETER_WITH_SUB_PARAMS]] == [[r"^qkv\.weight$"], [r"^qkv\.bias$"],
+                                                                        [r"^gate_up\.weight$"]]
+
+    # splits shardwise's tensor-parallel checkpoints cannot describe are refused, naming the layer
+    with pytest.raises(ValueError, match="'odd': its split .5, 4. is uneven"):
+        LinearLayer(torch.nn.Linear(8, 9), group, name="odd")
+    with pytest.raises(ValueError, match="'gqa': sub-parameters \\[8, 4, 4\\]"):
+        SubParamLinearLayer(torch.nn.Linear(8, 16), group, shape=((8, 4, 4), -1), partition_dim=0, name="gqa")
+    return "compat"
+
+
 def _check_export(engine, ref, path, out):
     """save_16bit_model writes the ordinary, unsharded Hugging Face weights of the trained model."""
     import shutil
@@ -255,20 +386,25 @@ def _body(rank, world_size, paths, ckpt_root):
             return _shard_case(arg, paths[arg], world_size)
         if arg == "gpt2":
             return _train_gpt2_case(paths["gpt2"], ckpt_root)
+        if arg == "plan":
+            return _train_plan_case()
+        if arg == "compat":
+            return _compat_layers_case(rank, COMPAT)
         return _train_case(int(arg), paths["llama"], ckpt_root, world_size)
     return run_subtests(case, CASES)
 
 
-CASES = ("shard:llama", "shard:qwen3", "shard:gpt2", "train:1", "train:2", "train:gpt2")
+CASES = ("shard:llama", "shard:qwen3", "shard:gpt2", "train:1", "train:2", "train:gpt2", "train:plan", "train:compat")
 
 
 def test_autotp_equals_one_process(tmp_path):
     """One 2-rank spawn: sharded forward/backward and init_inference greedy tokens for Llama (grouped kv
     heads), Qwen3 (q/k norms, tied embeddings) and GPT-2 (fused c_attn); Llama training at ZeRO 1 and 2
-    through initialize, then the tp-2 checkpoint loaded at tp 1 and training continued; GPT-2 training."""
+    through initialize, then the tp-2 checkpoint loaded at tp 1 and training continued; GPT-2 training; a model
+    sharded by its Hugging Face tp_plan; DeepSpeed's layer classes of the compat package."""
     paths = {kind: save_tiny(kind, tmp_path / kind) for kind in ("llama", "qwen3", "gpt2")}
     results = run_distributed(_body, 2, args=(paths, str(tmp_path / "ckpt")), timeout=300)
-    assert results == [["llama", "qwen3", "gpt2", 1, 2, "gpt2"]] * 2
+    assert results == [["llama", "qwen3", "gpt2", 1, 2, "gpt2", "plan", "compat"]] * 2
 
 
 # --------------------------------------------------------------------------- in process: no ranks needed

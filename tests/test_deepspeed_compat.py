@@ -468,6 +468,23 @@ recursive_setattr(net, "extra", torch.nn.ReLU())
 assert isinstance(net.extra, torch.nn.ReLU)
 with pytest.raises(ImportError, match="compression library was removed"):
     import deepspeed.compression.compress
+# AutoTP's split arithmetic and universal-checkpoint metadata; DeepSpeed's optimizer classes by name
+from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+assert get_shard_size_list(101, 2, AutoTPMeta(), "lm_head") == [51, 50]
+assert get_shard_size_list(96, 4, AutoTPMeta(num_kv_heads=6), "q_proj") == [32, 32, 16, 16]
+from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.module_inject.layers import LinearAllreduce as DsRow, collect_autotp_universal_checkpoint_info
+m = torch.nn.Module()
+m.o = DsRow(torch.nn.Linear(4, 2), None, name="o")
+m.n = torch.nn.LayerNorm(2)
+info = collect_autotp_universal_checkpoint_info(m)
+assert UNIVERSAL_CHECKPOINT_INFO == "universal_checkpoint_info" and info["parameter_with_row_parallelism_patterns"] == [r"^o\.weight$"]
+assert info["tp_replicated_parameter_patterns"] == [r"^n\.bias$", r"^n\.weight$", r"^o\.bias$"]
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+for cls in (DeepSpeedZeroOptimizer, FP16_Optimizer):
+    with pytest.raises(NotImplementedError, match="engine.optimizer is the torch optimizer"):
+        cls()
 from deepspeed.git_version_info import torch_info
 assert is_current_accelerator_supported() and torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
 print("ok")

@@ -27,10 +27,14 @@ def _train(case: dict):
     from shardwise.pipe import PipelineModule
 
     stages, micro = case["stages"], case.get("micro", 4)
+    kw = {}
+    if case.get("reentrant"):  # a user's reentrant checkpoint: the first stage's inputs must require grad
+        import functools
+        kw["activation_checkpoint_func"] = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
     model = PipelineModule(layer_specs(case.get("tied", False)), num_stages=stages,
                            loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True,
                            partition_method=case.get("partition", "parameters"),
-                           schedule=case.get("schedule"), virtual_stages=case.get("virtual", 1))
+                           schedule=case.get("schedule"), virtual_stages=case.get("virtual", 1), **kw)
     dp = torch.distributed.get_world_size() // stages
     extra = {"pipeline": {"activation_checkpoint_interval": case["ckpt"]}} if case.get("ckpt") else {}
     extra.update(case.get("config", {}))
@@ -38,6 +42,13 @@ def _train(case: dict):
                                       config=_config(micro=micro, dp=dp, stage=case.get("zero", 0),
                                                      clip=case.get("clip", 0.0), extra=extra))
     assert isinstance(engine, shardwise.PipelineEngine)
+    if case.get("set_interval"):  # checkpointing switched on after initialize, every block recomputed
+        assert not engine._reentrant_activation_checkpointing()
+        engine.module.set_checkpoint_interval(case["set_interval"])
+        assert model.is_checkpointable_results == [True] * len(model.is_checkpointable_results) != []
+        assert engine._reentrant_activation_checkpointing() == bool(case.get("reentrant"))
+        with pytest.raises(ValueError, match="interval must be an integer >= 0"):
+            engine.module.set_checkpoint_interval(-1)
     d = engine.grid.get_data_parallel_rank()
     losses, norms = [], []
     evals = []
@@ -81,6 +92,8 @@ CASES_2 = [
     {"name": "2 stages GPipe", "stages": 2, "schedule": "gpipe"},
     {"name": "2 stages clipped", "stages": 2, "clip": 0.05},
     {"name": "2 stages activation checkpointing", "stages": 2, "ckpt": 1},
+    {"name": "user's reentrant checkpoint, interval set after initialize", "stages": 2, "reentrant": True,
+     "set_interval": 1},
     {"name": "accumulation 8", "stages": 2, "micro": 8},
     {"name": "tied", "stages": 2, "tied": True, "partition": "uniform", "clip": 0.05},
     {"name": "interleaved 2x2 virtual", "stages": 2, "virtual": 2, "partition": "uniform"},

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import torch
 
-from shardwise import comm
+from shardwise import checkpointing, comm
 from shardwise.pipe import schedule as sched
 from shardwise.pipe.module import PipelineError, PipelineModule
 from shardwise.pipe.p2p import ActivationReceiver, ActivationSender, GradSender, as_tensors, grad_slots, recv_grads
@@ -43,6 +43,8 @@ class PipelineEngine(Engine):
             raise TypeError(f"PipelineEngine needs a shardwise.pipe.PipelineModule, got {type(model).__name__}")
         self._pipe_grid = model.mpu()
         super().__init__(model=model, config=config, grid=self._pipe_grid, **kwargs)
+        if config.pipeline.use_reentrant is False:  # whatever the interval: set_checkpoint_interval may enable it
+            model.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint
         interval = int(config.pipeline.activation_checkpoint_interval)
         if interval > 0:  # as DeepSpeed: the config's interval, when set, replaces the module's
             model.activation_checkpoint_interval = interval
@@ -188,15 +190,28 @@ class PipelineEngine(Engine):
                                 "their data iterator ran out or is missing; no stage trained on this batch")
         return batches
 
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """Whether the module checkpoints activations with a function that may be reentrant, whose first
+        checkpointed block is cut off from autograd unless the first stage's inputs require grad.
+        shardwise's ``checkpointing.checkpoint`` is non-reentrant (DeepSpeed's default is reentrant), so only
+        a function the user passed (``activation_checkpoint_func``) counts."""
+        if self.module.activation_checkpoint_interval <= 0:
+            return False
+        func = self.module.activation_checkpoint_func
+        if func in (checkpointing.checkpoint, checkpointing.non_reentrant_checkpoint):
+            return False
+        return getattr(func, "keywords", {}).get("use_reentrant", True) is not False  # functools.partial(...)
+
     def _stage_inputs(self, batch):
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
         tensors, single = as_tensors(inputs, "the data loader (first element of a batch)")
+        needs_grad = torch.is_grad_enabled() and self._reentrant_activation_checkpointing()
         out = []
         for t in tensors:
             t = t.to(self.device)
             if t.is_floating_point() and self.precision.param_dtype != torch.float32:
                 t = t.to(self.precision.param_dtype)
-            out.append(t.detach())
+            out.append(t.detach().requires_grad_(needs_grad and t.is_floating_point()))
         return tuple(out), single
 
     def _labels(self, batch):

@@ -143,6 +143,8 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
+        self._checkpointable_by_chunk: list[list[bool]] = []  # per chunk, per block of the interval below
+        self.is_checkpointable_results_interval: int | None = None
 
         self._grid = ParallelGrid.for_topology(topology)  # the user's grid, if already built for it
         self.global_rank = comm.get_rank()
@@ -299,6 +301,27 @@ class PipelineModule(nn.Module):
         return out
 
     # -- running ----------------------------------------------------------------------------------
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint every ``interval`` layers from the next forward on (0: no activation checkpointing)."""
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"set_checkpoint_interval: interval must be an integer >= 0, got {interval!r}")
+        self.activation_checkpoint_interval = interval
+        self._precompute_checkpointable_values()
+
+    def _precompute_checkpointable_values(self) -> None:
+        """Decide, once per interval, which blocks of ``activation_checkpoint_interval`` layers forward
+        checkpoints (``is_checkpointable_results``: chunk 0's, as DeepSpeed's attribute)."""
+        interval = self.activation_checkpoint_interval
+        if interval <= 0 or self.is_checkpointable_results_interval == interval:
+            return
+        self._checkpointable_by_chunk = [[self._is_checkpointable(funcs[start:start + interval])
+                                          for start in range(0, len(funcs), interval)] for funcs in self.forward_funcs]
+        self.is_checkpointable_results_interval = interval
+
+    @property
+    def is_checkpointable_results(self) -> list[bool]:
+        return self._checkpointable_by_chunk[0] if self._checkpointable_by_chunk else []
+
     def _is_checkpointable(self, funcs) -> bool:
         if self.checkpointable_layers is not None:
             return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
@@ -318,11 +341,12 @@ class PipelineModule(nn.Module):
         interval = self.activation_checkpoint_interval
         if interval <= 0:
             return run(0, len(funcs))(forward_input)
+        self._precompute_checkpointable_values()  # the interval may have been set directly
         x = forward_input
-        for start in range(0, len(funcs), interval):
+        for start, checkpointable in zip(range(0, len(funcs), interval), self._checkpointable_by_chunk[chunk]):
             end = min(start + interval, len(funcs))
             args = x if isinstance(x, tuple) else (x,)
-            if self._is_checkpointable(funcs[start:end]):
+            if checkpointable:
                 x = self.activation_checkpoint_func(run(start, end), *args)
             else:
                 x = run(start, end)(*args)

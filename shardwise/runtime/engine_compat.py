@@ -148,6 +148,10 @@ class EngineCompatMixin:
     def zero_allgather_bucket_size(self) -> int:
         return int(self.config.zero_optimization.allgather_bucket_size)
 
+    def autotp_size(self) -> int:
+        """``tensor_parallel.autotp_size`` (0: AutoTP off), as DeepSpeed's engine answers."""
+        return int(self.config.tensor_parallel.autotp_size)
+
     def fp16_enabled(self) -> bool:
         return bool(self.config.fp16.enabled)
 

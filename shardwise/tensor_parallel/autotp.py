@@ -10,7 +10,9 @@ Inside each transformer block the projections are recognised by name, as DeepSpe
 Embeddings, norms and the LM head stay replicated, so logits are whole on every rank: the loss
 and ``generate`` are the ones of the unsharded model. A block is sharded only when both its column
 and its row projections are recognised; anything else stays replicated (always correct, not
-faster). Attention head counts (``num_attention_heads``, ``num_key_value_heads``) must divide by the
+faster). A model none of whose projections these names match is sharded by its Hugging Face
+``tp_plan`` (``config.base_model_tp_plan``, ``_tp_plan``) when it has one: ``colwise`` / ``rowwise``.
+Attention head counts (``num_attention_heads``, ``num_key_value_heads``) must divide by the
 tensor size; attributes of the attention modules that count heads or features per rank
 (``num_heads``, ``split_size``, ...) are divided so Hugging Face's forward runs on the shard, while
 ``model.config`` keeps describing the whole model (``save_pretrained`` writes the real config).
@@ -19,6 +21,7 @@ tensor size; attributes of the attention modules that count heads or features pe
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -30,7 +33,7 @@ from shardwise.param_attrs import autotp_grad_allreduce, mark_autotp_grad_allred
 from shardwise.tensor_parallel.autotp_layers import LinearAllreduce, LinearLayer, is_conv1d
 from shardwise.utils.logging import log_dist
 
-__all__ = ["AutoTP", "autotp_hook", "shard_model", "check_head_counts", "COLUMN_PARALLEL", "ROW_PARALLEL",
+__all__ = ["AutoTP", "autotp_hook", "shard_model", "check_head_counts", "hf_tp_plan", "COLUMN_PARALLEL", "ROW_PARALLEL",
            "FUSED_QKV"]
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_fc")
@@ -115,6 +118,8 @@ class AutoTP:
             if row and column:
                 blocks.append(_Block(name, parent, column, row))
         if not blocks:
+            blocks = _plan_blocks(model, hf_tp_plan(model))
+        if not blocks:
             raise ValueError(f"AutoTP found no attention/MLP projections to shard in {type(model).__name__}: it knows "
                              f"column-parallel {', '.join(COLUMN_PARALLEL + tuple(FUSED_QKV))} and row-parallel "
                              f"{', '.join(ROW_PARALLEL)} (Llama, Qwen, Mistral, GPT-2 families)")
@@ -159,6 +164,51 @@ class AutoTP:
                 if p.requires_grad and not autotp_grad_allreduce(p):
                     p.register_hook(_sum_over_group(self.mp_group))
                     mark_autotp_grad_allreduce(p)
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str] | None:
+    """The Hugging Face tensor-parallel plan of ``model``: ``config.base_model_tp_plan``, then the class's and
+    the instance's ``_tp_plan`` (a ``model.``-prefixed pattern already given without the prefix is skipped)."""
+    config = getattr(model, "config", None)
+    merged, seen = {}, set()
+    for plan in (getattr(config, "base_model_tp_plan", None), getattr(type(model), "_tp_plan", None),
+                 vars(model).get("_tp_plan")):
+        for pattern, style in (plan or {}).items() if isinstance(plan, dict) else ():
+            bare = pattern.removeprefix("model.")
+            if pattern.startswith("model.") and bare in seen:
+                continue
+            merged[pattern] = style
+            seen.add(bare)
+    return merged or None
+
+
+_PLAN_KEPT_WHOLE = ("colwise_gather_output", "colwise_rep", "gather", "replicate", "replicated")
+
+
+def _plan_blocks(model: nn.Module, plan: dict[str, str] | None) -> list[_Block]:
+    """Blocks from a Hugging Face tp_plan, for models whose projections the name rules above do not know:
+    ``colwise`` / ``rowwise`` linears are split (a parent holding both, as the name rules require); styles
+    that gather the output (``colwise_gather_output``, ...) keep the layer whole (the same numbers, not
+    faster); any other style is refused."""
+    if not plan:
+        return []
+    rules = [(re.compile(re.escape(p.removeprefix("model.")).replace(r"\*", r"[^.]+") + "$"), p, style)
+             for p, style in plan.items()]
+    found: dict[str, _Block] = {}
+    for name, module in model.named_modules():
+        hit = next(((p, style) for rx, p, style in rules if name and rx.fullmatch(name.removeprefix("model."))), None)
+        if hit is None or not _is_linear(module):
+            continue
+        pattern, style = hit
+        if style in _PLAN_KEPT_WHOLE:
+            continue
+        if style not in ("colwise", "rowwise"):
+            raise NotImplementedError(f"AutoTP: the tp_plan entry {pattern!r}: {style!r} (module '{name}') is a style "
+                                      "shardwise does not implement (colwise and rowwise are)")
+        parent_name, _, child = name.rpartition(".")
+        block = found.setdefault(parent_name, _Block(parent_name, model.get_submodule(parent_name)))
+        (block.column if style == "colwise" else block.row).append(child)
+    return [b for b in found.values() if b.column and b.row]
 
 
 def _sum_over_group(group):

@@ -53,8 +53,22 @@ def _shard(tensor: torch.Tensor, dim: int, rank: int, size: int, parts: int, wha
     return torch.cat(pieces, dim=dim).clone().contiguous() if parts > 1 else pieces[0].clone().contiguous()
 
 
+def _whole(piece: torch.Tensor, dim: int, stride: int, group, size: int) -> torch.Tensor:
+    """The whole tensor from every rank's ``piece`` (inverse of ``_shard``): with ``stride`` > 1 each piece
+    holds one slice of every fused block."""
+    pieces = [torch.empty_like(piece) for _ in range(size)]
+    comm.all_gather(pieces, piece.contiguous(), group=group)
+    blocks = [p.chunk(stride, dim=dim) for p in pieces]
+    return torch.cat([blocks[r][b] for b in range(stride) for r in range(size)], dim=dim)
+
+
 class TensorParallel_Layer(nn.Module):  # noqa: N801 (DeepSpeed's name)
-    """Common state of the AutoTP layers: the tensor group, this rank's index and the layout."""
+    """Common state of the AutoTP layers: the tensor group, this rank's index and the layout.
+
+    ``gather_params(params)`` replaces each sharded parameter of the layer in ``params`` by the whole tensor
+    (all-gathered over the tensor group, in place: the Parameter object stays), ``_tp_partition(params)``
+    cuts this rank's piece again; both are also set on the sharded parameters, as DeepSpeed does.
+    """
 
     def __init__(self, mp_group, *, name: str | None = None, tp_size: int | None = None,
                  tp_rank: int | None = None) -> None:
@@ -72,6 +86,26 @@ class TensorParallel_Layer(nn.Module):  # noqa: N801 (DeepSpeed's name)
         the model before sharding still points at the live parameters."""
         source.data = data
         return source
+
+    def _bind(self, *params) -> None:
+        for p in params:
+            if p is not None and getattr(p, "tensor_model_parallel", False):
+                p.gather_params, p._tp_partition = self.gather_params, self._tp_partition
+
+    @torch.no_grad()
+    def gather_params(self, params_list) -> None:
+        for p in params_list:
+            if p is not None and getattr(p, "tensor_model_parallel", False) and self.tp_world_size > 1 \
+                    and p.shape[p.partition_dim] != self._full_dim:
+                p.data = _whole(p.data, p.partition_dim, p.partition_stride, self.mp_group, self.tp_world_size)
+
+    @torch.no_grad()
+    def _tp_partition(self, params_list) -> None:
+        for p in params_list:
+            if p is not None and getattr(p, "tensor_model_parallel", False) and self.tp_world_size > 1 \
+                    and p.shape[p.partition_dim] == self._full_dim:
+                p.data = _shard(p.data, p.partition_dim, self.tp_index, self.tp_world_size, p.partition_stride,
+                                f"'{self.name}'")
 
     def extra_repr(self) -> str:
         return (f"name={self.name}, tp={self.tp_index}/{self.tp_world_size}, "
@@ -103,6 +137,8 @@ class LinearLayer(TensorParallel_Layer):
             self.register_parameter("bias", None)
         self.in_features = module.weight.shape[0 if self.conv1d_layout else 1]
         self.out_features = self.weight.shape[out_dim]
+        self._full_dim = self.weight.shape[out_dim] * self.tp_world_size
+        self._bind(self.weight, self.bias)
 
     def forward(self, input):  # noqa: A002
         if self.tp_world_size > 1:
@@ -131,6 +167,8 @@ class LinearAllreduce(TensorParallel_Layer):
             self.register_parameter("bias", None)
         self.in_features = self.weight.shape[in_dim]
         self.out_features = module.weight.shape[1 if self.conv1d_layout else 0]
+        self._full_dim = self.weight.shape[in_dim] * self.tp_world_size
+        self._bind(self.weight)
 
     def forward(self, input):  # noqa: A002
         out = input @ self.weight if self.conv1d_layout else F.linear(input, self.weight)
