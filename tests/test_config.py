@@ -659,3 +659,23 @@ def test_docs_not_implemented_table_matches_code():
             listed.update(re.findall(r"`([a-z_0-9.]+)`", first_column))
     assert listed == set(NOT_IMPLEMENTED), (listed ^ set(NOT_IMPLEMENTED))
     load_config({"tensorboard": {"enabled": True, "output_path": "tb"}}).check_supported()
+
+
+@pytest.mark.parametrize("param_dtype,blocks,ok", [
+    ("bf16", {"bf16": {"enabled": True}}, True), ("float16", {"fp16": {"enabled": True}}, True),
+    ("fp32", {}, True), ("fp16", {"bf16": {"enabled": True}}, False), ("bf16", {}, False)])
+def test_data_types_param_dtype_must_agree_with_fp16_bf16(param_dtype, blocks, ok):
+    cfg = {"train_batch_size": 1, "data_types": {"param_dtype": param_dtype, "buffer_dtype": "fp32"}, **blocks}
+    if ok:
+        assert load_config(cfg).data_types.buffer_dtype == "fp32"
+    else:
+        with pytest.raises(ConfigError, match="data_types.param_dtype=.* conflicts with the enabled precision"):
+            load_config(cfg)
+
+
+def test_data_types_keep_in_fp32_modules_is_auto_or_names():
+    assert load_config({"train_batch_size": 1}).data_types.keep_in_fp32_modules == "auto"
+    assert load_config({"train_batch_size": 1, "data_types": {"keep_in_fp32_modules": ["a.*"]}}) \
+        .data_types.keep_in_fp32_modules == ["a.*"]
+    with pytest.raises(ConfigError, match="keep_in_fp32_modules"):
+        load_config({"train_batch_size": 1, "data_types": {"keep_in_fp32_modules": "everything"}})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import ConfigDict, Field
 
 from .base import ConfigModel, DType, Float, Int, OptDType
@@ -55,4 +57,23 @@ class TorchAutocastConfig(ConfigModel):
 
 
 class DataTypesConfig(ConfigModel):
+    """DeepSpeed's ``data_types`` block (FSDP's mixed-precision policy in DeepSpeed's words)."""
+
     grad_accum_dtype: OptDType = None
+    # the parameters' dtype; None follows fp16/bf16, and a value that disagrees with them is refused
+    param_dtype: OptDType = None
+    # the buffers' dtype (rotary inv_freq, running statistics); None keeps each buffer's own dtype
+    buffer_dtype: OptDType = None
+    # buffers kept in fp32 whatever buffer_dtype says: "auto" reads the model's transformers lists
+    # (_keep_in_fp32_modules_strict, and _keep_in_fp32_modules under fp16), or name patterns ("*" any text)
+    keep_in_fp32_modules: Literal["auto"] | list[str] = "auto"
+
+
+def param_dtype_conflict(param_dtype: str | None, *, fp16: bool, bf16: bool) -> str | None:
+    """Why ``data_types.param_dtype`` cannot be used with the enabled fp16/bf16 mode, or None when it can:
+    the master weights, the reduction and the loss scaling follow the fp16/bf16 flags."""
+    trains_in = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    if param_dtype is None or param_dtype == trains_in:
+        return None
+    return (f"data_types.param_dtype='{param_dtype}' conflicts with the enabled precision mode (the model trains "
+            f"in {trains_in}); set the matching fp16/bf16 'enabled' flag or omit data_types.param_dtype")

@@ -48,8 +48,27 @@ class DeepSpeedConfig:
             raise AssertionError(str(exc)) from exc
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = sizes
 
+    @classmethod
+    def _of(cls, config, *, world_size: int, batch: tuple[int, int, int]) -> "DeepSpeedConfig":
+        """The view of a config shardwise already validated (``engine._config``)."""
+        view = cls.__new__(cls)
+        view._param_dict, view._config, view.world_size = config.to_dict(), config, world_size
+        view.train_batch_size, view.train_micro_batch_size_per_gpu, view.gradient_accumulation_steps = batch
+        return view
+
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_config"], name)
+        config = self.__dict__["_config"]
+        if name in _FLAT:  # DeepSpeed's flat attribute of a key inside a block
+            block, key = _FLAT[name]
+            return getattr(config, block) if key is None else getattr(getattr(config, block), key)
+        return getattr(config, name)
+
+
+# DeepSpeedConfig's attribute names for keys that sit inside a block
+_FLAT = {name: ("data_types", name) for name in ("grad_accum_dtype", "param_dtype", "buffer_dtype",
+                                                  "keep_in_fp32_modules")}
+_FLAT.update(fp16_enabled=("fp16", "enabled"), bfloat16_enabled=("bf16", "enabled"),
+             zero_optimization_stage=("zero_optimization", "stage"), zero_config=("zero_optimization", None))
 
 
 __all__ = ["DeepSpeedConfig", "get_gradient_clipping"]
