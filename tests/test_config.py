@@ -679,3 +679,30 @@ def test_data_types_keep_in_fp32_modules_is_auto_or_names():
         .data_types.keep_in_fp32_modules == ["a.*"]
     with pytest.raises(ConfigError, match="keep_in_fp32_modules"):
         load_config({"train_batch_size": 1, "data_types": {"keep_in_fp32_modules": "everything"}})
+
+
+def test_hjson_config_file_as_deepspeed_reads_it(tmp_path):
+    """DeepSpeed reads config files as hjson (comments, unquoted keys, no commas); so does shardwise
+    when the hjson package is there (the compat package requires it), else the error says what to install."""
+    path = tmp_path / "ds_config.json"
+    path.write_text("{\n  # a comment\n  train_batch_size: 8\n  fp16: {enabled: true}\n}\n")
+    try:
+        import hjson  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match=r"ds_config.json:2:3: invalid JSON: .*needs the hjson package"):
+            load_config(path)
+        return
+    cfg = load_config(path)
+    assert cfg.train_batch_size == 8 and cfg.fp16.enabled is True
+    path.write_text("{\n  train_batch_size: 8\n  train_batch_size: 8\n}\n")
+    with pytest.raises(ConfigError, match="duplicate key 'train_batch_size'"):
+        load_config(path)
+
+
+def test_fp16_dynamic_scaler_settings_checked_only_when_it_is_on():
+    """As DeepSpeed: loss_scale_window / min_loss_scale must be > 0 for dynamic loss scaling, and are
+    unused (any value) with a static loss scale or fp16 off."""
+    for fp16 in ({"enabled": True, "loss_scale": 128}, {"enabled": False}):
+        assert load_config({"fp16": {**fp16, "loss_scale_window": 0, "min_loss_scale": -1}}).fp16.loss_scale_window == 0
+    with pytest.raises(ConfigError, match=r"fp16.loss_scale_window and fp16.min_loss_scale must be > 0 when dynamic"):
+        load_config({"fp16": {"enabled": True, "loss_scale_window": 0, "min_loss_scale": 0}})

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from .base import ConfigModel, DType, Float, Int, OptDType
 
@@ -16,11 +17,22 @@ class FP16Config(ConfigModel):
     auto_cast: bool = False
     loss_scale: Float = Field(0.0, ge=0)  # 0 means dynamic loss scaling
     initial_scale_power: Int = Field(16, ge=0)
-    loss_scale_window: Int = Field(1000, gt=0)
+    # the dynamic scaler's settings: checked when it is on (a static scale or fp16 off leaves them unused,
+    # and DeepSpeed accepts any value there); torch_autocast fp16 checks them when it builds its scaler
+    loss_scale_window: Int = 1000
     hysteresis: Int = Field(2, gt=0)
     consecutive_hysteresis: bool = False
-    min_loss_scale: Float = Field(1.0, gt=0)
+    min_loss_scale: Float = 1.0
     fp16_master_weights_and_grads: bool = False
+
+    @model_validator(mode="after")
+    def _check_dynamic_scaler(self) -> "FP16Config":
+        if self.enabled and self.loss_scale == 0:
+            bad = [k for k in ("loss_scale_window", "min_loss_scale") if getattr(self, k) <= 0]
+            if bad:
+                raise PydanticCustomError("shardwise_value", "{keys} must be > 0 when dynamic loss scaling is enabled "
+                                          "(loss_scale=0)", {"keys": " and ".join(f"fp16.{k}" for k in bad)})
+        return self
 
 
 class BF16Config(ConfigModel):

@@ -3,14 +3,15 @@
 triad is resolved with shardwise's rule (``shardwise.config.batch.resolve_batch_sizes``)."""
 from __future__ import annotations
 
-import json
 import os
+from pathlib import Path
 from typing import Any
 
 from shardwise import comm
 from shardwise.config import load_config
 from shardwise.config.batch import resolve_batch_sizes
 from shardwise.config.errors import ConfigError
+from shardwise.config.loader import read_config_file
 
 from .constants import GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT
 
@@ -20,16 +21,12 @@ def get_gradient_clipping(param_dict: dict) -> float:
 
 
 class DeepSpeedConfig:
-    """``DeepSpeedConfig(config, mpu=None)``: ``config`` a path to a JSON file or a dict. Problems in it raise
+    """``DeepSpeedConfig(config, mpu=None)``: ``config`` a path to a JSON (or hjson) file or a dict. Problems in it raise
     ``shardwise.config.ConfigError`` (a ValueError). The data-parallel size is the world size over the
     model-parallel size of ``mpu`` (1 without a process group)."""
 
     def __init__(self, config: str | os.PathLike | dict, mpu=None, mesh_device=None) -> None:
-        if isinstance(config, dict):
-            param_dict = config
-        else:
-            with open(config) as f:
-                param_dict = json.load(f)
+        param_dict = config if isinstance(config, dict) else read_config_file(Path(config))
         self._param_dict = param_dict
         self._config = load_config(param_dict if isinstance(config, dict) else config)
         world = comm.get_world_size() if comm.is_initialized() else 1
