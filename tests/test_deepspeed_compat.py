@@ -545,6 +545,17 @@ p.register_hook(lambda g: seen.append(count_used_parameters_in_backward([p, q, f
 assert seen == [1]
 with pytest.raises(RuntimeError, match="during a backward"):
     count_used_parameters_in_backward([p])
+# DeepSpeed's stand-alone clipping and overflow helpers (one process: no averaging over ranks)
+from deepspeed.runtime.utils import CheckOverflow, clip_grad_norm_
+def grads(*values):
+    ps = [torch.nn.Parameter(torch.zeros(len(v))) for v in values]
+    for p, v in zip(ps, values):
+        p.grad = torch.tensor(v)
+    return ps
+mine, ref = grads([3.0, 1.0], [2.0]), grads([3.0, 1.0], [2.0])
+assert torch.equal(clip_grad_norm_(mine, 0.5), torch.nn.utils.clip_grad_norm_(ref, 0.5))
+assert all(torch.equal(a.grad, b.grad) for a, b in zip(mine, ref))
+assert not CheckOverflow([grads([1.0])]).check() and CheckOverflow([grads([1.0], [float("nan")])]).check()
 print("ok")
 """
 
