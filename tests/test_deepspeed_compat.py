@@ -492,6 +492,11 @@ import re
 DeepSpeedEngine._cast_module_mixed_precision(types.SimpleNamespace(module=m), torch.half, torch.bfloat16, False,
                                               re.compile("keep"))
 assert (m.weight.dtype, m.keep.dtype, m.cast.dtype) == (torch.half, torch.float32, torch.bfloat16)
+from deepspeed.runtime.config import DeepSpeedConfig  # what engine._config is: DeepSpeed's flat names
+c = DeepSpeedConfig({"train_batch_size": 2, "bf16": {"enabled": True}, "data_types": {"buffer_dtype": "fp32"},
+                     "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5}})
+assert (c.zero_config.prefetch_bucket_size, c.zero_optimization_stage, c.bfloat16_enabled, c.fp16_enabled,
+        c.buffer_dtype, c.param_dtype, c.train_batch_size) == (5, 3, True, False, "fp32", None, 2)
 # DeepSpeed's config base class: aliases, deprecated fields moved to their replacement, "auto" as unset
 from typing import List, Optional
 from pydantic import Field, ValidationError

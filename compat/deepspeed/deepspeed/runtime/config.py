@@ -55,9 +55,12 @@ class DeepSpeedConfig:
 
     def __getattr__(self, name: str) -> Any:
         config = self.__dict__["_config"]
+        if name == "zero_config":  # the block under DeepSpeed's class and field names
+            from .zero.config import DeepSpeedZeroConfig
+            return DeepSpeedZeroConfig._wrap(config.zero_optimization)
         if name in _FLAT:  # DeepSpeed's flat attribute of a key inside a block
             block, key = _FLAT[name]
-            return getattr(config, block) if key is None else getattr(getattr(config, block), key)
+            return getattr(getattr(config, block), key)
         return getattr(config, name)
 
 
@@ -65,7 +68,7 @@ class DeepSpeedConfig:
 _FLAT = {name: ("data_types", name) for name in ("grad_accum_dtype", "param_dtype", "buffer_dtype",
                                                   "keep_in_fp32_modules")}
 _FLAT.update(fp16_enabled=("fp16", "enabled"), bfloat16_enabled=("bf16", "enabled"),
-             zero_optimization_stage=("zero_optimization", "stage"), zero_config=("zero_optimization", None))
+             zero_optimization_stage=("zero_optimization", "stage"))
 
 
 __all__ = ["DeepSpeedConfig", "get_gradient_clipping"]
