@@ -49,12 +49,14 @@ class DeepSpeedConfig:
     def _of(cls, config, *, world_size: int, batch: tuple[int, int, int]) -> "DeepSpeedConfig":
         """The view of a config shardwise already validated (``engine._config``)."""
         view = cls.__new__(cls)
-        view._param_dict, view._config, view.world_size = config.to_dict(), config, world_size
+        view._config, view.world_size = config, world_size  # (_param_dict: made when read, below)
         view.train_batch_size, view.train_micro_batch_size_per_gpu, view.gradient_accumulation_steps = batch
         return view
 
     def __getattr__(self, name: str) -> Any:
         config = self.__dict__["_config"]
+        if name == "_param_dict":
+            return config.to_dict()
         if name == "zero_config":  # the block under DeepSpeed's class and field names
             from .zero.config import DeepSpeedZeroConfig
             return DeepSpeedZeroConfig._wrap(config.zero_optimization)
