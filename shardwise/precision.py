@@ -33,6 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # the config's dtype names
+
 
 class _LossScaler:
     cur_scale: float
@@ -258,6 +260,7 @@ class PrecisionPolicy:
     auto_cast: bool = False
     check_overflow: bool = False
     grad_accum_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None  # data_types.buffer_dtype; None: buffers keep their own dtype
 
     @property
     def accum_dtype(self) -> torch.dtype:
@@ -270,8 +273,11 @@ class PrecisionPolicy:
         data_types = getattr(cfg, "data_types", None)
         accum = getattr(data_types, "grad_accum_dtype", None)
         if accum is not None:
-            dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[accum]
+            dtype = DTYPES[accum]
             policy = replace(policy, grad_accum_dtype=None if dtype == policy.param_dtype else dtype)
+        buffers = getattr(data_types, "buffer_dtype", None)
+        if buffers is not None:
+            policy = replace(policy, buffer_dtype=DTYPES[buffers])
         return policy
 
     @classmethod

@@ -659,3 +659,50 @@ def test_docs_not_implemented_table_matches_code():
             listed.update(re.findall(r"`([a-z_0-9.]+)`", first_column))
     assert listed == set(NOT_IMPLEMENTED), (listed ^ set(NOT_IMPLEMENTED))
     load_config({"tensorboard": {"enabled": True, "output_path": "tb"}}).check_supported()
+
+
+@pytest.mark.parametrize("param_dtype,blocks,ok", [
+    ("bf16", {"bf16": {"enabled": True}}, True), ("float16", {"fp16": {"enabled": True}}, True),
+    ("fp32", {}, True), ("fp16", {"bf16": {"enabled": True}}, False), ("bf16", {}, False)])
+def test_data_types_param_dtype_must_agree_with_fp16_bf16(param_dtype, blocks, ok):
+    cfg = {"train_batch_size": 1, "data_types": {"param_dtype": param_dtype, "buffer_dtype": "fp32"}, **blocks}
+    if ok:
+        assert load_config(cfg).data_types.buffer_dtype == "fp32"
+    else:
+        with pytest.raises(ConfigError, match="data_types.param_dtype=.* conflicts with the enabled precision"):
+            load_config(cfg)
+
+
+def test_data_types_keep_in_fp32_modules_is_auto_or_names():
+    assert load_config({"train_batch_size": 1}).data_types.keep_in_fp32_modules == "auto"
+    assert load_config({"train_batch_size": 1, "data_types": {"keep_in_fp32_modules": ["a.*"]}}) \
+        .data_types.keep_in_fp32_modules == ["a.*"]
+    with pytest.raises(ConfigError, match="keep_in_fp32_modules"):
+        load_config({"train_batch_size": 1, "data_types": {"keep_in_fp32_modules": "everything"}})
+
+
+def test_hjson_config_file_as_deepspeed_reads_it(tmp_path):
+    """DeepSpeed reads config files as hjson (comments, unquoted keys, no commas); so does shardwise
+    when the hjson package is there (the compat package requires it), else the error says what to install."""
+    path = tmp_path / "ds_config.json"
+    path.write_text("{\n  # a comment\n  train_batch_size: 8\n  fp16: {enabled: true}\n}\n")
+    try:
+        import hjson  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match=r"ds_config.json:2:3: invalid JSON: .*needs the hjson package"):
+            load_config(path)
+        return
+    cfg = load_config(path)
+    assert cfg.train_batch_size == 8 and cfg.fp16.enabled is True
+    path.write_text("{\n  train_batch_size: 8\n  train_batch_size: 8\n}\n")
+    with pytest.raises(ConfigError, match="duplicate key 'train_batch_size'"):
+        load_config(path)
+
+
+def test_fp16_dynamic_scaler_settings_checked_only_when_it_is_on():
+    """As DeepSpeed: loss_scale_window / min_loss_scale must be > 0 for dynamic loss scaling, and are
+    unused (any value) with a static loss scale or fp16 off."""
+    for fp16 in ({"enabled": True, "loss_scale": 128}, {"enabled": False}):
+        assert load_config({"fp16": {**fp16, "loss_scale_window": 0, "min_loss_scale": -1}}).fp16.loss_scale_window == 0
+    with pytest.raises(ConfigError, match=r"fp16.loss_scale_window and fp16.min_loss_scale must be > 0 when dynamic"):
+        load_config({"fp16": {"enabled": True, "loss_scale_window": 0, "min_loss_scale": 0}})

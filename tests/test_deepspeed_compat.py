@@ -415,7 +415,7 @@ from deepspeed.runtime.zero.partition_parameters import GatheredParameters, Mult
 from deepspeed.module_inject.layers import LinearLayer
 assert PipelineModule is shardwise.pipe.PipelineModule and PipelineEngine is shardwise.pipe.engine.PipelineEngine
 assert TrainSchedule is shardwise.pipe.schedule.TrainSchedule and GatheredParameters is shardwise.zero.GatheredParameters
-assert checkpointing is shardwise.checkpointing and deepspeed.runtime.engine is shardwise.runtime.engine
+assert checkpointing is shardwise.checkpointing and deepspeed.runtime.engine.DeepSpeedEngine is shardwise.runtime.engine.Engine
 assert lrs.WarmupLR is shardwise.optim.lr_schedules.WarmupLR and lrs.WARMUP_MIN_LR == "warmup_min_lr"
 assert [getattr(lrs, n).__name__ for n in lrs.VALID_LR_SCHEDULES] == lrs.VALID_LR_SCHEDULES
 assert _prime_factors(12) == [2, 2, 3] and _prime_factors(13) == [13]
@@ -490,6 +490,97 @@ assert is_current_accelerator_supported() and torch_info["version"] == ".".join(
 print("ok")
 """
 
+# DeepSpeed's internal names that the compat package provides over shardwise (issue 28)
+_INTERNALS_PROBE = r"""
+import types
+from deepspeed.runtime.engine import DeepSpeedEngine
+fake = lambda pd=None, bd=None, bf16=False: types.SimpleNamespace(
+    _config=types.SimpleNamespace(param_dtype=pd, buffer_dtype=bd, gradient_clipping=0.5),
+    fp16_enabled=lambda: False, bfloat16_enabled=lambda: bf16)
+assert DeepSpeedEngine._mixed_precision_dtypes(fake(bd="float16", bf16=True)) == (torch.bfloat16, torch.float16)
+assert DeepSpeedEngine._mixed_precision_dtypes(fake()) == (None, None) and DeepSpeedEngine.gradient_clipping(fake()) == 0.5
+DeepSpeedEngine._assert_valid_mixed_precision_config(fake(pd="bf16", bf16=True))
+with pytest.raises(AssertionError, match="conflicts with the enabled precision"):
+    DeepSpeedEngine._assert_valid_mixed_precision_config(fake(pd="bf16"))
+m = torch.nn.Linear(2, 2)
+m.register_buffer("keep", torch.ones(2))
+m.register_buffer("cast", torch.ones(2))
+import re
+DeepSpeedEngine._cast_module_mixed_precision(types.SimpleNamespace(module=m), torch.half, torch.bfloat16, False,
+                                              re.compile("keep"))
+assert (m.weight.dtype, m.keep.dtype, m.cast.dtype) == (torch.half, torch.float32, torch.bfloat16)
+from deepspeed.runtime.config import DeepSpeedConfig  # what engine._config is: DeepSpeed's flat names
+c = DeepSpeedConfig({"train_batch_size": 2, "bf16": {"enabled": True}, "data_types": {"buffer_dtype": "fp32"},
+                     "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5}})
+assert (c.zero_config.prefetch_bucket_size, c.zero_optimization_stage, c.bfloat16_enabled, c.fp16_enabled,
+        c.buffer_dtype, c.param_dtype, c.train_batch_size) == (5, 3, True, False, "fp32", None, 2)
+# DeepSpeed's config base class: aliases, deprecated fields moved to their replacement, "auto" as unset
+from typing import List, Optional
+from pydantic import Field, ValidationError
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+class Conf(DeepSpeedConfigModel):
+    a: int = 0
+    old: Optional[str] = Field(None, json_schema_extra={"deprecated": True, "new_param": "new",
+                                                        "new_param_fn": lambda x: [x]})
+    new: Optional[List[str]] = None
+    b: int = Field(0, alias="b_alias")
+assert Conf(old="x").new == ["x"] and Conf(b_alias=3).b == 3 == Conf(b=3).b and Conf(a="auto").a == 0
+with pytest.raises(AssertionError, match="together"):
+    Conf(old="x", new=["y"])
+for bad in ({"a": "x"}, {"typo": 1}):
+    with pytest.raises(ValidationError):
+        Conf(**bad)
+# pinned-memory accounting: a log line at 32 GB, 64 GB, 128 GB, ...
+from deepspeed.utils.pin_memory_tracker import _fmt_bytes, _tracker, track_pinned_memory
+_tracker.reset()
+track_pinned_memory(40 << 30)
+track_pinned_memory(100 << 30)
+assert (_tracker._bytes, _tracker._calls, _tracker._next_checkpoint) == (140 << 30, 2, 256 << 30)
+assert [_fmt_bytes(n) for n in (512, 2048, 1 << 20)] == ["512 B", "2.0 KB", "1.00 MB"]
+# DeepSpeed's comms-logger record layout: summaries do not reorder what was recorded
+from deepspeed.utils.comms_logging import CommsLogger
+from deepspeed.utils.timer import trim_mean
+log = CommsLogger()
+for ms in (3.0, 1.0, 2.0):
+    log.append("all_reduce", "all_reduce", ms, 1024)
+raw = log.get_raw_data()["all_reduce"][1024]
+assert raw[0] == 3 and raw[1] == [3.0, 1.0, 2.0] and raw[2][0] < raw[2][1]
+assert log.get_operation_summary("all_reduce")[1024]["avg_latency_ms"] == 2.0 and log.get_raw_data()["all_reduce"][1024] == raw
+assert trim_mean([9.0, 1.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0], 0.1) == 5.0 and log.get_total_operations() == 3
+# a launcher backend's exports: quoted for the remote shell only when needed
+from deepspeed.launcher.multinode_runner import MultiNodeRunner
+class Runner(MultiNodeRunner):
+    backend_exists = get_cmd = lambda *a: None
+r = Runner(types.SimpleNamespace(user_args=["--x"], user_script="s.py"), "info")
+r.add_export("A", " /usr/lib/python3/site-packages ")
+r.add_export("B", "64(x2)")
+r.add_export("C", 'say "$HOME"')
+assert r.exports == {"A": "/usr/lib/python3/site-packages", "B": '"64(x2)"', "C": '"say \\"\\$HOME\\""'}
+assert r.user_arguments == ["--x"] and r.name == "Runner"
+# how many parameters the running backward reaches
+from deepspeed.runtime.utils import count_used_parameters_in_backward
+p, q, frozen = (torch.nn.Parameter(torch.ones(1)) for _ in range(3))
+frozen.requires_grad_(False)
+seen = []
+p.register_hook(lambda g: seen.append(count_used_parameters_in_backward([p, q, frozen])))
+(p * 2 + frozen).sum().backward()
+assert seen == [1]
+with pytest.raises(RuntimeError, match="during a backward"):
+    count_used_parameters_in_backward([p])
+# DeepSpeed's stand-alone clipping and overflow helpers (one process: no averaging over ranks)
+from deepspeed.runtime.utils import CheckOverflow, clip_grad_norm_
+def grads(*values):
+    ps = [torch.nn.Parameter(torch.zeros(len(v))) for v in values]
+    for p, v in zip(ps, values):
+        p.grad = torch.tensor(v)
+    return ps
+mine, ref = grads([3.0, 1.0], [2.0]), grads([3.0, 1.0], [2.0])
+assert torch.equal(clip_grad_norm_(mine, 0.5), torch.nn.utils.clip_grad_norm_(ref, 0.5))
+assert all(torch.equal(a.grad, b.grad) for a, b in zip(mine, ref))
+assert not CheckOverflow([grads([1.0])]).check() and CheckOverflow([grads([1.0], [float("nan")])]).check()
+print("ok")
+"""
+
 
 def test_compat_package_paths_and_adapters(tmp_path):
     """The compat package (compat/deepspeed, imported from the source tree): DeepSpeed's module paths moved
@@ -499,7 +590,7 @@ def test_compat_package_paths_and_adapters(tmp_path):
         assert not (REPO / "shardwise" / moved).exists(), f"shardwise/{moved} mirrors a DeepSpeed path: compat/ holds it"
     compat = REPO / "compat" / "deepspeed"
     probe = tmp_path / "probe.py"
-    probe.write_text(_COMPAT_PROBE)
+    probe.write_text(_COMPAT_PROBE + _INTERNALS_PROBE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(compat), str(REPO)])}
     out = subprocess.run([sys.executable, str(probe), str(compat)], env=env, capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)

@@ -317,9 +317,26 @@ def _chat_body(rank, world_size):
     return run_subtests(_ds_chat_step1, [False, True], rank, world_size)
 
 
+def _coalesced_reduce_scatter(rank, world_size):
+    """The compat package's ``reduce_scatter_coalesced`` (DeepSpeed's helper) against an all-reduce: each
+    rank gets its ceil(numel / world) part of every averaged tensor, the last parts shorter or empty."""
+    sys.path.insert(0, str(REPO / "compat" / "deepspeed"))
+    from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+
+    import shardwise.comm as dist
+    inputs = [(rank + 1) * torch.arange(n, dtype=torch.half) for n in (6, 3, 1)]
+    outs = reduce_scatter_coalesced([t.clone() for t in inputs], dist.get_world_group())
+    for t, out in zip(inputs, outs):
+        whole = t.float()
+        dist.all_reduce(whole)
+        part = -(-t.numel() // world_size)
+        assert torch.equal(out.float(), (whole / world_size)[rank * part:(rank + 1) * part]), (t, out)
+    return [o.numel() for o in outs]
+
+
 def _scripts_body(rank, world_size, save_dir):
     full = _client_script(rank, world_size, save_dir)
-    return {"client": full, "chat": _chat_body(rank, world_size)}
+    return {"client": full, "chat": _chat_body(rank, world_size), "coalesced": _coalesced_reduce_scatter(rank, world_size)}
 
 
 # ----------------------------------------------------------------------------------- the tests
@@ -340,6 +357,7 @@ def _venv_python() -> Path:
 def test_deepspeed_style_scripts_under_two_processes(tmp_path):
     save_dir = tmp_path / "ckpt"
     results = run_distributed(_scripts_body, 2, args=(str(save_dir),), timeout=300)
+    assert [r["coalesced"] for r in results] == [[3, 2, 1], [3, 1, 0]]
     client = results[0]["client"]
     assert results[1]["client"] == client  # both ranks saw the same whole weights
     for chat in (results[0]["chat"], results[1]["chat"]):

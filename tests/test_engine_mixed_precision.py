@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -100,5 +101,66 @@ def _fp16_auto_cast_body(rank: int, world: int):
     return str(out.dtype)
 
 
-def test_fp16_auto_cast_casts_inputs():
-    assert run_distributed(_fp16_auto_cast_body, 1, timeout=120) == ["torch.float16"]
+def _one_rank_body(rank: int, world: int):
+    return {"auto_cast": _fp16_auto_cast_body(rank, world), "buffers": _buffer_dtypes_body(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """The single-process checks, in one spawned process (a spawn costs more than the checks)."""
+    (r,) = run_distributed(_one_rank_body, 1, timeout=180)
+    return r
+
+
+def test_fp16_auto_cast_casts_inputs(one_rank):
+    assert one_rank["auto_cast"] == "torch.float16"
+
+
+class _Rotary(torch.nn.Module):
+    """A linear layer with two fp32 buffers: a rotary-style ``inv_freq`` and a routing bias that the
+    model's transformers list keeps in fp32."""
+
+    _keep_in_fp32_modules_strict = ["router_bias"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(7, 3)
+        self.register_buffer("inv_freq", 1.0 + torch.arange(3) / 1024.0)  # 1/1024 steps: bf16 rounds them away
+        self.register_buffer("router_bias", 5.0 + torch.arange(3) / 512.0)
+
+    def forward(self, x):
+        return self.fc(x) * self.inv_freq + self.router_bias
+
+
+def _buffer_dtypes_body(rank: int, world: int):
+    import shardwise
+
+    out = {}
+    cases = {"default": ({}, 0), "default_zero3": ({}, 3), "bf16_buffers": ({"buffer_dtype": "bf16"}, 0),
+             "bf16_buffers_keep_inv": ({"buffer_dtype": "bf16", "keep_in_fp32_modules": ["inv_*"]}, 0),
+             "param_dtype_matching": ({"param_dtype": "bfloat16"}, 0)}
+    for name, (data_types, stage) in cases.items():
+        torch.manual_seed(0)
+        model = _Rotary()
+        cfg = base_config(bf16={"enabled": True}, data_types=data_types, zero_optimization={"stage": stage})
+        engine, _, _, _ = shardwise.initialize(model=model, config=cfg)
+        x, y = make_data(2, 4)
+        for s in range(2):
+            engine.backward(mse(engine(x[s].bfloat16()), y[s]))
+            engine.step()
+        out[name] = {"params": {str(p.dtype) for p in engine.module.parameters()},
+                     "inv_freq": (str(engine.module.inv_freq.dtype), engine.module.inv_freq.unique().numel()),
+                     "router_bias": str(engine.module.router_bias.dtype)}
+    return out
+
+
+def test_buffers_keep_their_dtype_unless_data_types_buffer_dtype_says(one_rank):
+    """As DeepSpeed 0.19.8: under bf16 the parameters train in bf16, buffers stay as built (fp32) by
+    default (ZeRO-3 too); ``data_types.buffer_dtype`` casts them, except those the model's
+    ``_keep_in_fp32_modules_strict`` or ``data_types.keep_in_fp32_modules`` names."""
+    r = one_rank["buffers"]
+    bf, fp = "torch.bfloat16", "torch.float32"
+    for name in ("default", "default_zero3", "param_dtype_matching"):
+        assert r[name] == {"params": {bf}, "inv_freq": (fp, 3), "router_bias": fp}, name
+    assert r["bf16_buffers"] == {"params": {bf}, "inv_freq": (bf, 1), "router_bias": fp}
+    assert r["bf16_buffers_keep_inv"] == {"params": {bf}, "inv_freq": (fp, 3), "router_bias": bf}

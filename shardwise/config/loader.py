@@ -192,7 +192,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _read_json(path: Path) -> Any:
+def read_config_file(path: Path) -> Any:
+    """The data of a config file (JSON, or hjson as DeepSpeed reads it), duplicate keys refused."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -204,9 +205,28 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+        json_error = exc
     except ConfigError as exc:
         raise ConfigError(exc.problems, source=str(path)) from None
+    return _read_hjson(path, text, json_error)
+
+
+def _read_hjson(path: Path, text: str, json_error: json.JSONDecodeError) -> Any:
+    """DeepSpeed reads its config files as hjson (JSON plus comments, unquoted keys and strings, optional
+    commas); so does shardwise when the ``hjson`` package is installed (the compat package requires it)."""
+    where = f"{path}:{json_error.lineno}:{json_error.colno}"
+    try:
+        import hjson
+    except ImportError:
+        raise ConfigError(f"{where}: invalid JSON: {json_error.msg} (an hjson config, as DeepSpeed reads, "
+                          "needs the hjson package: pip install hjson)") from None
+    try:
+        return hjson.loads(text, object_pairs_hook=_no_duplicates)
+    except ConfigError as exc:
+        raise ConfigError(exc.problems, source=str(path)) from None
+    except hjson.HjsonDecodeError as exc:
+        raise ConfigError(f"{where}: invalid JSON: {json_error.msg}; as hjson: {exc.msg} at line {exc.lineno} "
+                          f"column {exc.colno}") from None
 
 
 def load_config(config: "str | os.PathLike[str] | dict[str, Any] | ShardwiseConfig") -> ShardwiseConfig:
@@ -220,7 +240,7 @@ def load_config(config: "str | os.PathLike[str] | dict[str, Any] | ShardwiseConf
         return _from_dict(config, source=None)
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
-        data = _read_json(path)
+        data = read_config_file(path)
         if not isinstance(data, dict):
             raise ConfigError(f"the top level must be a JSON object {{...}}, got {type(data).__name__}",
                               source=str(path))

@@ -13,7 +13,7 @@ from .compile import CompileConfig
 from .base import ConfigModel, Float, Int, OptDType, case_insensitive
 from .monitors import (AutotuningConfig, CometConfig, CommsLoggerConfig, CSVMonitorConfig,
                        ElasticityConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig, WandbConfig)
-from .precision import AmpConfig, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig
+from .precision import AmpConfig, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig, param_dtype_conflict
 from .training import (ActivationCheckpointingConfig, AioConfig, CheckpointConfig, OptimizerConfig,
                        PipelineConfig, SchedulerConfig)
 from .tensor_parallel import TensorParallelConfig
@@ -150,6 +150,9 @@ class ShardwiseConfig(ConfigModel):
         if tp_dtype is not None and tp_dtype != trains_in:
             clashes.append(f"tensor_parallel.dtype is {tp_dtype} but the model trains in {trains_in} "
                            "(fp16/bf16 blocks); make them agree or drop tensor_parallel.dtype")
+        conflict = param_dtype_conflict(self.data_types.param_dtype, fp16=self.fp16.enabled, bf16=self.bf16.enabled)
+        if conflict:
+            clashes.append(conflict)
         if clashes:
             raise PydanticCustomError("shardwise_conflict", "; ".join(clashes))
         return self

@@ -25,6 +25,7 @@ from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime import autocast as torch_autocast
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.engine_compat import EngineCompatMixin, check_forced_cpu_optimizer
+from shardwise.runtime.module_dtypes import cast_buffers, cast_parameters, keep_in_fp32_pattern
 from shardwise.runtime.plan import config_features, optimizer_features
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
@@ -99,7 +100,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self.precision = PrecisionPolicy.from_config(config)
         self._autocast_dtype = self._configure_autocast()
         self._broadcast_model()
-        self._cast_buffers()
+        self._cast_module()
 
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
         if self.dims.compressed_optimizer is None and getattr(self.optimizer, "compressed_communication", False):
@@ -164,16 +165,14 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         if self.has_moe_layers:  # each expert from the first rank of its expert-data-parallel group
             moe_parallel.broadcast_experts(self.module)
 
-    def _cast_buffers(self) -> None:
+    def _cast_module(self) -> None:
+        """Frozen parameters to the training dtype (the strategy casts the trainable ones); buffers keep
+        their dtype unless ``data_types.buffer_dtype`` is set (runtime/module_dtypes.py)."""
         dtype = self.precision.param_dtype
-        if dtype == torch.float32:
-            return
-        for b in self.module.buffers():
-            if b.is_floating_point():
-                b.data = b.data.to(dtype)
-        for p in self.module.parameters():  # frozen ones; trainable ones are cast by the strategy
-            if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(dtype)
+        keep = keep_in_fp32_pattern(self.module, self.config.data_types.keep_in_fp32_modules, dtype)
+        cast_buffers(self.module, self.precision.buffer_dtype, keep_fp32=keep)
+        if dtype != torch.float32:
+            cast_parameters((p for p in self.module.parameters() if not p.requires_grad), dtype)
 
     def _configure_optimizer(self, client_optimizer, model_parameters):
         cfg_opt = self.config.optimizer

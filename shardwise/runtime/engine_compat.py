@@ -67,7 +67,9 @@ class ThroughputTimer:
         self.total_elapsed_time = 0.0
         self.step_elapsed_time = 0.0
         self.start_time = 0.0
+        self.end_time = 0.0
         self.started = False
+        self.initialized = False  # True from the first start()
 
     def update_epoch_count(self) -> None:
         self.epoch_count += 1
@@ -76,7 +78,7 @@ class ThroughputTimer:
     def start(self) -> None:
         if not self.enabled or self.started:
             return  # several forwards before one step (e.g. generation in the loop): timed from the first
-        self.started = True
+        self.initialized = self.started = True
         if self.global_step_count >= self.start_step:
             self._synchronize()
             self.start_time = time.time()
@@ -88,12 +90,12 @@ class ThroughputTimer:
         self.micro_step_count += 1
         if global_step:
             self.global_step_count += 1
-        if self.start_time > 0:
+        if self.start_time > 0:  # (0 during the warm-up steps; start() sets it after them)
             self._synchronize()
-            duration = time.time() - self.start_time
+            self.end_time = time.time()
+            duration = self.end_time - self.start_time
             self.total_elapsed_time += duration
             self.step_elapsed_time += duration
-            self.start_time = 0.0
             if global_step:
                 if report_speed and self.steps_per_output and self.global_step_count % self.steps_per_output == 0:
                     self.logging(f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/"

@@ -3,14 +3,15 @@
 triad is resolved with shardwise's rule (``shardwise.config.batch.resolve_batch_sizes``)."""
 from __future__ import annotations
 
-import json
 import os
+from pathlib import Path
 from typing import Any
 
 from shardwise import comm
 from shardwise.config import load_config
 from shardwise.config.batch import resolve_batch_sizes
 from shardwise.config.errors import ConfigError
+from shardwise.config.loader import read_config_file
 
 from .constants import GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT
 
@@ -20,16 +21,12 @@ def get_gradient_clipping(param_dict: dict) -> float:
 
 
 class DeepSpeedConfig:
-    """``DeepSpeedConfig(config, mpu=None)``: ``config`` a path to a JSON file or a dict. Problems in it raise
+    """``DeepSpeedConfig(config, mpu=None)``: ``config`` a path to a JSON (or hjson) file or a dict. Problems in it raise
     ``shardwise.config.ConfigError`` (a ValueError). The data-parallel size is the world size over the
     model-parallel size of ``mpu`` (1 without a process group)."""
 
     def __init__(self, config: str | os.PathLike | dict, mpu=None, mesh_device=None) -> None:
-        if isinstance(config, dict):
-            param_dict = config
-        else:
-            with open(config) as f:
-                param_dict = json.load(f)
+        param_dict = config if isinstance(config, dict) else read_config_file(Path(config))
         self._param_dict = param_dict
         self._config = load_config(param_dict if isinstance(config, dict) else config)
         world = comm.get_world_size() if comm.is_initialized() else 1
@@ -48,8 +45,32 @@ class DeepSpeedConfig:
             raise AssertionError(str(exc)) from exc
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = sizes
 
+    @classmethod
+    def _of(cls, config, *, world_size: int, batch: tuple[int, int, int]) -> "DeepSpeedConfig":
+        """The view of a config shardwise already validated (``engine._config``)."""
+        view = cls.__new__(cls)
+        view._config, view.world_size = config, world_size  # (_param_dict: made when read, below)
+        view.train_batch_size, view.train_micro_batch_size_per_gpu, view.gradient_accumulation_steps = batch
+        return view
+
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_config"], name)
+        config = self.__dict__["_config"]
+        if name == "_param_dict":
+            return config.to_dict()
+        if name == "zero_config":  # the block under DeepSpeed's class and field names
+            from .zero.config import DeepSpeedZeroConfig
+            return DeepSpeedZeroConfig._wrap(config.zero_optimization)
+        if name in _FLAT:  # DeepSpeed's flat attribute of a key inside a block
+            block, key = _FLAT[name]
+            return getattr(getattr(config, block), key)
+        return getattr(config, name)
+
+
+# DeepSpeedConfig's attribute names for keys that sit inside a block
+_FLAT = {name: ("data_types", name) for name in ("grad_accum_dtype", "param_dtype", "buffer_dtype",
+                                                  "keep_in_fp32_modules")}
+_FLAT.update(fp16_enabled=("fp16", "enabled"), bfloat16_enabled=("bf16", "enabled"),
+             zero_optimization_stage=("zero_optimization", "stage"))
 
 
 __all__ = ["DeepSpeedConfig", "get_gradient_clipping"]

@@ -1,5 +1,8 @@
 """``deepspeed.runtime.utils``: shardwise.runtime.utils (``see_memory_usage``, ``set_random_seed``), the
 layer-partitioning helpers of shardwise's pipeline, and DeepSpeed's small formatting helper."""
+
+import torch
+
 from shardwise.pipe.partition import partition_balanced, partition_uniform  # noqa: F401
 from shardwise.runtime.utils import *  # noqa: F401,F403
 from shardwise.runtime.utils import see_memory_usage, set_random_seed  # noqa: F401
@@ -17,4 +20,111 @@ def call_to_str(base: str, *args, **kwargs) -> str:
     return f"{base}({', '.join(shown)})"
 
 
-__all__ = ["call_to_str", "is_model_parallel_parameter", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
+def count_used_parameters_in_backward(parameters) -> int:
+    """How many of ``parameters`` the backward pass now running will reach (call it from a backward hook).
+    Parameters that need no gradient or are not in the graph are not counted; parameters sharing one
+    gradient node count once."""
+    if torch._C._current_graph_task_id() == -1:
+        raise RuntimeError("count_used_parameters_in_backward: call it during a backward pass (from a hook)")
+    from torch.autograd.graph import _get_grad_fn_or_grad_acc
+
+    nodes = set()
+    with torch.enable_grad():  # hooks run without grad mode; finding a leaf's accumulator needs it
+        for p in parameters:
+            if isinstance(p, torch.Tensor) and p.requires_grad:
+                node = _get_grad_fn_or_grad_acc(p)
+                if node is not None:
+                    nodes.add(node)
+    return sum(1 for node in nodes if torch._C._will_engine_execute_node(node))
+
+
+def _model_parallel_group(mpu):
+    return None if mpu is None else mpu.get_model_parallel_group()
+
+
+def _is_model_parallel(p) -> bool:
+    return bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm, norm_type=2, mpu=None) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` so that their total ``norm_type`` norm is at most ``max_norm``;
+    returns the total norm. Model-parallel slices (``mpu``) add up (replicated parameters counted on model
+    rank 0 only); the norm is then averaged over the data-parallel group, as DeepSpeed's helper does, so that
+    ranks holding different experts agree on one coefficient. The engine clips from the config itself
+    (``gradient_clipping``); this is DeepSpeed's stand-alone helper."""
+    from shardwise import comm
+    from shardwise.utils import groups
+
+    params = [p for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters) if p.grad is not None]
+    norm_type = float(norm_type)
+    device = params[0].grad.device if params else torch.device("cpu")
+    mp_group, mp_rank = _model_parallel_group(mpu), (0 if mpu is None else mpu.get_model_parallel_rank())
+    if norm_type == float("inf"):
+        total = torch.stack([p.grad.detach().abs().max().float() for p in params]).max()
+        if mpu is not None:
+            comm.all_reduce(total, op=comm.ReduceOp.MAX, group=mp_group)
+    else:
+        norms = [p.grad.detach().float().norm(norm_type) for p in params
+                 if mpu is None or mp_rank == 0 or _is_model_parallel(p)]
+        total = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
+        if mpu is not None:
+            comm.all_reduce(total, group=mp_group)
+        total = total.pow(1.0 / norm_type)
+    if comm.is_initialized():
+        dp = groups.get_data_parallel_group()
+        total = total / comm.get_world_size(dp)
+        comm.all_reduce(total, group=dp)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.device))
+    return total
+
+
+class CheckOverflow:
+    """Whether any gradient of the given parameter groups holds an inf or NaN, agreed over the ranks that
+    hold different pieces: the largest expert-parallel group when there are expert (MoE) parameters, the
+    model-parallel group of ``mpu``, or the world with ``zero_reduce_scatter``."""
+
+    def __init__(self, param_groups=None, mpu=None, zero_reduce_scatter=False, deepspeed=None) -> None:
+        from shardwise.moe.utils import is_moe_param
+
+        self.mpu, self.zero_reduce_scatter, self.deepspeed = mpu, zero_reduce_scatter, deepspeed
+        self.params = [p for group in param_groups for p in group] if param_groups else None
+        self.has_moe_params = any(is_moe_param(p) for p in self.params or ())
+
+    def _agree(self, flag: bool, *, moe: bool, world: bool) -> bool:
+        from shardwise import comm
+        from shardwise.utils import groups
+
+        t = torch.tensor([float(flag)])
+        if moe:
+            comm.all_reduce(t, op=comm.ReduceOp.MAX, group=groups._get_max_expert_parallel_group())
+        if world:
+            comm.all_reduce(t, op=comm.ReduceOp.MAX)
+        elif self.mpu is not None:
+            comm.all_reduce(t, op=comm.ReduceOp.MAX, group=self.mpu.get_model_parallel_group())
+        return bool(t.item())
+
+    def check_using_norm(self, norm_group, reduce_overflow=True) -> bool:
+        bad = any(not torch.isfinite(torch.as_tensor(n)).all() or bool((torch.as_tensor(n) < 0).any())
+                  for n in norm_group)
+        return self._agree(bad, moe=self.has_moe_params, world=self.mpu is None and reduce_overflow)
+
+    def check(self, param_groups=None) -> bool:
+        if param_groups is None:
+            return self.has_overflow(self.params, has_moe_params=self.has_moe_params)
+        from shardwise.moe.utils import is_moe_param
+
+        params = [p for group in param_groups for p in group]
+        return self.has_overflow(params, has_moe_params=any(is_moe_param(p) for p in params))
+
+    def has_overflow_serial(self, params) -> bool:
+        return any(p.grad is not None and not torch.isfinite(p.grad).all() for p in params)
+
+    def has_overflow(self, params, has_moe_params=None) -> bool:
+        moe = self.has_moe_params if has_moe_params is None else has_moe_params
+        return self._agree(self.has_overflow_serial(params), moe=moe, world=self.zero_reduce_scatter)
+
+
+__all__ = ["CheckOverflow", "clip_grad_norm_", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]

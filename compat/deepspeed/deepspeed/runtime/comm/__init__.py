@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.comm``: DeepSpeed's collective helpers (``coalesced_collectives``) on shardwise.comm."""

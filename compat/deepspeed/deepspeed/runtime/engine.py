@@ -1,0 +1,70 @@
+"""``deepspeed.runtime.engine``: shardwise's engine module (``DeepSpeedEngine`` is
+``shardwise.runtime.engine.Engine``), and DeepSpeed's private engine helpers, which DeepSpeed's tests and
+some scripts call by name, added to that class here so that ``shardwise/`` keeps its own names:
+
+* ``engine._config``: DeepSpeed's flat config object (``deepspeed.runtime.config.DeepSpeedConfig``, a view of
+  ``engine.config``), and ``gradient_clipping()`` read through it, as DeepSpeed's is;
+* ``_mixed_precision_dtypes()``, ``_assert_valid_mixed_precision_config()``,
+  ``_cast_module_mixed_precision(...)``: the ``data_types`` rules of ``shardwise.runtime.module_dtypes``.
+"""
+from __future__ import annotations
+
+import torch
+
+import shardwise.runtime.engine as _engine
+from shardwise.config.base import _normalise_dtype
+from shardwise.config.precision import param_dtype_conflict
+from shardwise.precision import DTYPES
+from shardwise.runtime.engine import DeepSpeedEngine, Engine  # noqa: F401
+from shardwise.runtime.module_dtypes import cast_buffers, cast_parameters
+
+from .config import DeepSpeedConfig
+
+
+def __getattr__(name: str):
+    return getattr(_engine, name)
+
+
+def _torch_dtype(name) -> torch.dtype:
+    return DTYPES[_normalise_dtype(name)]
+
+
+class _DeepSpeedInternals:
+    """DeepSpeed's private engine methods. They read only ``_config``, ``module`` and the
+    ``fp16_enabled``/``bfloat16_enabled`` accessors, as DeepSpeed's do."""
+
+    @property
+    def _config(self) -> DeepSpeedConfig:
+        return DeepSpeedConfig._of(self.config, world_size=self.dp_world_size,
+                                   batch=(self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
+                                          self.gradient_accumulation_steps()))
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def _assert_valid_mixed_precision_config(self) -> None:
+        """``data_types.param_dtype`` must agree with fp16/bf16 (AssertionError, as DeepSpeed; the engine
+        refuses the config earlier with a ConfigError)."""
+        name = self._config.param_dtype
+        conflict = param_dtype_conflict(None if name is None else _normalise_dtype(name),
+                                        fp16=self.fp16_enabled(), bf16=self.bfloat16_enabled())
+        assert conflict is None, conflict
+
+    def _mixed_precision_dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """(parameter dtype: fp16/bf16 or None, buffer dtype: ``data_types.buffer_dtype`` or None)."""
+        param = torch.half if self.fp16_enabled() else torch.bfloat16 if self.bfloat16_enabled() else None
+        name = self._config.buffer_dtype
+        return param, None if name is None else _torch_dtype(name)
+
+    def _cast_module_mixed_precision(self, param_dtype, buffer_dtype, is_zero_init_model, keep_pattern=None) -> None:
+        """Parameters to ``param_dtype`` (not ``zero.Init``'s, already in theirs), buffers to ``buffer_dtype``
+        only when it is set; buffers ``keep_pattern`` matches to fp32."""
+        if param_dtype is not None and not is_zero_init_model:
+            cast_parameters(self.module.parameters(), param_dtype)
+        cast_buffers(self.module, buffer_dtype, keep_fp32=keep_pattern)
+
+
+for _name, _value in vars(_DeepSpeedInternals).items():
+    if not _name.startswith("__"):
+        setattr(Engine, _name, _value)
+del _name, _value
