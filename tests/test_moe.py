@@ -50,7 +50,7 @@ def _data(step, world):
 def _reference(case, steps, world):
     """One process, every expert local; each rank's micro-batch forwarded on its own (the gate's l_aux and
     capacity are per rank), the loss their mean: the gradient data parallelism averages."""
-    ep, stage, k, starve = case
+    ep, stage, k, starve, *_ = case
     net = Net(k=k, drop_tokens=not starve)
     _set_experts(net, 0, starve=starve)
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
@@ -70,7 +70,7 @@ def _engine(case, rank):
     import shardwise
     from shardwise.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    ep, stage, k, starve = case
+    ep, stage, k, starve, *offload = case
     net = Net(ep_size=ep, k=k, drop_tokens=not starve)
     _set_experts(net, rank % ep, starve=starve)
     if rank >= ep:  # the other replicas start elsewhere: the engine copies the first one's experts
@@ -79,8 +79,11 @@ def _engine(case, rank):
                 p.add_(1.0)
     groups_ = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "all"})
     opt = torch.optim.Adam(groups_, lr=0.01)
+    zero = {"stage": stage, "stage3_prefetch_bucket_size": 10**6}  # (ZeRO-3: units as large as the model allows)
+    if offload:
+        zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     engine, *_ = shardwise.initialize(model=net, optimizer=opt, config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.05, "zero_optimization": {"stage": stage}})
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.05, "zero_optimization": zero})
     return engine
 
 
@@ -95,7 +98,7 @@ def _step(engine, step, rank, world):
 def _train(case, rank, world, steps=2):
     from shardwise.utils import groups
 
-    ep, stage, k, starve = case
+    ep, stage, k, starve, *_ = case
     ref_losses, ref = _reference(case, steps, world)
     engine = _engine(case, rank)
     losses = [_step(engine, step, rank, world) for step in range(steps)]
@@ -130,13 +133,16 @@ def _checkpoint(case, rank, world, folder):
 
 
 SAVE = (2, 1, 2, False)  # ep 2, ZeRO-1
-LOADS = [(1, 0, 2, False), (4, 2, 2, False), (2, 0, 2, False)]
+LOADS = [(1, 0, 2, False), (4, 2, 2, False), (2, 0, 2, False), (2, 3, 2, False)]
 
 
 def _all_cases(rank, world, folder):
     cases = [(ep, stage, 2, False) for ep in (1, 2, 4) for stage in (0, 1, 2)]
     cases.append((2, 2, 1, True))  # top-1, dropless, experts 2 and 3 (ep rank 1) never chosen
     cases += [(1, 3, 2, False), (1, 3, 1, True)]  # ZeRO-3, every expert on every rank; then two never chosen
+    # ZeRO-3, experts sharded within their expert-data-parallel group; ep 2 also with the optimizer and the
+    # parameters offloaded, and with the experts of ep rank 1 never chosen
+    cases += [(2, 3, 2, False), (4, 3, 2, False), (2, 3, 2, False, True), (2, 3, 1, True)]
     return run_subtests(_train, cases, rank, world), _checkpoint(SAVE, rank, world, folder)
 
 
@@ -147,7 +153,8 @@ def test_expert_parallel_matches_one_process_and_checkpoints_reshard(tmp_path):
     for out, _ in results:
         assert [(o["ep"], o["edp"]) for o in out[:9:3]] == [(1, 4), (2, 2), (4, 1)]
         assert all(o["has_moe"] for o in out) and [o["dims_expert"] for o in out[:9:3]] == [1, 2, 4]
-        assert len(out) == 12
+        assert len(out) == 16
+        assert [(o["ep"], o["edp"]) for o in out[12:14]] == [(2, 2), (4, 1)]
     after = results[0][1]
     assert sum(".deepspeed_experts." in k for k in after) == EXPERTS * 4  # every expert, by global index
     # one process: the four ranks' micro-batches forwarded one by one, their mean loss (data parallelism's
@@ -223,8 +230,9 @@ def test_bad_sizes_are_named():
     with pytest.raises(ValueError, match="MoE ep_size 2 with 1 data-parallel ranks"):
         shardwise.initialize(model=Net(ep_size=2), config={"train_batch_size": 1,
                                                            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    with pytest.raises(ValueError, match="expert > 1|ep_size 2\\) with zero_optimization.stage 3"):
-        ParallelDims(data=2, expert=2, zero_stage=3).validate()
+    ParallelDims(data=2, expert=2, zero_stage=3, offload_optimizer=True).validate()  # (trains: test above)
+    with pytest.raises(ValueError, match=r"ep_size 2\) with optimizer offload at zero_optimization.stage 2"):
+        ParallelDims(data=2, expert=2, zero_stage=2, offload_optimizer=True).validate()
 
 
 def test_expert_rank_lists_follow_deepspeeds_layout():

@@ -109,7 +109,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         named_params = list(self.module.named_parameters())
         if self.has_moe_layers:  # expert parameters reduce over their expert-data-parallel group
             self.strategy = moe_parallel.build_strategy(build, module=self.module, named_params=named_params,
-                                                        optimizer=self.optimizer, dp_group=self.dp_group)
+                                                        optimizer=self.optimizer, dp_group=self.dp_group,
+                                                        zero_stage=int(config.zero_optimization.stage))
         else:
             self.strategy = build(named_params=named_params, optimizer=self.optimizer, dp_group=self.dp_group)
         scheduler = self._configure_scheduler(lr_scheduler)
