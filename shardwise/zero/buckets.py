@@ -93,7 +93,7 @@ class BucketReducer:
     """
 
     def __init__(self, groups: list[FlatGroup], store: GradientStore, *, reduce: ReduceSettings, dp_group,
-                 scatter: bool, on_reduced=None, bucket_groups: list | None = None) -> None:
+                 scatter: bool, on_reduced=None, bucket_groups: list | None = None, before_launch=None) -> None:
         self.groups = groups
         self.store = store
         self.reduce = reduce
@@ -115,6 +115,7 @@ class BucketReducer:
             self._comm = [(g, comm.get_world_size(g), comm.get_rank(g)) for g in bucket_groups]
         self.active = False
         self.on_reduced = on_reduced  # called with each bucket once its reduction is complete (and stored)
+        self.before_launch = before_launch  # called with each bucket right before its collective starts
         self._launched = 0
         self._arrived: set[tuple[int, int]] = set()
         self._in_flight: deque[Bucket] = deque()
@@ -195,6 +196,8 @@ class BucketReducer:
 
     def _launch(self, b: Bucket) -> None:
         self._prepare(b)  # (no storage yet: no member produced a gradient in this backward)
+        if self.before_launch is not None:
+            self.before_launch(b)
         r = self.reduce
         data = b.data
         if r.comm_dtype is not None and r.comm_dtype != data.dtype:

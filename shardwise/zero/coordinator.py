@@ -23,6 +23,7 @@ import torch
 
 from shardwise import comm
 from shardwise.param_attrs import is_z3_leaf, set_zero_unit
+from shardwise.zero.gather_order import GatherOrderCheck
 from shardwise.zero.partitioned_param import ZeroParamStatus
 
 
@@ -209,10 +210,11 @@ class _GatherBeforeBackward(torch.autograd.Function):
 
 
 class ParamCoordinator:
-    def __init__(self, units: list[Unit], module_units: dict[torch.nn.Module, list[Unit]], *,
+    def __init__(self, units: list[Unit], module_units: dict[torch.nn.Module, list[Unit]], *, check_group,
                  prefetch_elements: int, max_live_elements: int, reuse_distance: int) -> None:
         self.units = units
         self.module_units = module_units
+        self.order_check = GatherOrderCheck(units, group=check_group)  # (the first pass: gathers agree)
         self.prefetch_elements = prefetch_elements
         self.max_live_elements = max_live_elements
         self.reuse_distance = reuse_distance
@@ -244,6 +246,8 @@ class ParamCoordinator:
     # -- gathering ------------------------------------------------------------------------
     def fetch(self, units: list[Unit]) -> None:
         for u in units:
+            if not u.gathered and u.pending is None:
+                self.order_check.gather(u)
             u.start_gather()
         for u in units:
             u.finish_gather()
@@ -252,6 +256,8 @@ class ParamCoordinator:
         return sum(u.full_numel for u in self.units if u.gathered or u.pending is not None)
 
     def _prefetch(self, trace: list[int], position: int) -> None:
+        if self.order_check.active:
+            return
         budget = self.prefetch_elements
         live = self._live()
         for idx in trace[position + 1 :]:

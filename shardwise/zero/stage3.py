@@ -176,10 +176,10 @@ class Stage3Strategy(ZeroStrategy):
         self._offload_params(param_offload, aio)
         self.gradients = UnitGradients(self.units, accum_dtype=precision.grad_accum_dtype)
         self.reducer = BucketReducer([self.gradients.layout], self.gradients, reduce=reduce, dp_group=dp_group,
-                                     scatter=True, on_reduced=self._unit_reduced,
+                                     scatter=True, on_reduced=self._unit_reduced, before_launch=self._before_reduce,
                                      bucket_groups=[u.group for u in self.gradients.layout.unit_of_bucket])
         self.coordinator = ParamCoordinator(
-            self.units, module_units,
+            self.units, module_units, check_group=dp_group,
             prefetch_elements=int(zc.stage3_prefetch_bucket_size) if zc is not None else 0,
             max_live_elements=int(zc.stage3_max_live_parameters) if zc is not None else 10**9,
             reuse_distance=int(zc.stage3_max_reuse_distance) if zc is not None else 10**9,
@@ -211,6 +211,9 @@ class Stage3Strategy(ZeroStrategy):
                                          queue_depth=aio.queue_depth if aio is not None else 8)
             for u in self.units:
                 u.offload_to_nvme(self.param_store)
+
+    def _before_reduce(self, bucket: Bucket) -> None:
+        self.coordinator.order_check.reduce(self.gradients.layout.unit_of_bucket[bucket.position])
 
     def _unit_reduced(self, bucket: Bucket) -> None:
         """A unit's reduction makes its fragments' gradients final (for the overlapped offload step)."""
@@ -252,6 +255,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def finish_backward(self) -> None:
         self.reducer.finish()
+        self.coordinator.order_check.finish()
         self.partition.backward_finished()
         self.coordinator.end_of_pass()
 
