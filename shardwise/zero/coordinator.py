@@ -199,13 +199,13 @@ class _GatherBeforeBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, coordinator, units, n_outputs, *tensors):
         ctx.coordinator, ctx.units = coordinator, units
-        ctx.shapes = [p.ds_shape for p in tensors[n_outputs:]]
+        ctx.touched = [(p.ds_shape, p.dtype, p.device) for p in tensors[n_outputs:]]
         return tuple(t.view_as(t) for t in tensors[:n_outputs])
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.coordinator.fetch_for_backward(ctx.units)
-        zeros = [grads[0].new_zeros(shape) for shape in ctx.shapes]
+        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.touched]
         return (None, None, None, *grads, *zeros)
 
 
