@@ -1,12 +1,15 @@
-"""Expert parallelism: tokens/s of ep 2 and ep 4 against the same model with replicated experts (ep 1),
-all at ZeRO-2, and the all-to-all bytes per step against the formula.
+"""Expert parallelism: tokens/s of ep 2 and ep 4 (ZeRO-2 and ZeRO-3) against the same model with replicated
+experts (ep 1, ZeRO-2) and against the leaf-module approach under ZeRO-3 (a Hugging Face-style block calling
+each expert on its tokens in a Python loop, marked a leaf: every rank gathers every expert), and the
+all-to-all bytes per step against the formula.
 
     python benchmarks/moe.py [--world 4] [--hidden 256] [--experts 8] [--layers 2] [--tokens 512] \\
         [--steps 6] [--rounds 2]
 
 Each configuration runs in ``--world`` processes (gloo, CPU, one thread each): a stack of ``--layers``
 blocks, each ``DeepSpeed MoE(num_experts=--experts, k=2, dropless)`` around an MLP expert of width
-4 x hidden, trained with Adam at ZeRO-2 on ``--tokens`` tokens per rank and step. The configurations
+4 x hidden, trained with Adam on ``--tokens`` tokens per rank and step; the leaf row replaces each MoE
+by that loop block (same gate and experts: softmax top-2, dropless). The configurations
 take turns (A B C A B C ...) for ``--rounds`` rounds; reported per configuration: the median step
 time after one warm-up step (best round), tokens/s over the whole world, the ratio to ep 1, and the
 bytes one rank handed to ``all_to_all_single`` per step (counted) against
@@ -27,7 +30,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
-def _body(rank, world, ep, args):
+def _body(rank, world, config, args):
     import torch
 
     import shardwise
@@ -38,15 +41,35 @@ def _body(rank, world, ep, args):
 
     torch.set_num_threads(1)
     h = args.hidden
+    _, ep, stage, leaf = config
+
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h))
+
+    class LoopMoE(torch.nn.Module):  # Mixtral's block before fused experts: only the chosen experts run
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(h, args.experts, bias=False)
+            self.experts = torch.nn.ModuleList(mlp() for _ in range(args.experts))
+
+        def forward(self, x):
+            weights, chosen = torch.softmax(self.gate(x), -1).topk(2, -1)
+            weights = weights / weights.sum(-1, keepdim=True)
+            out = torch.zeros_like(x)
+            for e, hit in enumerate(torch.nn.functional.one_hot(chosen, args.experts).permute(2, 1, 0)):
+                slot, token = torch.where(hit)
+                if token.numel():
+                    out = out.index_add(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+            return out, 0.0
 
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            expert = torch.nn.Sequential(torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h))
-            self.moe = MoE(h, expert, num_experts=args.experts, ep_size=ep, k=2, drop_tokens=False, min_capacity=0)
+            self.moe = LoopMoE() if leaf else MoE(h, mlp(), num_experts=args.experts, ep_size=ep, k=2,
+                                                  drop_tokens=False, min_capacity=0)
 
         def forward(self, x):
-            out, l_aux, _ = self.moe(x)
+            out, l_aux, *_ = self.moe(x)
             return x + out, l_aux
 
     class Net(torch.nn.Module):
@@ -67,8 +90,11 @@ def _body(rank, world, ep, args):
     net = Net()
     opt = torch.optim.Adam(split_params_into_different_moe_groups_for_optimizer(
         {"params": list(net.parameters()), "name": "p"}), lr=1e-4)
+    zero = {"stage": stage}
+    if leaf:
+        zero["leaf_module"] = {"classes": ["LoopMoE"]}
     engine, *_ = shardwise.initialize(model=net, optimizer=opt, config={
-        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})
     sent = [0]
     exchange = comm.all_to_all_single
 
@@ -105,24 +131,26 @@ def main() -> int:
     args = ap.parse_args()
     from distributed import run_distributed
 
-    eps = [ep for ep in (1, 2, 4) if args.world % ep == 0 and args.experts % ep == 0]
-    best: dict[int, dict] = {}
+    eps = [ep for ep in (2, 4) if args.world % ep == 0 and args.experts % ep == 0]
+    configs = [("replicated (ep 1), ZeRO-2", 1, 2, False)]  # (label, ep, stage, leaf block)
+    configs += [(f"ep {ep}, ZeRO-{stage}", ep, stage, False) for stage in (2, 3) for ep in eps]
+    configs.append(("leaf block, ZeRO-3", 1, 3, True))
+    best: dict[str, dict] = {}
     for _ in range(args.rounds):
-        for ep in eps:
-            outs = run_distributed(_body, args.world, args=(ep, args), timeout=1800)
+        for config in configs:
+            outs = run_distributed(_body, args.world, args=(config, args), timeout=1800)
             step = max(o["step_s"] for o in outs)
-            if ep not in best or step < best[ep]["step_s"]:
-                best[ep] = {**outs[0], "step_s": step}
-    base = best[1]["step_s"]
+            if config[0] not in best or step < best[config[0]]["step_s"]:
+                best[config[0]] = {**outs[0], "step_s": step}
+    base = best[configs[0][0]]["step_s"]
     print(f"world {args.world}, hidden {args.hidden}, {args.experts} experts, {args.layers} MoE layers, "
-          f"{args.tokens} tokens/rank/step, ZeRO-2")
-    print(f"{'experts':<22} {'step (s)':>9} {'tokens/s':>10} {'vs ep 1':>8} {'a2a bytes/step':>15} {'formula':>12}")
-    for ep in eps:
-        b = best[ep]
-        what = "replicated (ep 1)" if ep == 1 else f"ep {ep}"
+          f"{args.tokens} tokens/rank/step")
+    print(f"{'experts':<26} {'step (s)':>9} {'tokens/s':>10} {'vs ep 1':>8} {'a2a bytes/step':>15} {'formula':>12}")
+    for what, ep, _, _ in configs:
+        b = best[what]
         a2a = statistics.median(b["a2a"]) if ep > 1 else 0
         formula = statistics.median(b["formula"]) if ep > 1 else 0
-        print(f"{what:<22} {b['step_s']:>9.4f} {args.world * args.tokens / b['step_s']:>10.0f} "
+        print(f"{what:<26} {b['step_s']:>9.4f} {args.world * args.tokens / b['step_s']:>10.0f} "
               f"{base / b['step_s']:>7.2f}x {a2a:>15.0f} {formula:>12.0f}")
         if ep > 1 and b["a2a"] != b["formula"]:
             print(f"  all-to-all bytes differ from the formula: {b['a2a']} vs {b['formula']}")

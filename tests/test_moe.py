@@ -50,7 +50,7 @@ def _data(step, world):
 def _reference(case, steps, world):
     """One process, every expert local; each rank's micro-batch forwarded on its own (the gate's l_aux and
     capacity are per rank), the loss their mean: the gradient data parallelism averages."""
-    ep, stage, k, starve = case
+    ep, stage, k, starve, *_ = case
     net = Net(k=k, drop_tokens=not starve)
     _set_experts(net, 0, starve=starve)
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
@@ -70,7 +70,7 @@ def _engine(case, rank):
     import shardwise
     from shardwise.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    ep, stage, k, starve = case
+    ep, stage, k, starve, *offload = case
     net = Net(ep_size=ep, k=k, drop_tokens=not starve)
     _set_experts(net, rank % ep, starve=starve)
     if rank >= ep:  # the other replicas start elsewhere: the engine copies the first one's experts
@@ -79,8 +79,11 @@ def _engine(case, rank):
                 p.add_(1.0)
     groups_ = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "all"})
     opt = torch.optim.Adam(groups_, lr=0.01)
+    zero = {"stage": stage, "stage3_prefetch_bucket_size": 10**6}  # (ZeRO-3: units as large as the model allows)
+    if offload:
+        zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     engine, *_ = shardwise.initialize(model=net, optimizer=opt, config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.05, "zero_optimization": {"stage": stage}})
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.05, "zero_optimization": zero})
     return engine
 
 
@@ -95,7 +98,7 @@ def _step(engine, step, rank, world):
 def _train(case, rank, world, steps=2):
     from shardwise.utils import groups
 
-    ep, stage, k, starve = case
+    ep, stage, k, starve, *_ = case
     ref_losses, ref = _reference(case, steps, world)
     engine = _engine(case, rank)
     losses = [_step(engine, step, rank, world) for step in range(steps)]
@@ -109,8 +112,8 @@ def _train(case, rank, world, steps=2):
             "has_moe": engine.has_moe_layers, "dims_expert": engine.dims.expert}
 
 
-def _checkpoint(case, rank, world, folder):
-    """Save at ``case`` after two steps, take a third; every layout of ``LOADS`` loads the checkpoint and
+def _checkpoint(case, rank, world, folder, loads):
+    """Save at ``case`` after two steps, take a third; every layout of ``loads`` loads the checkpoint and
     takes the same third step: the same weights (and so the same optimizer state went in)."""
     saver = _engine(case, rank)
     for step in range(2):
@@ -118,7 +121,7 @@ def _checkpoint(case, rank, world, folder):
     saver.save_checkpoint(folder, tag="t")
     _step(saver, 2, rank, world)
     after = saver.strategy.module_state_dict(saver.module)
-    for load in LOADS:
+    for load in loads:
         engine = _engine(load, rank)
         engine.load_checkpoint(folder, tag="t")
         _step(engine, 2, rank, world)
@@ -129,25 +132,101 @@ def _checkpoint(case, rank, world, folder):
     return {k: v.clone() for k, v in after.items()}
 
 
+class LoopMoE(torch.nn.Module):
+    """A Hugging Face-style block (Mixtral, Qwen-MoE before fused experts): softmax top-2 router, and a Python
+    loop calling each expert on the tokens routed to it only (an expert no token chose is not called)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(HIDDEN, 2 * HIDDEN), torch.nn.Tanh(),
+                                                               torch.nn.Linear(2 * HIDDEN, HIDDEN))
+                                           for _ in range(EXPERTS))
+
+    def forward(self, x):
+        weights, chosen = torch.softmax(self.gate(x), -1).topk(2, -1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, hit in enumerate(torch.nn.functional.one_hot(chosen, EXPERTS).permute(2, 1, 0)):
+            slot, token = torch.where(hit)
+            if token.numel():
+                out = out.index_add(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out
+
+
+class LoopNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.moe, self.out = torch.nn.Linear(HIDDEN, HIDDEN), LoopMoE(), torch.nn.Linear(HIDDEN, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.out(self.moe(torch.tanh(self.inp(x)))).squeeze(-1), y)
+
+
+def _loop_data(step, world):
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(world, 3, HIDDEN, generator=g), torch.randn(world, 3, generator=g)
+
+
+def _loop_block(leaf, rank, world, steps=2):
+    """Plain ZeRO-3 (every module its own unit, none persistent) on ``LoopNet``, whose ranks route their tokens
+    to different experts. ``leaf``: "api" (set_z3_leaf_modules), "config" (zero_optimization.leaf_module) or
+    None. Returns the losses and the whole model, or the error's text."""
+    import shardwise
+    from shardwise.utils import set_z3_leaf_modules
+
+    net = LoopNet()
+    if leaf == "api":
+        set_z3_leaf_modules(net, [LoopMoE])
+    zero = {"stage": 3, "stage3_prefetch_bucket_size": 1, "stage3_param_persistence_threshold": 0}
+    if leaf == "config":
+        zero["leaf_module"] = {"classes": ["LoopMoE"]}
+    engine, *_ = shardwise.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0, "zero_optimization": zero})
+    losses = []
+    try:
+        for step in range(steps):
+            xs, ys = _loop_data(step, world)
+            losses.append(_step_loss(engine, xs[rank], ys[rank]))
+    except RuntimeError as e:
+        return str(e)
+    return losses, engine.strategy.module_state_dict(engine.module)
+
+
+def _step_loss(engine, x, y):
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())
+
+
 SAVE = (2, 1, 2, False)  # ep 2, ZeRO-1
-LOADS = [(1, 0, 2, False), (4, 2, 2, False), (2, 0, 2, False)]
+LOADS = [(1, 0, 2, False), (4, 2, 2, False), (2, 0, 2, False), (2, 3, 2, False)]
 
 
 def _all_cases(rank, world, folder):
     cases = [(ep, stage, 2, False) for ep in (1, 2, 4) for stage in (0, 1, 2)]
     cases.append((2, 2, 1, True))  # top-1, dropless, experts 2 and 3 (ep rank 1) never chosen
     cases += [(1, 3, 2, False), (1, 3, 1, True)]  # ZeRO-3, every expert on every rank; then two never chosen
-    return run_subtests(_train, cases, rank, world), _checkpoint(SAVE, rank, world, folder)
+    # ZeRO-3, experts sharded within their expert-data-parallel group; ep 2 also with the optimizer and the
+    # parameters offloaded, and with the experts of ep rank 1 never chosen
+    cases += [(2, 3, 2, False), (4, 3, 2, False), (2, 3, 2, False, True), (2, 3, 1, True)]
+    _checkpoint((2, 3, 2, False), rank, world, folder + "/z3", [(1, 0, 2, False), (4, 2, 2, False)])  # saved at ZeRO-3
+    return (run_subtests(_train, cases, rank, world), _checkpoint(SAVE, rank, world, folder, LOADS),
+            [_loop_block(leaf, rank, world) for leaf in ("api", "config", None)])
 
 
 def test_expert_parallel_matches_one_process_and_checkpoints_reshard(tmp_path):
     import shardwise
 
     results = run_distributed(_all_cases, 4, args=(str(tmp_path),), timeout=400)
-    for out, _ in results:
+    for out, _, _ in results:
         assert [(o["ep"], o["edp"]) for o in out[:9:3]] == [(1, 4), (2, 2), (4, 1)]
         assert all(o["has_moe"] for o in out) and [o["dims_expert"] for o in out[:9:3]] == [1, 2, 4]
-        assert len(out) == 12
+        assert len(out) == 16
+        assert [(o["ep"], o["edp"]) for o in out[12:14]] == [(2, 2), (4, 1)]
+    _check_loop_blocks([r[2] for r in results])
     after = results[0][1]
     assert sum(".deepspeed_experts." in k for k in after) == EXPERTS * 4  # every expert, by global index
     # one process: the four ranks' micro-batches forwarded one by one, their mean loss (data parallelism's
@@ -167,6 +246,34 @@ def test_expert_parallel_matches_one_process_and_checkpoints_reshard(tmp_path):
     got = engine.module.state_dict()
     for name, value in after.items():
         torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def _check_loop_blocks(per_rank):
+    """A leaf block trains as one process (each rank's micro-batch a term of the mean loss), although the
+    ranks call different experts (checked here); without the leaf every rank stops at the first step with
+    the error naming the block's experts."""
+    world = len(per_rank)
+    net = LoopNet()
+    xs, _ = _loop_data(0, world)
+    with torch.no_grad():
+        chosen = [set(torch.softmax(net.moe.gate(torch.tanh(net.inp(xs[r]))), -1).topk(2, -1)[1].flatten().tolist())
+                  for r in range(world)]
+    assert any(c != chosen[0] for c in chosen) and any(len(c) < EXPERTS for c in chosen), chosen
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    want = []
+    for step in range(2):
+        xs, ys = _loop_data(step, world)
+        losses = [net(xs[r], ys[r]) for r in range(world)]
+        torch.stack(losses).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        want.append([float(v.detach()) for v in losses])
+    for rank, (api, config, none) in enumerate(per_rank):
+        for losses, state in (api, config):
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want)[:, rank], rtol=1e-6, atol=0)
+            for name, p in net.named_parameters():
+                torch.testing.assert_close(state[name], p.detach(), rtol=1e-6, atol=1e-7)
+        assert "disagree on which parameters to gather in the first step" in none and "moe.experts." in none, none
 
 
 def test_layer_output_is_the_gate_weighted_expert_output():
@@ -223,8 +330,9 @@ def test_bad_sizes_are_named():
     with pytest.raises(ValueError, match="MoE ep_size 2 with 1 data-parallel ranks"):
         shardwise.initialize(model=Net(ep_size=2), config={"train_batch_size": 1,
                                                            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    with pytest.raises(ValueError, match="expert > 1|ep_size 2\\) with zero_optimization.stage 3"):
-        ParallelDims(data=2, expert=2, zero_stage=3).validate()
+    ParallelDims(data=2, expert=2, zero_stage=3, offload_optimizer=True).validate()  # (trains: test above)
+    with pytest.raises(ValueError, match=r"ep_size 2\) with optimizer offload at zero_optimization.stage 2"):
+        ParallelDims(data=2, expert=2, zero_stage=2, offload_optimizer=True).validate()
 
 
 def test_expert_rank_lists_follow_deepspeeds_layout():

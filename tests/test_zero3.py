@@ -206,7 +206,7 @@ def test_units_follow_the_module_tree():
     for p in model.parameters():
         shard_param_(p)
     block = sum(p.ds_numel for p in model.blocks[0].parameters())
-    units, module_units = _build_units(model, names, 1, block)
+    units, module_units = _build_units(model, names, block)
     roots = {m for m, us in module_units.items()}
     assert all(b in roots for b in model.blocks) and model.blocks not in roots and model not in roots
     assert len(units) == 4 + 4  # tok, pos, 4 blocks, ln_f, head

@@ -49,7 +49,7 @@ def _ds_attributes(rank, world):
     assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())
 
     unit = unit_of(model.fc2.weight)
-    unit.start_gather(engine.dp_group)
+    unit.start_gather()
     assert model.fc2.weight.ds_status is ZeroParamStatus.INFLIGHT
     unit.finish_gather()
     assert all(p.ds_status is ZeroParamStatus.AVAILABLE for p in unit.params)

@@ -45,6 +45,29 @@ class OffloadOptimizerConfig(ConfigModel):
     ratio: Float = Field(1.0, gt=0, le=1)
 
 
+def _listed(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+Names = Annotated[list[str], BeforeValidator(_listed)]
+
+# DeepSpeed 0.19's defaults: the Hugging Face MoE blocks that run only the experts their tokens chose
+DEFAULT_LEAF_MODULE_CLASSES = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+
+
+class LeafModuleConfig(ConfigModel):
+    """``zero_optimization.leaf_module`` (DeepSpeed 0.19): the modules ZeRO-3 gathers whole on entry,
+    by class (name or ``module.QualName``), by module name, or by the end of the module name."""
+
+    classes: Names = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    names: Names = Field(default_factory=list)
+    name_suffixes: Names = Field(default_factory=list)
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
@@ -78,6 +101,7 @@ class ZeroConfig(ConfigModel):
     mics_shard_size: Int = -1
     use_multi_rank_bucket_allreduce: bool = True
     memory_efficient_linear: bool = True
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
     renamed: ClassVar[dict[str, str]] = {
         "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",

@@ -53,9 +53,11 @@ def broadcast_experts(module: torch.nn.Module) -> None:
                                group=groups._get_expert_data_parallel_group(p.group_name))
 
 
-def build_strategy(build, *, module, named_params, optimizer, dp_group) -> ZeroStrategy:
+def build_strategy(build, *, module, named_params, optimizer, dp_group, zero_stage: int = 0) -> ZeroStrategy:
     """``build(named_params=, optimizer=, dp_group=)`` makes one ordinary strategy; split when an expert
-    group is smaller than the data axis (an ``ep_size`` above 1)."""
+    group is smaller than the data axis (an ``ep_size`` above 1). ZeRO-3 is not split: one strategy shards
+    each expert parameter within its expert-data-parallel group (``partition_group``), the rest over the
+    data axis."""
     dp_size = comm.get_world_size(dp_group)
     by_group: dict[str, list] = {}
     dense = []
@@ -66,6 +68,13 @@ def build_strategy(build, *, module, named_params, optimizer, dp_group) -> ZeroS
             dense.append((name, p))
     if not by_group:
         return build(named_params=named_params, optimizer=optimizer, dp_group=dp_group)
+    if zero_stage == 3:  # (fragments name each expert by its global index, as below)
+        names = global_expert_names(module)
+        named_params = [(names.get(n, n), p) for n, p in named_params]
+        strategy = build(named_params=named_params, optimizer=optimizer, dp_group=dp_group,
+                         partition_group=lambda p: partition_group(p, dp_group))
+        return ExpertZero3Strategy([_Part(None, strategy, [], 1, names={n for n, _ in named_params})],
+                                   optimizer=optimizer, module=module)
     if optimizer is None:
         raise ValueError("expert parallelism needs an optimizer in the config or passed to initialize()")
     if isinstance(optimizer, Muon):  # Muon assembles each matrix over one data group, not per part
@@ -84,6 +93,14 @@ def build_strategy(build, *, module, named_params, optimizer, dp_group) -> ZeroS
         parts.append(_Part(group_name, build(named_params=params, optimizer=sub, dp_group=group), links, ep,
                            names={n for n, _ in params}))
     return ExpertSplitStrategy(parts, optimizer=optimizer, module=module)
+
+
+def partition_group(p: torch.nn.Parameter, dp_group):
+    """The group ZeRO-3 shards ``p`` over: an expert parameter (DeepSpeed's tagging: ``allreduce`` False,
+    ``group_name``) its expert-data-parallel group, any other the data axis."""
+    if is_moe_param(p) and groups._get_expert_data_parallel_world_size(p.group_name) != comm.get_world_size(dp_group):
+        return groups._get_expert_data_parallel_group(p.group_name)
+    return dp_group
 
 
 def _expert_blocks(module: torch.nn.Module):
@@ -223,9 +240,8 @@ class ExpertSplitStrategy(ZeroStrategy):
         """The whole module with every expert (collective: gathered over each expert-parallel group)."""
         state = self.dense.module_state_dict(module)
         for prefix, layer in _expert_blocks(module):
-            local = layer.get_submodule(layer.local_experts_path).state_dict()
-            for key in local:
-                state.pop(prefix + key, None)
+            keys = layer.get_submodule(layer.local_experts_path).state_dict(keep_vars=True)
+            local = {key: state.pop(prefix + key) for key in keys}  # (ZeRO-3: gathered by the dense part)
             group = groups._get_expert_parallel_group(layer.expert_group_name) if layer.ep_size > 1 else None
             for key, t in local.items():
                 j, rest = key.split(".", 1)
@@ -266,3 +282,18 @@ class ExpertSplitStrategy(ZeroStrategy):
             for k, v in s.memory_parts().items():
                 out[k] = out.get(k, 0) + v
         return out
+
+
+class ExpertZero3Strategy(ExpertSplitStrategy):
+    """ZeRO-3 with expert parallelism: one stage-3 strategy whose units are sharded over their own groups
+    (expert units within their expert-data-parallel group); this wrapper only names the experts globally
+    in checkpoints and whole-model state dicts, and answers everything else as the stage-3 strategy.
+
+    Gradient norm: each rank's shard of a dense parameter is disjoint from the other data ranks', and an
+    expert's shards are disjoint over its expert-data-parallel group while the expert-parallel ranks hold
+    different experts, so the sum over the data axis counts every parameter once."""
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("parts", "dense"):
+            raise AttributeError(name)
+        return getattr(self.dense, name)

@@ -32,6 +32,7 @@ from shardwise.runtime.timers import Timers
 from shardwise.runtime.tp_sequence_grads import sync_sequence_parallel_grads
 from shardwise.runtime.train_step import TrainingStep
 from shardwise.training_state import StepReport, TrainingState
+from shardwise.utils.z3_leaf_module import apply_leaf_module_config
 from shardwise.zero import ReduceSettings, build_strategy, is_partitioned
 from shardwise.zero import registry as zero_registry
 
@@ -108,9 +109,12 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         build = functools.partial(build_strategy, config.zero_optimization, aio=config.aio, module=self.module,
                                   precision=self.precision, dims=self.dims, reduce=self._reduce_settings())
         named_params = list(self.module.named_parameters())
+        if int(config.zero_optimization.stage) == 3:  # MoE blocks that run only their tokens' experts: gathered whole
+            apply_leaf_module_config(self.module, config.zero_optimization.leaf_module)
         if self.has_moe_layers:  # expert parameters reduce over their expert-data-parallel group
             self.strategy = moe_parallel.build_strategy(build, module=self.module, named_params=named_params,
-                                                        optimizer=self.optimizer, dp_group=self.dp_group)
+                                                        optimizer=self.optimizer, dp_group=self.dp_group,
+                                                        zero_stage=int(config.zero_optimization.stage))
         else:
             self.strategy = build(named_params=named_params, optimizer=self.optimizer, dp_group=self.dp_group)
         scheduler = self._configure_scheduler(lr_scheduler)

@@ -59,3 +59,21 @@ def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_no
 
 def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True):
     return _set_flags(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def apply_leaf_module_config(model: torch.nn.Module, block) -> list[str]:
+    """Flag the modules ``zero_optimization.leaf_module`` names (its ``classes``, ``names`` and
+    ``name_suffixes``); returns their names. Class names that match nothing are fine (the defaults name
+    Hugging Face MoE blocks); a module name that matches nothing is a mistake."""
+    found = []
+    names = dict(model.named_modules())
+    for name in block.names:
+        if name not in names:
+            raise ValueError(f"zero_optimization.leaf_module.names: no module named {name!r} in the model "
+                             f"({type(model).__name__})")
+    for name, module in names.items():
+        if (any(_matches(module, c) for c in block.classes) or name in block.names
+                or any(name.endswith(s) for s in block.name_suffixes if name)):
+            set_z3_leaf(module, True)
+            found.append(name)
+    return found

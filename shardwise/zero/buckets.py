@@ -88,10 +88,12 @@ class BucketReducer:
     ``dp_group`` is the data-parallel process group reduced over (``None``: the world).
     With ``scatter`` the result is only this rank's chunk of each bucket.
     ``on_reduced(bucket)``, if given, is called once a bucket's reduction is complete and stored.
+    ``bucket_groups``, if given, is the process group of each bucket (stage 3: an expert unit reduces over
+    its expert-data-parallel group); ``dp_group`` otherwise.
     """
 
     def __init__(self, groups: list[FlatGroup], store: GradientStore, *, reduce: ReduceSettings, dp_group,
-                 scatter: bool, on_reduced=None) -> None:
+                 scatter: bool, on_reduced=None, bucket_groups: list | None = None, before_launch=None) -> None:
         self.groups = groups
         self.store = store
         self.reduce = reduce
@@ -108,8 +110,12 @@ class BucketReducer:
                 self.buckets.append(b)
                 for i in members:
                     self._bucket_of[id(g.params[i])] = b
+        self._comm = [(dp_group, self.world, self.rank)] * len(self.buckets)  # (group, world, rank) per bucket
+        if bucket_groups is not None:
+            self._comm = [(g, comm.get_world_size(g), comm.get_rank(g)) for g in bucket_groups]
         self.active = False
         self.on_reduced = on_reduced  # called with each bucket once its reduction is complete (and stored)
+        self.before_launch = before_launch  # called with each bucket right before its collective starts
         self._launched = 0
         self._arrived: set[tuple[int, int]] = set()
         self.seen: set[tuple[int, int]] = set()  # (group, parameter) with a gradient since the owner cleared it
@@ -186,23 +192,27 @@ class BucketReducer:
 
     def own_slice(self, bucket: Bucket) -> slice:
         """Where this rank's chunk of the bucket lies inside the bucket's data."""
-        size = bucket.numel // self.world
-        return slice(self.rank * size, (self.rank + 1) * size)
+        _, world, rank = self._comm[bucket.index]
+        size = bucket.numel // world
+        return slice(rank * size, (rank + 1) * size)
 
     def _launch(self, b: Bucket) -> None:
         self._prepare(b)  # (no storage yet: no member produced a gradient in this backward)
+        if self.before_launch is not None:
+            self.before_launch(b)
         r = self.reduce
         data = b.data
         if r.comm_dtype is not None and r.comm_dtype != data.dtype:
             b.comm_buffer = data.to(r.comm_dtype)
             data = b.comm_buffer
-        pre = (self.world if r.prescale else r.predivide_factor) if r.average else r.predivide_factor
+        group, world, _ = self._comm[b.index]
+        pre = (world if r.prescale else r.predivide_factor) if r.average else r.predivide_factor
         if pre != 1.0:
             data.mul_(1.0 / pre)
         if self.scatter:
-            b.work = comm.reduce_scatter_tensor(data[self.own_slice(b)], data, group=self.dp_group, async_op=True)
+            b.work = comm.reduce_scatter_tensor(data[self.own_slice(b)], data, group=group, async_op=True)
         else:
-            b.work = comm.all_reduce(data, group=self.dp_group, async_op=True)
+            b.work = comm.all_reduce(data, group=group, async_op=True)
         self._in_flight.append(b)
         if self.max_in_flight is not None:
             while len(self._in_flight) > self.max_in_flight:
@@ -210,10 +220,10 @@ class BucketReducer:
         if b.index + 1 < len(self.buckets):  # the next bucket fills next: give it storage now (after
             self._prepare(self.buckets[b.index + 1])  # the completions above returned theirs)
 
-    def _post_scale(self) -> float:
+    def _post_scale(self, b: Bucket) -> float:
         r = self.reduce
         if r.average and not r.prescale:
-            return r.predivide_factor / self.world
+            return r.predivide_factor / self._comm[b.index][1]
         if not r.average:
             return r.predivide_factor
         return 1.0
@@ -223,7 +233,7 @@ class BucketReducer:
         b.work = None
         region = self.own_slice(b) if self.scatter else slice(None)
         src = (b.comm_buffer if b.comm_buffer is not None else b.data)[region]
-        post = self._post_scale()
+        post = self._post_scale(b)
         if post != 1.0:
             src.mul_(post)
         if b.comm_buffer is not None:

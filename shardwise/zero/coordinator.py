@@ -22,18 +22,21 @@ import contextlib
 import torch
 
 from shardwise import comm
-from shardwise.param_attrs import set_zero_unit
+from shardwise.param_attrs import is_z3_leaf, set_zero_unit
+from shardwise.zero.gather_order import GatherOrderCheck
 from shardwise.zero.partitioned_param import ZeroParamStatus
 
 
 class Unit:
-    """The parameters of one module, gathered and released together."""
+    """The parameters of one module, gathered and released together over the group they are sharded
+    over (one group per unit: the data axis, or an expert-data-parallel group for expert parameters)."""
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter], names: list[str], world: int) -> None:
+    def __init__(self, index: int, params: list[torch.nn.Parameter], names: list[str]) -> None:
         self.index = index
         self.params, self.names = params, names
         self.position_of = {id(p): k for k, p in enumerate(params)}
-        self.world = world
+        self.group = params[0].ds_process_group
+        self.world = comm.get_world_size(self.group)
         self.dtype = params[0].ds_tensor.dtype
         self.device = params[0].ds_tensor.device
         self.chunks = [p.ds_tensor.numel() for p in params]
@@ -136,10 +139,9 @@ class Unit:
                 self.store.write_async(self.file, buf).result()
             self._point(torch.empty(0, dtype=self.dtype))
 
-    def start_gather(self, group) -> None:
+    def start_gather(self) -> None:
         if self.gathered or self.pending is not None:
             return
-        self.group = group
         if self.store is not None:  # read now; the collective is issued in finish_gather (same order everywhere)
             shard = torch.empty(self.shard_numel, dtype=self.dtype)
             self.pending = ("disk", self.store.read_async(self.file, shard), shard)
@@ -188,23 +190,31 @@ class Unit:
 
 
 class _GatherBeforeBackward(torch.autograd.Function):
+    """Gathers the module's units again when the gradient of its outputs arrives. ``touched``: trainable
+    parameters of a leaf module, each given a zero gradient here besides whatever its use gives it (autograd
+    sums both before accumulating, so the gradient is unchanged). So every parameter of a leaf gets its
+    gradient in every backward on every rank, even an expert no token was routed to on this rank: its unit's
+    reduction starts at the same point of backward everywhere, not at the end on some ranks only."""
+
     @staticmethod
-    def forward(ctx, coordinator, units, *tensors):
+    def forward(ctx, coordinator, units, n_outputs, *tensors):
         ctx.coordinator, ctx.units = coordinator, units
-        return tuple(t.view_as(t) for t in tensors)
+        ctx.touched = [(p.ds_shape, p.dtype, p.device) for p in tensors[n_outputs:]]
+        return tuple(t.view_as(t) for t in tensors[:n_outputs])
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.coordinator.fetch_for_backward(ctx.units)
-        return (None, None, *grads)
+        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.touched]
+        return (None, None, None, *grads, *zeros)
 
 
 class ParamCoordinator:
-    def __init__(self, units: list[Unit], module_units: dict[torch.nn.Module, list[Unit]], *, group,
+    def __init__(self, units: list[Unit], module_units: dict[torch.nn.Module, list[Unit]], *, check_group,
                  prefetch_elements: int, max_live_elements: int, reuse_distance: int) -> None:
         self.units = units
         self.module_units = module_units
-        self.group = group
+        self.order_check = GatherOrderCheck(units, group=check_group)  # (the first pass: gathers agree)
         self.prefetch_elements = prefetch_elements
         self.max_live_elements = max_live_elements
         self.reuse_distance = reuse_distance
@@ -236,7 +246,9 @@ class ParamCoordinator:
     # -- gathering ------------------------------------------------------------------------
     def fetch(self, units: list[Unit]) -> None:
         for u in units:
-            u.start_gather(self.group)
+            if not u.gathered and u.pending is None:
+                self.order_check.gather(u)
+            u.start_gather()
         for u in units:
             u.finish_gather()
 
@@ -244,6 +256,8 @@ class ParamCoordinator:
         return sum(u.full_numel for u in self.units if u.gathered or u.pending is not None)
 
     def _prefetch(self, trace: list[int], position: int) -> None:
+        if self.order_check.active:
+            return
         budget = self.prefetch_elements
         live = self._live()
         for idx in trace[position + 1 :]:
@@ -252,7 +266,7 @@ class ParamCoordinator:
                 continue
             if u.full_numel > budget or live + u.full_numel > self.max_live_elements:
                 break
-            u.start_gather(self.group)
+            u.start_gather()
             budget -= u.full_numel
             live += u.full_numel
 
@@ -286,12 +300,14 @@ class ParamCoordinator:
 
     def _post_forward(self, module, args, output):
         units = self.module_units[module]
+        if torch.is_grad_enabled():  # (before the release: a leaf's parameters are touched in their full shape)
+            touched = [p for u in units for p in u.params if p.requires_grad] if is_z3_leaf(module) else []
+            output = _wrap_outputs(output, lambda ts: _GatherBeforeBackward.apply(self, units, len(ts), *ts,
+                                                                                   *touched))
         for u in units:
             u.users -= 1
             if u.users == 0 and not u.persistent and not self._reused_soon(u):
                 u.release()
-        if torch.is_grad_enabled():
-            output = _wrap_outputs(output, lambda ts: _GatherBeforeBackward.apply(self, units, *ts))
         return output
 
     # -- backward -------------------------------------------------------------------------

@@ -33,7 +33,7 @@ class _UnitBuckets:
     """Presents the trainable parameters of the units as the "group" a ``BucketReducer`` walks:
     one bucket per unit, holding the unit's gradients rank-major (row r goes to rank r)."""
 
-    def __init__(self, units: list[Unit], world: int) -> None:
+    def __init__(self, units: list[Unit]) -> None:
         self.params, self.buckets, self.bucket_members, self.unit_of_bucket = [], [], [], []
         self.names: list[str] = []
         pos = 0
@@ -45,7 +45,7 @@ class _UnitBuckets:
                     self.params.append(p)
                     self.names.append(name)
             if members:
-                size = u.shard_numel * world
+                size = u.shard_numel * u.world
                 self.buckets.append((pos, pos + size))
                 self.bucket_members.append(members)
                 self.unit_of_bucket.append(u)
@@ -60,10 +60,9 @@ class UnitGradients:
     reduce_every_backward = True
     max_in_flight = 2
 
-    def __init__(self, units: list[Unit], world: int, *, accum_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, units: list[Unit], *, accum_dtype: torch.dtype | None = None) -> None:
         self.units = units
-        self.world = world
-        self.layout = _UnitBuckets(units, world)
+        self.layout = _UnitBuckets(units)
         # (accum_dtype: data_types.grad_accum_dtype, where the micro-steps accumulate, if not the weights')
         self.partitions = [torch.zeros(u.shard_numel, dtype=accum_dtype or u.dtype, device=u.device) for u in units]
         self._trainable = {u.index: sum(p.requires_grad for p in u.params) for u in units}
@@ -88,7 +87,7 @@ class UnitGradients:
         u = self.layout.unit_of_bucket[b.position]
         k = u.position_of[id(p)]
         n, off, c = u.numels[k], u.offsets[k], u.chunks[k]
-        rows = b.data.view(self.world, u.shard_numel)[:, off : off + c]  # rank-major: row r -> rank r
+        rows = b.data.view(u.world, u.shard_numel)[:, off : off + c]  # rank-major: row r -> rank r
         grad = p.grad.reshape(-1)
         full = n // c
         rows[:full].copy_(grad[: full * c].view(full, c))
@@ -133,7 +132,11 @@ class Stage3Strategy(ZeroStrategy):
         reduce: ReduceSettings = ReduceSettings(),
         zero_config=None,
         aio=None,
+        partition_group=None,
     ) -> None:
+        """``partition_group(param)``, if given, is the group a parameter is sharded over (expert
+        parallelism: ``moe/parallel.py`` gives expert parameters their expert-data-parallel group);
+        ``dp_group`` otherwise."""
         self.optimizer = optimizer
         self.precision = precision
         self.dp_group = dp_group
@@ -144,13 +147,14 @@ class Stage3Strategy(ZeroStrategy):
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
         zc = zero_config
         names = {id(p): n for n, p in named_params}
+        group_of = partition_group or (lambda p: dp_group)
         for p in module.parameters():
             if not is_partitioned(p):  # (the engine broadcast rank 0's values already)
-                shard_param_(p, group=dp_group, broadcast=False)
+                shard_param_(p, group=group_of(p), broadcast=False)
             else:
-                _check_partition_group(names.get(id(p), "?"), p, dp_group)
+                _check_partition_group(names.get(id(p), "?"), p, group_of(p))
         unit_elements = int(zc.stage3_prefetch_bucket_size) if zc is not None else 0
-        self.units, module_units = _build_units(module, names, self.world, unit_elements)
+        self.units, module_units = _build_units(module, names, unit_elements)
         threshold = int(zc.stage3_param_persistence_threshold) if zc is not None else 0
         for u in self.units:
             u.persistent = all(p.ds_numel <= threshold for p in u.params)
@@ -170,11 +174,12 @@ class Stage3Strategy(ZeroStrategy):
                 u.cast_(precision.param_dtype)
         self.param_store = None
         self._offload_params(param_offload, aio)
-        self.gradients = UnitGradients(self.units, self.world, accum_dtype=precision.grad_accum_dtype)
+        self.gradients = UnitGradients(self.units, accum_dtype=precision.grad_accum_dtype)
         self.reducer = BucketReducer([self.gradients.layout], self.gradients, reduce=reduce, dp_group=dp_group,
-                                     scatter=True, on_reduced=self._unit_reduced)
+                                     scatter=True, on_reduced=self._unit_reduced, before_launch=self._before_reduce,
+                                     bucket_groups=[u.group for u in self.gradients.layout.unit_of_bucket])
         self.coordinator = ParamCoordinator(
-            self.units, module_units, group=dp_group,
+            self.units, module_units, check_group=dp_group,
             prefetch_elements=int(zc.stage3_prefetch_bucket_size) if zc is not None else 0,
             max_live_elements=int(zc.stage3_max_live_parameters) if zc is not None else 10**9,
             reuse_distance=int(zc.stage3_max_reuse_distance) if zc is not None else 10**9,
@@ -206,6 +211,9 @@ class Stage3Strategy(ZeroStrategy):
                                          queue_depth=aio.queue_depth if aio is not None else 8)
             for u in self.units:
                 u.offload_to_nvme(self.param_store)
+
+    def _before_reduce(self, bucket: Bucket) -> None:
+        self.coordinator.order_check.reduce(self.gradients.layout.unit_of_bucket[bucket.position])
 
     def _unit_reduced(self, bucket: Bucket) -> None:
         """A unit's reduction makes its fragments' gradients final (for the overlapped offload step)."""
@@ -247,6 +255,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def finish_backward(self) -> None:
         self.reducer.finish()
+        self.coordinator.order_check.finish()
         self.partition.backward_finished()
         self.coordinator.end_of_pass()
 
@@ -343,14 +352,16 @@ def _check_partition_group(name: str, p: torch.nn.Parameter, dp_group) -> None:
                      "zero.Init(mpu=grid) (or data_parallel_group=) with the grid passed to initialize")
 
 
-def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, unit_elements: int):
+def _build_units(module: torch.nn.Module, names: dict[int, str], unit_elements: int):
     """Cut the module tree into units of at most ``unit_elements`` parameters: a module whose whole
-    subtree fits becomes one unit; a bigger one (or a ModuleList/ModuleDict, which is never called
-    itself) keeps its direct parameters as a unit and its children are cut the same way.  Returns the units (index order: last used in forward first, the order
-    gradients become ready) and, for each module that needs hooks, the units it needs whole: its own
-    unit, plus units of parameters it uses but that lie outside its subtree (tied weights, parameters
-    registered with ``register_external_parameter``)."""
-    owner: dict[int, list] = {}  # id(param) -> [unit params list, root module]
+    subtree fits (and is sharded over one group) becomes one unit; a bigger one (or a ModuleList/ModuleDict,
+    which is never called itself) keeps its direct parameters as a unit and its children are cut the same
+    way.  A leaf module (``set_z3_leaf_modules``) is one unit per group its subtree is sharded over (one,
+    unless it holds expert parameters), all gathered when it is entered.  Returns the units (index order: last used
+    in forward first, the order gradients become ready) and, for each module that needs hooks, the units it
+    needs whole: its own units, plus units of parameters it uses but that lie outside its subtree (tied weights,
+    parameters registered with ``register_external_parameter``)."""
+    owner: dict[int, list] = {}  # id(param) -> unit params list
     order: list[tuple[torch.nn.Module, list]] = []
 
     def fresh(params):
@@ -362,16 +373,20 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
         return out
 
     def claim(root, params):
-        if params:
-            for p in params:
-                owner[id(p)] = params
-            order.append((root, params))
+        by_group: dict[int, list] = {}  # one unit per partition group, in order of first appearance
+        for p in params:
+            by_group.setdefault(id(p.ds_process_group), []).append(p)
+        for part in by_group.values():
+            for p in part:
+                owner[id(p)] = part
+            order.append((root, part))
 
     def visit(m: torch.nn.Module) -> None:
         subtree = fresh(p for p in m.parameters())
         container = isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))  # never called itself
-        fits = sum(p.ds_numel for p in subtree) <= unit_elements and not container
-        fits = fits or is_z3_leaf(m)  # set_z3_leaf_modules: the whole subtree is one unit
+        one_group = len({id(p.ds_process_group) for p in subtree}) <= 1
+        fits = sum(p.ds_numel for p in subtree) <= unit_elements and not container and one_group
+        fits = fits or is_z3_leaf(m)  # set_z3_leaf_modules: the whole subtree is gathered on entry
         if fits or not any(True for _ in m.children()):
             claim(m, subtree)
             return
@@ -381,18 +396,19 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
 
     visit(module)
     units, by_params = [], {}
+    roots: dict[int, list[Unit]] = {}
     for index, (root, params) in enumerate(reversed(order)):
-        u = Unit(index, params, [names.get(id(p), "?") for p in params], world)
+        u = Unit(index, params, [names.get(id(p), "?") for p in params])
         units.append(u)
-        by_params[id(params)] = (u, root)
-    unit_of = {pid: by_params[id(params)][0] for pid, params in owner.items()}
-    roots = {id(root): u for u, root in by_params.values()}
+        by_params[id(params)] = u
+        roots.setdefault(id(root), []).insert(0, u)  # (forward order: as claimed)
+    unit_of = {pid: by_params[id(params)] for pid, params in owner.items()}
 
     module_units: dict[torch.nn.Module, list[Unit]] = {}
 
     def assign(m: torch.nn.Module, covered: set[int]) -> None:
-        own = roots.get(id(m))
-        covered = covered | ({own.index} if own is not None else set())
+        own = roots.get(id(m), [])
+        covered = covered | {u.index for u in own}
         used = [p for p in m._parameters.values() if p is not None]
         used += external_params(m)
         extra = []
@@ -400,8 +416,8 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
             u = unit_of.get(id(p))
             if u is not None and u.index not in covered and u not in extra:
                 extra.append(u)
-        if own is not None or extra:
-            module_units[m] = ([own] if own is not None else []) + extra
+        if own or extra:
+            module_units[m] = own + extra
         for child in m.children():
             assign(child, covered)
 
