@@ -136,16 +136,16 @@ def _train(case, rank, folder):
 def _all_cases(rank, world, folder):
     from distributed import run_subtests
 
-    # (kind, ZeRO stage, autoep_size). ep 2 at ZeRO-3 joins once stage 3 partitions expert parameters within
-    # their expert-data-parallel group (refused on main: "expert > 1 with ZeRO stage 3"); ZeRO-3 at ep 1 already
-    # gathers the experts around the block (external parameters). The last case's checkpoint is reloaded below.
-    # (kind, stage, autoep_size, load_balance_coeff, starve: expert-parallel rank 1's experts never chosen)
-    cases = [("deepseek_v3", 3, 1, None, False), ("qwen3_moe", 2, 2, None, False), ("deepseek_v3", 2, 2, 0.05, True)]
+    # (kind, ZeRO stage, autoep_size, load_balance_coeff, starve: expert-parallel rank 1's experts never chosen).
+    # At ZeRO-3 the experts are sharded within their expert-data-parallel group (of size 1 here) and gathered
+    # around the block (external parameters). The last case's checkpoint is reloaded below.
+    cases = [("deepseek_v3", 3, 2, None, False), ("qwen3_moe", 3, 2, None, False), ("qwen3_moe", 2, 2, None, False),
+             ("deepseek_v3", 2, 2, 0.05, True)]
     return run_subtests(_train, cases, rank, folder)
 
 
 def test_expert_parallel_trains_as_one_process_and_exports(tmp_path):
-    """ep 2 over 2 ranks at ZeRO-2 (and ep 1 at ZeRO-3), fp32: the losses of each step equal the unmodified model
+    """ep 2 over 2 ranks at ZeRO-2 and ZeRO-3, fp32: the losses of each step equal the unmodified model
     trained in one process; the exported folder loads with ``from_pretrained`` into the weights one process
     trained; the ep 2 checkpoint loads at ep 1 in one process and consolidates into a Hugging Face folder."""
     from distributed import run_distributed
