@@ -21,8 +21,11 @@ __all__ = ["NOT_IMPLEMENTED", "REMOVED", "unsupported_features", "removed_featur
 UNIMPLEMENTED_OPTIMIZERS: set[str] = set()
 
 
-HINTS = {"expert_parallel": " (AutoEP for Hugging Face MoE models; DeepSpeed's MoE layer, shardwise.moe.layer.MoE, "
-                           "does train with expert parallelism: docs/moe.md)"}
+HINTS = {
+    "expert_parallel": " (AutoEP for Hugging Face MoE models; DeepSpeed's MoE layer, shardwise.moe.layer.MoE, "
+                       "does train with expert parallelism: docs/moe.md)",
+    "hybrid_engine.inference_tp_size": " (the hybrid engine generates with whole, gathered weights: set it to 1)",
+}
 
 
 def _switched_on(block: dict[str, Any]) -> bool:
@@ -51,7 +54,7 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     and c.tensor_parallel.preset_model.lower() not in AUTOTP_PRESETS,
     "tensor_parallel.replace_with_kernel_inject": lambda c: c.tensor_parallel.replace_with_kernel_inject,
     "expert_parallel": lambda c: _switched_on(c.expert_parallel),
-    "hybrid_engine": lambda c: _switched_on(c.hybrid_engine),
+    "hybrid_engine.inference_tp_size": lambda c: c.hybrid_engine.enabled and c.hybrid_engine.inference_tp_size > 1,
     "data_efficiency": lambda c: _switched_on(c.data_efficiency),
     "compression_training": lambda c: _switched_on(c.compression_training),
     "nebula": lambda c: _switched_on(c.nebula),

@@ -213,6 +213,7 @@ class ParamCoordinator:
         self._fwd_now: list[int] = []
         self._bwd_now: list[int] = []
         self._handles: dict[torch.nn.Module, tuple] = {}
+        self._held = False
         for module in module_units:
             self._hook(module)
 
@@ -256,8 +257,26 @@ class ParamCoordinator:
             budget -= u.full_numel
             live += u.full_numel
 
+    @contextlib.contextmanager
+    def held(self):
+        """Every unit gathered once on entry and kept through the block, the hooks leaving them be (and
+        recording no trace): generation runs many forwards over the same weights, without backward.
+        The units gathered on entry are released on exit."""
+        fresh = [u for u in self.units if not u.gathered]
+        self.fetch(self.units)
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+            for u in fresh:
+                if u.gathered and u.users == 0:
+                    u.release()
+
     # -- forward --------------------------------------------------------------------------
     def _pre_forward(self, module, args):
+        if self._held:
+            return
         units = self.module_units[module]
         for u in units:
             u.users += 1
@@ -286,6 +305,10 @@ class ParamCoordinator:
 
     def _post_forward(self, module, args, output):
         units = self.module_units[module]
+        if self._held:
+            if torch.is_grad_enabled():
+                output = _wrap_outputs(output, lambda ts: _GatherBeforeBackward.apply(self, units, *ts))
+            return output
         for u in units:
             u.users -= 1
             if u.users == 0 and not u.persistent and not self._reused_soon(u):
