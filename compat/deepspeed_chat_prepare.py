@@ -27,7 +27,7 @@ def samples(n: int, seed: int) -> list[dict]:
 
 def tokenizer(texts: list[str], folder: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import GPT2TokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -38,8 +38,8 @@ def tokenizer(texts: list[str], folder: Path) -> None:
     tok.train_from_iterator(texts, trainer)
     tok.post_processor = processors.TemplateProcessing(single="</s> $A", pair="</s> $A $B",
                                                        special_tokens=[("</s>", 2)])  # OPT prepends </s>
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="</s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
+    fast = GPT2TokenizerFast(tokenizer_object=tok, bos_token="</s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")  # OPT's class (save_vocabulary works)
     fast.save_pretrained(folder)
 
 

@@ -12,7 +12,7 @@
 #   default: clone github.com/deepspeedai/DeepSpeedExamples), DSCHAT_OUT (default .dschat-out),
 #   DSCHAT_BACKENDS (default "shardwise deepspeed"), DSCHAT_STEPS (default "1 2 3").
 set -euo pipefail
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+REPO=${SHARDWISE_REPO:-$(cd "$(dirname "$0")/.." && pwd)}  # (set when running a copy of this script)
 ROOT=${DSCHAT_VENV:-$REPO/.dschat-venv}
 OUT=${DSCHAT_OUT:-$REPO/.dschat-out}
 DS_VENV=${DS_VENV:-/work/ds-venv}
@@ -55,9 +55,12 @@ if [ ! -d "$CHAT" ]; then
   fi
   if [ -d "$SRC/applications/DeepSpeed-Chat" ]; then
     cp -r "$SRC/applications/DeepSpeed-Chat" "$CHAT"
-  else  # a bare git mirror
-    mkdir -p "$CHAT" && git -C "$SRC" archive HEAD applications/DeepSpeed-Chat | tar -x -C "$OUT" \
-      && rm -rf "$CHAT" && mv "$OUT/applications/DeepSpeed-Chat" "$CHAT" && rm -rf "$OUT/applications"
+  else  # a bare git mirror (its large media files may be absent: assets/ is not needed)
+    parts=$(git -C "$SRC" ls-tree --name-only HEAD applications/DeepSpeed-Chat/ | grep -v /assets$)
+    # shellcheck disable=SC2086
+    git -C "$SRC" archive HEAD $parts | tar -x -C "$OUT"
+    mv "$OUT/applications/DeepSpeed-Chat" "$CHAT"
+    rm -rf "$OUT/applications"
   fi
   "$ROOT/base/bin/python" "$REPO/compat/deepspeed_chat_prepare.py" "$OUT/tiny-opt" "$CHAT"
 fi

@@ -162,7 +162,37 @@ CASES = [  # name, zero_optimization, pin_parameters, LoRA, train after generati
     ("zero3_lora", Z3, True, True, True), ("zero2_lora", {"stage": 2}, True, True, True)]
 
 
+class RewardModel(torch.nn.Module):
+    """DeepSpeed-Chat's reward model in small: ``forward_value`` calls the backbone, not ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rwtransformer = _model(False).model
+        self.v_head = torch.nn.Linear(16, 1, bias=False)
+
+    def forward_value(self, ids):
+        return self.v_head(self.rwtransformer(ids).last_hidden_state).squeeze(-1)
+
+
+def _frozen_engines(rank, world):
+    """DeepSpeed-Chat's reference and reward engines: no optimizer, bf16, ZeRO-0 or -3, called through
+    a method of the model that skips its forward."""
+    import shardwise
+
+    ids = _prompts()
+    torch.manual_seed(3)
+    expected = RewardModel().to(torch.bfloat16).forward_value(ids)
+    for stage in (0, 3):
+        torch.manual_seed(3)
+        engine, *_ = shardwise.initialize(model=RewardModel(), config={
+            "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}})
+        with torch.no_grad():
+            got = engine.forward_value(ids)
+        assert torch.equal(got, expected), (stage, got, expected)
+
+
 def _body(rank, world):
+    _frozen_engines(rank, world)
     return run_subtests(_case, CASES, rank, world)
 
 

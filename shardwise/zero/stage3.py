@@ -348,10 +348,12 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
     subtree fits becomes one unit; a bigger one (or a ModuleList/ModuleDict, which is never called
     itself) keeps its direct parameters as a unit and its children are cut the same way.  Returns the units (index order: last used in forward first, the order
     gradients become ready) and, for each module that needs hooks, the units it needs whole: its own
-    unit, plus units of parameters it uses but that lie outside its subtree (tied weights, parameters
-    registered with ``register_external_parameter``)."""
+    unit (for a module inside a whole-subtree unit, that unit: code may call it without its root, as
+    DeepSpeed-Chat's reward model calls its backbone from ``forward_value``), plus units of parameters
+    it uses but that lie outside its subtree (tied weights, ``register_external_parameter``)."""
     owner: dict[int, list] = {}  # id(param) -> [unit params list, root module]
     order: list[tuple[torch.nn.Module, list]] = []
+    whole: set[int] = set()  # modules whose unit is their whole subtree
 
     def fresh(params):
         out, seen = [], set()
@@ -374,6 +376,7 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
         fits = fits or is_z3_leaf(m)  # set_z3_leaf_modules: the whole subtree is one unit
         if fits or not any(True for _ in m.children()):
             claim(m, subtree)
+            whole.add(id(m))
             return
         claim(m, fresh(p for p in m._parameters.values() if p is not None))
         for child in m.children():
@@ -390,8 +393,12 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
 
     module_units: dict[torch.nn.Module, list[Unit]] = {}
 
-    def assign(m: torch.nn.Module, covered: set[int]) -> None:
+    def assign(m: torch.nn.Module, covered: set[int], enclosing: Unit | None = None) -> None:
         own = roots.get(id(m))
+        if own is None:  # inside a whole-subtree unit: a module called on its own (not through the unit's
+            own = enclosing  # root, e.g. model.backbone from a custom method) gathers the unit too
+        elif id(m) in whole:
+            enclosing = own
         covered = covered | ({own.index} if own is not None else set())
         used = [p for p in m._parameters.values() if p is not None]
         used += external_params(m)
@@ -403,7 +410,7 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], world: int, uni
         if own is not None or extra:
             module_units[m] = ([own] if own is not None else []) + extra
         for child in m.children():
-            assign(child, covered)
+            assign(child, covered, enclosing)
 
     assign(module, set())
     return units, module_units
