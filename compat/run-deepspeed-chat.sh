@@ -113,7 +113,8 @@ from transformers import AutoModelForCausalLM
 root = Path(sys.argv[1])
 for sub in ["step1", "step3-zero2/actor", "step3-zero3/actor"]:
     if (root / sub / "config.json").exists():
-        m = AutoModelForCausalLM.from_pretrained(root / sub)
+        m, info = AutoModelForCausalLM.from_pretrained(root / sub, output_loading_info=True)
+        assert not info["missing_keys"] and not info["mismatched_keys"], (sub, info)
         out = m(torch.tensor([[2, 40, 41, 42]])).logits
         assert torch.isfinite(out).all(), sub
         print(f"loaded {sub}: {sum(p.numel() for p in m.parameters())} parameters, logits finite")

@@ -10,6 +10,7 @@ import torch
 from distributed import run_distributed, run_subtests
 
 pytest.importorskip("transformers")
+pytest.importorskip("peft")
 
 WORLD, PROMPTS, NEW_TOKENS, STEPS = 2, 4, 6, 2
 Z3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 2000}
@@ -57,7 +58,11 @@ def _model(lora: bool):
                     max_position_embeddings=32, word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0,
                     pad_token_id=1, bos_token_id=2, eos_token_id=47)
     model = OPTForCausalLM(cfg)
-    if lora:
+    if lora == "peft":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    elif lora:
         for layer in model.model.decoder.layers:
             layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
             layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj)
@@ -128,6 +133,10 @@ def _case(case, rank, world):
     assert isinstance(engine, HybridEngine)
     engine.eval()
     before = {n: p.detach().clone() for n, p in model.named_parameters()} if zero["stage"] < 3 else {}
+    peft_layers = [m for m in model.modules() if hasattr(m, "merge") and hasattr(m, "get_base_layer")]
+    merged_calls = []
+    for m in peft_layers:
+        m.register_forward_pre_hook(lambda mod, args: merged_calls.append(mod.merged))
     tokens, gathers = _count_all_gathers(lambda: _generate(engine.module, mine))  # as DeepSpeed-Chat calls it
     assert torch.equal(tokens, expected), (name, tokens, expected)
     units = len(engine.strategy.units) if zero["stage"] == 3 else 0
@@ -136,7 +145,10 @@ def _case(case, rank, world):
     elif zero["stage"] == 3:
         assert gathers > NEW_TOKENS * units // 2, (name, gathers, units)  # per module, per forward
     loras = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    if lora:
+    if lora == "peft":
+        assert peft_layers and merged_calls and all(merged_calls), name  # generated merged
+        assert not any(m.merged for m in peft_layers), name
+    elif lora:
         assert all(m.fused_calls > 0 and not m.fuse_lora for m in loras), name
         if zero["stage"] == 3:
             assert all(m.weight.numel() == 0 for m in loras), name  # released again
@@ -159,7 +171,8 @@ def _case(case, rank, world):
 
 CASES = [  # name, zero_optimization, pin_parameters, LoRA, train after generating
     ("zero3_pinned", Z3, True, False, False), ("zero3_per_module", Z3, False, False, False),
-    ("zero3_lora", Z3, True, True, True), ("zero2_lora", {"stage": 2}, True, True, True)]
+    ("zero3_lora", Z3, True, True, True), ("zero2_lora", {"stage": 2}, True, True, True),
+    ("zero3_peft", Z3, True, "peft", False)]
 
 
 class RewardModel(torch.nn.Module):

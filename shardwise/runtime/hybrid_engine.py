@@ -6,9 +6,9 @@ as ``engine.module.generate``) runs the model's Hugging Face ``generate`` with
 
 - ZeRO-3 parameters gathered once for the whole call (``pin_parameters``, the default) rather than
   once per module per generated token, and released after it;
-- LoRA layers fused into their base weights (layers with ``fuse_lora_weight`` /
-  ``unfuse_lora_weight``, DeepSpeed-Chat's ``LinearLayer_LoRA``) while the weights are whole, and
-  the base weights put back exactly afterwards.
+- LoRA layers fused into their base weights (DeepSpeed-Chat's ``LinearLayer_LoRA``, with
+  ``fuse_lora_weight`` / ``unfuse_lora_weight``, and peft's layers, with ``merge`` / ``unmerge``) while
+  the weights are whole, and the base weights put back exactly afterwards.
 
 ``eval()``/``train()`` switch modes as usual, and keep DeepSpeed's timing attributes
 (``_generate_latency``, ``_gather_latency``, ``_training_latency``, ``_total_latency``, ``_iters``)
@@ -85,19 +85,19 @@ class HybridEngine(Engine):
     def _lora_fused(self):
         """Fuse the LoRA layers whose weights are whole here (not ZeRO-3 shards gathered per module);
         on exit restore each base weight bit for bit (unfusing by subtraction would round in 16 bits)."""
-        layers = [m for m in self.module.modules() if _is_lora(m) and m.weight.numel() > 0]
-        saved = [m.weight.data.clone() for m in layers]
+        layers = [t for t in _lora_layers(self.module) if t[0].numel() > 0]
+        saved = [weight.data.clone() for weight, _, _ in layers]
         try:
             with torch.no_grad():
-                for m in layers:
-                    m.fuse_lora_weight()
+                for _, fuse, _ in layers:
+                    fuse()
             self.is_lora_fused = bool(layers)
             yield
         finally:
             with torch.no_grad():
-                for m, w in zip(layers, saved):
-                    m.unfuse_lora_weight()
-                    m.weight.data.copy_(w)
+                for (weight, _, unfuse), w in zip(layers, saved):
+                    unfuse()
+                    weight.data.copy_(w)
             self.is_lora_fused = False
 
     # -- mode switches and timing ----------------------------------------------------------------
@@ -140,9 +140,17 @@ class HybridEngine(Engine):
             self._training_start_time = now
 
 
-def _is_lora(m: torch.nn.Module) -> bool:
-    return (callable(getattr(m, "fuse_lora_weight", None)) and callable(getattr(m, "unfuse_lora_weight", None))
-            and isinstance(getattr(m, "weight", None), torch.Tensor))
+def _lora_layers(module: torch.nn.Module):
+    """(base weight, fuse, unfuse) of each LoRA layer: DeepSpeed-Chat's ``LinearLayer_LoRA`` and peft's
+    tuner layers (``merge``/``unmerge``; those already merged are left alone)."""
+    for m in module.modules():
+        if callable(getattr(m, "fuse_lora_weight", None)) and callable(getattr(m, "unfuse_lora_weight", None)):
+            yield m.weight, m.fuse_lora_weight, m.unfuse_lora_weight
+        elif callable(getattr(m, "get_base_layer", None)) and callable(getattr(m, "merge", None)) \
+                and callable(getattr(m, "unmerge", None)) and getattr(m, "merged", True) is False:
+            base = m.get_base_layer()
+            if isinstance(getattr(base, "weight", None), torch.Tensor):
+                yield base.weight, m.merge, m.unmerge
 
 
 DeepSpeedHybridEngine = HybridEngine  # deepspeed.runtime.hybrid_engine.DeepSpeedHybridEngine
