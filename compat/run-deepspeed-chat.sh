@@ -19,6 +19,8 @@ DS_VENV=${DS_VENV:-/work/ds-venv}
 BACKENDS=${DSCHAT_BACKENDS:-shardwise deepspeed}
 STEPS=${DSCHAT_STEPS:-1 2 3}
 export DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# real DeepSpeed JIT-builds cpu_adam here (its own folder: a lock left in the shared cache by a killed build hangs it)
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/torch_extensions}
 
 site() { "$1/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }
 overlay() {  # overlay VENV DIR...: a pip-less venv that sees DIR... (in that order) through a .pth file
