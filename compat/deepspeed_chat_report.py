@@ -13,9 +13,12 @@ PATTERNS = {  # log -> [(label, regex with one group per number)]
     "step2": [("step 2 epoch loss", r"Epoch 1/1 with loss (\S+)"),
               ("step 2 chosen score (after)", r"chosen_last_scores \(higher is better\) : (\S+),")],
     "step3-zero2": [("step 3 ZeRO-2 actor loss", r"Actor Loss: (\S+) \|"),
-                    ("step 3 ZeRO-2 critic loss", r"Critic Loss: (\S+) \|")],
-    "step3-zero3": [("step 3 ZeRO-3+LoRA actor loss", r"Actor Loss: (\S+) \|"),
-                    ("step 3 ZeRO-3+LoRA critic loss", r"Critic Loss: (\S+) \|")],
+                    ("step 3 ZeRO-2 critic loss", r"Critic Loss: (\S+) \|"),
+                    ("step 3 ZeRO-2 reward score", r"Average reward score: (\S+) \|")],
+    "step3-zero3": [("step 3 ZeRO-3 actor loss", r"Actor Loss: (\S+) \|"),
+                    ("step 3 ZeRO-3 critic loss", r"Critic Loss: (\S+) \|")],
+    "step3-zero3-lora": [("step 3 ZeRO-3+LoRA actor loss", r"Actor Loss: (\S+) \|"),
+                         ("step 3 ZeRO-3+LoRA critic loss", r"Critic Loss: (\S+) \|")],
 }
 
 
