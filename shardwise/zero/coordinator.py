@@ -213,6 +213,7 @@ class ParamCoordinator:
         self._fwd_now: list[int] = []
         self._bwd_now: list[int] = []
         self._handles: dict[torch.nn.Module, tuple] = {}
+        self._nested: dict[int, list[bool]] = {}  # id(module) -> per active call: ran inside its units' user?
         self._held = False
         for module in module_units:
             self._hook(module)
@@ -278,6 +279,13 @@ class ParamCoordinator:
         if self._held:
             return
         units = self.module_units[module]
+        # Called while the modules that gather its units run (a submodule of a whole-subtree unit, inside
+        # the unit's root): they are gathered, and the enclosing call's hooks release them and route
+        # backward; nothing to do (and nothing added to the trace prefetching walks).
+        nested = all(u.users > 0 for u in units)
+        self._nested.setdefault(id(module), []).append(nested)
+        if nested:
+            return
         for u in units:
             u.users += 1
         self.fetch(units)
@@ -305,6 +313,8 @@ class ParamCoordinator:
 
     def _post_forward(self, module, args, output):
         units = self.module_units[module]
+        if not self._held and self._nested[id(module)].pop():
+            return output
         if self._held:
             if torch.is_grad_enabled():
                 output = _wrap_outputs(output, lambda ts: _GatherBeforeBackward.apply(self, units, *ts))
@@ -331,6 +341,7 @@ class ParamCoordinator:
         if self._bwd_now:
             self.bwd_trace = self._bwd_now
         self._fwd_now, self._bwd_now = [], []
+        self._nested.clear()  # (a forward that raised leaves its calls open)
         for u in self.units:
             if u.pending is not None:
                 u.finish_gather()
