@@ -71,13 +71,12 @@ COMMON=(--data_path local/jsonfile --data_split 2,4,4 --seed 1234 --dtype bf16 -
 
 run() {  # run BACKEND NAME STEPDIR ARGS...: one DS-Chat main.py on 2 processes; log in $OUT/BACKEND/NAME.log
   local backend=$1 name=$2 step=$3; shift 3
-  local venv=$ROOT/sw launcher=(deepspeed)
-  [ "$backend" = deepspeed ] && venv=$ROOT/ds launcher=("$ROOT/ds/bin/python" "$DS_VENV/bin/deepspeed")
-  [ "$backend" = shardwise ] && launcher=("$venv/bin/deepspeed")
+  local venv=$ROOT/sw launcher=("$ROOT/sw/bin/deepspeed") path=$CHAT:$REPO:$REPO/compat/deepspeed  # this tree wins
+  [ "$backend" = deepspeed ] && venv=$ROOT/ds launcher=("$ROOT/ds/bin/python" "$DS_VENV/bin/deepspeed") path=$CHAT
   local dir=$OUT/$backend
   mkdir -p "$dir"
   echo "== $backend $name"
-  (cd "$CHAT/training/$step" && PATH="$venv/bin:$PATH" PYTHONPATH="$CHAT" \
+  (cd "$CHAT/training/$step" && PATH="$venv/bin:$PATH" PYTHONPATH="$path" \
     "${launcher[@]}" --num_gpus 2 --master_port "$((29500 + RANDOM % 1000))" main.py "$@" \
     --data_output_path "$dir/data_files" --output_dir "$dir/$name" > "$dir/$name.log" 2>&1) \
     || { tail -40 "$dir/$name.log"; echo "FAILED: $backend $name (log: $dir/$name.log)"; return 1; }
