@@ -2,12 +2,13 @@
 #   make demo   - create .venv, install shardwise, train the demo GPT on 2 CPU processes
 #   make test   - create .venv, install shardwise with test extras, run the test suite
 #   make deepspeed-unit-tests - DeepSpeed's own unit tests through compat/deepspeed (~10 min; own venv)
+#   make deepspeed-chat - DeepSpeed-Chat steps 1-3 unchanged on a tiny local OPT, against real DeepSpeed if present
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; a plain `pip install torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench gpu-check install clean deepspeed-unit-tests
+.PHONY: demo test bench gpu-check install clean deepspeed-unit-tests deepspeed-chat
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,6 +29,10 @@ test: $(VENV)/.installed
 deepspeed-unit-tests:
 	compat/run-deepspeed-unit-tests.sh
 
+# docs/deepspeed-chat.md; own venvs (.dschat-venv), outputs in .dschat-out; ~15 min on two cores
+deepspeed-chat:
+	compat/run-deepspeed-chat.sh
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/zero_vs_ddp.py
 
@@ -37,4 +42,4 @@ gpu-check: $(VENV)/.installed
 	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) checkpoints *.egg-info .dsu-venv .dsu-out .dsu-out.summary.txt
+	rm -rf $(VENV) checkpoints *.egg-info .dsu-venv .dsu-out .dsu-out.summary.txt .dschat-venv .dschat-out

@@ -90,7 +90,12 @@ def initialize(
         from shardwise.tensor_parallel import autotp_hook
 
         model = autotp_hook(model, grid)
-    engine = Engine(
+    engine_class = Engine
+    if cfg.hybrid_engine.enabled:  # an RLHF actor: trains, and generates with whole weights
+        from shardwise.runtime.hybrid_engine import HybridEngine
+
+        engine_class = HybridEngine
+    engine = engine_class(
         model=model,
         config=cfg,
         grid=grid,
@@ -159,6 +164,7 @@ _LAZY = {
     "RepeatingLoader": ("shardwise.runtime.dataloader", "RepeatingLoader"),
     "Engine": ("shardwise.runtime.engine", "Engine"),
     "DeepSpeedEngine": ("shardwise.runtime.engine", "Engine"),
+    "DeepSpeedHybridEngine": ("shardwise.runtime.hybrid_engine", "HybridEngine"),
     "DeepSpeedConfigError": ("shardwise.config", "ConfigError"),
     "OnDevice": ("shardwise.utils.init_on_device", "OnDevice"),
     "accelerator": ("shardwise.accelerator", None),

@@ -33,7 +33,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "io": "DeepNVMe's public I/O handles are not provided",
     "runtime.checkpoint_engine": "checkpoints are written by shardwise.checkpoint (safetensors + manifest)",
     "monitor.monitor": "MonitorMaster is internal: the engine builds the monitors from the config",
-    "runtime.hybrid_engine": "the RLHF hybrid engine is not implemented",
     "runtime.domino": "Domino tensor-parallel overlap is not implemented",
     "runtime.data_pipeline": "curriculum learning / data efficiency is not implemented",
     "runtime.fp16": "DeepSpeed's fp16 optimizer wrappers are internal; use the config's fp16 block",
@@ -66,7 +65,6 @@ NOT_SUPPORTED_ATTRS: dict[str, str] = {
     "DeepSpeedTransformerConfig": NOT_SUPPORTED["ops.transformer"],
     "replace_transformer_layer": NOT_SUPPORTED["module_inject.replace_module"],
     "revert_transformer_layer": NOT_SUPPORTED["module_inject.replace_module"],
-    "DeepSpeedHybridEngine": NOT_SUPPORTED["runtime.hybrid_engine"],
     "DeepSpeedConfig": "DeepSpeedConfig is in the compat package (deepspeed.runtime.config); shardwise.config.load_config "
                        "reads the same JSON",
 }

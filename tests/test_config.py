@@ -566,7 +566,9 @@ NOT_YET = [  # (config snippet, key path that must be named), from the task's li
     ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
      "activation_checkpointing.contiguous_memory_optimization"),
     ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage"),
-] + [({name: {"enabled": True}}, name) for name in OTHER_BLOCKS if name not in ("sparse_attention", "compile", "expert_parallel", *REMOVED_BLOCKS)]
+    ({"hybrid_engine": {"enabled": True, "inference_tp_size": 2}}, "hybrid_engine.inference_tp_size"),
+] + [({name: {"enabled": True}}, name) for name in OTHER_BLOCKS
+     if name not in ("sparse_attention", "compile", *REMOVED_BLOCKS)]
 
 
 @pytest.mark.parametrize("config,path", NOT_YET)
@@ -580,11 +582,11 @@ def test_check_supported_names_each_feature(config, path):
 
 def test_check_supported_lists_every_feature():
     cfg = load_config({"sparse_gradients": True, "comet": {"enabled": True},
-                       "amp": {"enabled": True}, "hybrid_engine": {"enabled": True}})
+                       "amp": {"enabled": True}, "hybrid_engine": {"enabled": True, "inference_tp_size": 2}})
     with pytest.raises(ConfigError) as info:
         cfg.check_supported()
     text = str(info.value)
-    for path in ("comet", "amp.enabled", "hybrid_engine"):
+    for path in ("comet", "amp.enabled", "hybrid_engine.inference_tp_size"):
         assert f"not implemented yet: {path}" in text
     assert "sparse_gradients: removed from DeepSpeed" in text
     assert len(info.value.problems) == 4

@@ -126,19 +126,22 @@ def test_module_paths_resolve():
 
     assert PipelineEngine is deepspeed.PipelineEngine and PipelineModule is deepspeed.pipe.PipelineModule
     assert issubclass(PipelineEngine, DeepSpeedEngine)
+    from shardwise.runtime.hybrid_engine import DeepSpeedHybridEngine
+
+    assert DeepSpeedHybridEngine is deepspeed.DeepSpeedHybridEngine and issubclass(DeepSpeedHybridEngine, DeepSpeedEngine)
 
 
 def test_unsupported_paths_say_so():
-    with pytest.raises(ModuleNotFoundError, match=r"deepspeed\.runtime\.hybrid_engine\) is not supported"):
-        importlib.import_module("shardwise.runtime.hybrid_engine")
+    with pytest.raises(ModuleNotFoundError, match=r"deepspeed\.runtime\.domino\) is not supported"):
+        importlib.import_module("shardwise.runtime.domino")
     with pytest.raises(ImportError, match="deepspeed.inference.* not supported"):
         exec("from shardwise.inference.config import DeepSpeedInferenceConfig", {})
     with pytest.raises(ImportError, match=r"deepspeed\.inference\.v2\) is not supported"):
         importlib.import_module("shardwise.inference.v2")
-    with pytest.raises(AttributeError, match=r"deepspeed\.DeepSpeedHybridEngine\) is not supported"):
+    with pytest.raises(AttributeError, match=r"deepspeed\.DeepSpeedTransformerLayer\) is not supported"):
         import shardwise
 
-        shardwise.DeepSpeedHybridEngine  # noqa: B018
+        shardwise.DeepSpeedTransformerLayer  # noqa: B018
     with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
         shardwise.no_such_thing  # noqa: B018
     # a real module is never shadowed by the table

@@ -10,6 +10,7 @@ from pydantic_core import PydanticCustomError
 
 from .errors import describe_value
 from .compile import CompileConfig
+from .hybrid import HybridEngineConfig
 from .base import ConfigModel, Float, Int, OptDType, case_insensitive
 from .monitors import (AutotuningConfig, CometConfig, CommsLoggerConfig, CSVMonitorConfig,
                        ElasticityConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig, WandbConfig)
@@ -47,7 +48,7 @@ AllreduceOp = Annotated[Literal["mean", "sum"], case_insensitive("mean", "sum")]
 # Blocks of features we accept as keys but do not model yet: free-form, and an
 # error from check_supported() as soon as they are switched on.
 OTHER_BLOCKS = (
-    "hybrid_engine", "sparse_attention", "eigenvalue",
+    "sparse_attention", "eigenvalue",
     "progressive_layer_drop", "data_efficiency", "curriculum_learning", "compression_training",
     "nebula",
 )
@@ -112,7 +113,7 @@ class ShardwiseConfig(ConfigModel):
 
     tensor_parallel: TensorParallelConfig = _block(TensorParallelConfig)
     expert_parallel: ExpertParallelConfig = _block(ExpertParallelConfig)
-    hybrid_engine: dict[str, Any] = _block(dict)
+    hybrid_engine: HybridEngineConfig = _block(HybridEngineConfig)
     compile: CompileConfig = _block(CompileConfig)
     sparse_attention: dict[str, Any] = _block(dict)
     eigenvalue: dict[str, Any] = _block(dict)

@@ -22,7 +22,9 @@ __all__ = ["NOT_IMPLEMENTED", "REMOVED", "unsupported_features", "removed_featur
 UNIMPLEMENTED_OPTIMIZERS: set[str] = set()
 
 
-HINTS: dict[str, str] = {}
+HINTS: dict[str, str] = {
+    "hybrid_engine.inference_tp_size": " (the hybrid engine generates with whole, gathered weights: set it to 1)",
+}
 
 
 def _switched_on(block: dict[str, Any]) -> bool:
@@ -52,7 +54,7 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     "tensor_parallel.replace_with_kernel_inject": lambda c: c.tensor_parallel.replace_with_kernel_inject,
     **{f"expert_parallel.{key}": (lambda c, f=set_: c.expert_parallel.enabled and f(c.expert_parallel))
        for key, set_ in EXPERT_PARALLEL_NOT_IMPLEMENTED.items()},
-    "hybrid_engine": lambda c: _switched_on(c.hybrid_engine),
+    "hybrid_engine.inference_tp_size": lambda c: c.hybrid_engine.enabled and c.hybrid_engine.inference_tp_size > 1,
     "data_efficiency": lambda c: _switched_on(c.data_efficiency),
     "compression_training": lambda c: _switched_on(c.compression_training),
     "nebula": lambda c: _switched_on(c.nebula),

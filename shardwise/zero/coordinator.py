@@ -223,6 +223,8 @@ class ParamCoordinator:
         self._fwd_now: list[int] = []
         self._bwd_now: list[int] = []
         self._handles: dict[torch.nn.Module, tuple] = {}
+        self._nested: dict[int, list[bool]] = {}  # id(module) -> per active call: ran inside its units' user?
+        self._held = False
         for module in module_units:
             self._hook(module)
 
@@ -270,9 +272,34 @@ class ParamCoordinator:
             budget -= u.full_numel
             live += u.full_numel
 
+    @contextlib.contextmanager
+    def held(self):
+        """Every unit gathered once on entry and kept through the block, the hooks leaving them be (and
+        recording no trace): generation runs many forwards over the same weights, without backward.
+        The units gathered on entry are released on exit."""
+        fresh = [u for u in self.units if not u.gathered]
+        self.fetch(self.units)
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+            for u in fresh:
+                if u.gathered and u.users == 0:
+                    u.release()
+
     # -- forward --------------------------------------------------------------------------
     def _pre_forward(self, module, args):
+        if self._held:
+            return
         units = self.module_units[module]
+        # Called while the modules that gather its units run (a submodule of a whole-subtree unit, inside
+        # the unit's root): they are gathered, and the enclosing call's hooks release them and route
+        # backward; nothing to do (and nothing added to the trace prefetching walks).
+        nested = all(u.users > 0 for u in units)
+        self._nested.setdefault(id(module), []).append(nested)
+        if nested:
+            return
         for u in units:
             u.users += 1
         self.fetch(units)
@@ -300,10 +327,14 @@ class ParamCoordinator:
 
     def _post_forward(self, module, args, output):
         units = self.module_units[module]
+        if not self._held and self._nested[id(module)].pop():
+            return output
         if torch.is_grad_enabled():  # (before the release: a leaf's parameters are touched in their full shape)
             touched = [p for u in units for p in u.params if p.requires_grad] if is_z3_leaf(module) else []
             output = _wrap_outputs(output, lambda ts: _GatherBeforeBackward.apply(self, units, len(ts), *ts,
                                                                                    *touched))
+        if self._held:  # (generation: the units stay gathered until the block ends)
+            return output
         for u in units:
             u.users -= 1
             if u.users == 0 and not u.persistent and not self._reused_soon(u):
@@ -324,6 +355,7 @@ class ParamCoordinator:
         if self._bwd_now:
             self.bwd_trace = self._bwd_now
         self._fwd_now, self._bwd_now = [], []
+        self._nested.clear()  # (a forward that raised leaves its calls open)
         for u in self.units:
             if u.pending is not None:
                 u.finish_gather()

@@ -62,9 +62,10 @@ class DataParallelStrategy(ZeroStrategy):
 
     # -- set-up ---------------------------------------------------------------------------
     def _build_masters(self) -> None:
-        """fp32 master copies (for 16-bit training) and the optimizer's view of them."""
+        """fp32 master copies (for 16-bit training) and the optimizer's view of them; none without an
+        optimizer (an engine that only runs forward, as DeepSpeed-Chat's reference and reward models)."""
         self.master_buffers = None
-        if not self.precision.master_weights:
+        if not self.precision.master_weights or self.optimizer is None:
             self._opt_tensors = [p for g in self.groups for p in g.params]
             return
         self.master_buffers, self.master_params, self._opt_tensors = [], [], []

@@ -359,10 +359,12 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], unit_elements: 
     way.  A leaf module (``set_z3_leaf_modules``) is one unit per group its subtree is sharded over (one,
     unless it holds expert parameters), all gathered when it is entered.  Returns the units (index order: last used
     in forward first, the order gradients become ready) and, for each module that needs hooks, the units it
-    needs whole: its own units, plus units of parameters it uses but that lie outside its subtree (tied weights,
-    parameters registered with ``register_external_parameter``)."""
+    needs whole: its own units (for a module inside a whole-subtree unit, that unit's: code may call it without
+    its root, as DeepSpeed-Chat's reward model calls its backbone from ``forward_value``), plus units of
+    parameters it uses but that lie outside its subtree (tied weights, ``register_external_parameter``)."""
     owner: dict[int, list] = {}  # id(param) -> unit params list
     order: list[tuple[torch.nn.Module, list]] = []
+    whole: set[int] = set()  # modules whose unit is their whole subtree
 
     def fresh(params):
         out, seen = [], set()
@@ -389,6 +391,7 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], unit_elements: 
         fits = fits or is_z3_leaf(m)  # set_z3_leaf_modules: the whole subtree is gathered on entry
         if fits or not any(True for _ in m.children()):
             claim(m, subtree)
+            whole.add(id(m))
             return
         claim(m, fresh(p for p in m._parameters.values() if p is not None))
         for child in m.children():
@@ -406,8 +409,12 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], unit_elements: 
 
     module_units: dict[torch.nn.Module, list[Unit]] = {}
 
-    def assign(m: torch.nn.Module, covered: set[int]) -> None:
-        own = roots.get(id(m), [])
+    def assign(m: torch.nn.Module, covered: set[int], enclosing: tuple = ()) -> None:
+        own = roots.get(id(m))
+        if own is None:  # inside a whole-subtree unit: a module called on its own (not through the unit's
+            own = list(enclosing)  # root, e.g. model.backbone from a custom method) gathers the unit too
+        elif id(m) in whole:
+            enclosing = tuple(own)
         covered = covered | {u.index for u in own}
         used = [p for p in m._parameters.values() if p is not None]
         used += external_params(m)
@@ -419,7 +426,7 @@ def _build_units(module: torch.nn.Module, names: dict[int, str], unit_elements: 
         if own or extra:
             module_units[m] = own + extra
         for child in m.children():
-            assign(child, covered)
+            assign(child, covered, enclosing)
 
     assign(module, set())
     return units, module_units
