@@ -2,12 +2,13 @@
 #   make demo   - create .venv, install shardwise, train the demo GPT on 2 CPU processes
 #   make test   - create .venv, install shardwise with test extras, run the test suite
 #   make deepspeed-unit-tests - DeepSpeed's own unit tests through compat/deepspeed (~10 min; own venv)
+#   make trl-check - TRL's SFT/DPO/GRPO at ZeRO-2/3 through compat/deepspeed vs DeepSpeed 0.19.8 (~6 min; own venvs)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; a plain `pip install torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench gpu-check install clean deepspeed-unit-tests
+.PHONY: demo test bench gpu-check install clean deepspeed-unit-tests trl-check
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,6 +29,9 @@ test: $(VENV)/.installed
 deepspeed-unit-tests:
 	compat/run-deepspeed-unit-tests.sh
 
+trl-check:
+	compat/run-trl.sh
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/zero_vs_ddp.py
 
@@ -37,4 +41,4 @@ gpu-check: $(VENV)/.installed
 	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) checkpoints *.egg-info .dsu-venv .dsu-out .dsu-out.summary.txt
+	rm -rf $(VENV) checkpoints *.egg-info .dsu-venv .dsu-out .dsu-out.summary.txt .trl-venv .trl-ds-venv .trl-out
