@@ -22,13 +22,15 @@ def numbers(entry: dict) -> dict[str, float]:
             if isinstance(v, (int, float)) and not any(t in k for t in TIMING)}
 
 
-def worst(a: list[dict], b: list[dict]) -> tuple[float, str]:
+def worst(a: list[dict], b: list[dict], floor: float) -> tuple[float, str]:
+    """The largest |x - y| / max(|x|, |y|, floor): quantities near zero (a reward margin of 4e-4, a GRPO loss
+    of 1e-7, differences of nearly equal numbers) are measured against ``floor`` instead of themselves."""
     if len(a) != len(b):
         return float("inf"), f"{len(a)} vs {len(b)} log entries"
     out, where = 0.0, ""
     for step, (x, y) in enumerate(zip(map(numbers, a), map(numbers, b)), 1):
         for key in sorted(x.keys() & y.keys()):
-            diff = abs(x[key] - y[key]) / max(abs(x[key]), abs(y[key]), 1e-6)
+            diff = abs(x[key] - y[key]) / max(abs(x[key]), abs(y[key]), floor)
             if diff > out:
                 out, where = diff, f"{key} @ entry {step}"
     return out, where
@@ -38,6 +40,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out")
     p.add_argument("--rtol", type=float, default=1e-5)
+    p.add_argument("--floor", type=float, default=0.1, help="magnitude below which differences count as absolute")
     p.add_argument("--compat_only", action="store_true", help="no DeepSpeed runs: list the compat losses only")
     a = p.parse_args()
     bad = 0
@@ -58,7 +61,7 @@ def main() -> int:
             continue
         c, d = (json.load(open(q)) for q in paths)
         steps = [h for h in c["history"] if "loss" in h], [h for h in d["history"] if "loss" in h]
-        diff, where = worst(*steps)
+        diff, where = worst(*steps, a.floor)
         fmt = lambda hs: " ".join(f"{h['loss']:.6g}" for h in hs)  # noqa: E731
         z = f"{c['stage']} ({c['ref_stage']})" if c.get("ref_stage") is not None else f"{c['stage']}"
         print(f"{trainer:10} {z:10} {fmt(steps[0]):40} {fmt(steps[1]):40} {diff:.1e} {where}")
