@@ -412,6 +412,9 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, _prim
 from deepspeed.runtime.activation_checkpointing import checkpointing
 from deepspeed.runtime import lr_schedules as lrs
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters, MultipleAllGatherHandles
+from deepspeed.runtime.zero import unwrap_model_for_generation
+from shardwise.zero.param_offload import gathered_for_generation
+assert unwrap_model_for_generation is gathered_for_generation
 from deepspeed.module_inject.layers import LinearLayer
 assert PipelineModule is shardwise.pipe.PipelineModule and PipelineEngine is shardwise.pipe.engine.PipelineEngine
 assert TrainSchedule is shardwise.pipe.schedule.TrainSchedule and GatheredParameters is shardwise.zero.GatheredParameters
