@@ -3,12 +3,13 @@
 #   make test   - create .venv, install shardwise with test extras, run the test suite
 #   make deepspeed-unit-tests - DeepSpeed's own unit tests through compat/deepspeed (~10 min; own venv)
 #   make deepspeed-chat - DeepSpeed-Chat steps 1-3 unchanged on a tiny local OPT, against real DeepSpeed if present
+#   make trl-check - TRL's SFT/DPO/GRPO at ZeRO-2/3 through compat/deepspeed vs DeepSpeed 0.19.8 (~6 min; own venvs)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; a plain `pip install torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench gpu-check install clean deepspeed-unit-tests deepspeed-chat
+.PHONY: demo test bench gpu-check install clean deepspeed-unit-tests deepspeed-chat trl-check
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,6 +33,8 @@ deepspeed-unit-tests:
 # docs/deepspeed-chat.md; own venvs (.dschat-venv), outputs in .dschat-out; ~15 min on two cores
 deepspeed-chat:
 	compat/run-deepspeed-chat.sh
+trl-check:
+	compat/run-trl.sh
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/zero_vs_ddp.py
@@ -42,4 +45,4 @@ gpu-check: $(VENV)/.installed
 	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) checkpoints *.egg-info .dsu-venv .dsu-out .dsu-out.summary.txt .dschat-venv .dschat-out
+	rm -rf $(VENV) checkpoints *.egg-info .dsu-venv .dsu-out .dsu-out.summary.txt .dschat-venv .dschat-out .trl-venv .trl-ds-venv .trl-out

@@ -415,6 +415,9 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, _prim
 from deepspeed.runtime.activation_checkpointing import checkpointing
 from deepspeed.runtime import lr_schedules as lrs
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters, MultipleAllGatherHandles
+from deepspeed.runtime.zero import unwrap_model_for_generation
+from shardwise.zero.param_offload import gathered_for_generation
+assert unwrap_model_for_generation is gathered_for_generation
 from deepspeed.module_inject.layers import LinearLayer
 assert PipelineModule is shardwise.pipe.PipelineModule and PipelineEngine is shardwise.pipe.engine.PipelineEngine
 assert TrainSchedule is shardwise.pipe.schedule.TrainSchedule and GatheredParameters is shardwise.zero.GatheredParameters
@@ -608,3 +611,19 @@ def test_initialize_without_a_model_raises_value_and_assertion_error():
         shardwise.initialize(config={"train_batch_size": 1})
     with pytest.raises(AssertionError, match="a model given first is taken as args"):
         shardwise.initialize(torch.nn.Linear(2, 2), config={"train_batch_size": 1})
+
+
+def test_dotted_top_level_keys_are_ignored_as_deepspeed_does(caplog):
+    # TRL's prepare_deepspeed adds these (accelerate's "fill auto" form) and passes the dict to initialize;
+    # DeepSpeed reads nested blocks only, so they change nothing there either.
+    from shardwise.config import ConfigError, load_config
+
+    cfg = {"train_batch_size": 2, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
+           "zero_optimization.reduce_bucket_size": 1024, "zero_optimization.stage3_prefetch_bucket_size": 921.6,
+           "zero_optimization.stage3_param_persistence_threshold": 320}
+    with caplog.at_level("WARNING", logger="shardwise"):
+        zc = load_config(cfg).zero_optimization
+    assert (zc.stage, zc.reduce_bucket_size, zc.stage3_prefetch_bucket_size) == (3, 500_000_000, 50_000_000)
+    assert "ignoring top-level zero_optimization.reduce_bucket_size" in caplog.text
+    with pytest.raises(ConfigError, match="zero_optimization.bogus: unknown key"):
+        load_config({"train_batch_size": 2, "zero_optimization.bogus": 1})

@@ -167,9 +167,36 @@ def _log_auto(cfg: ShardwiseConfig, paths: list[str]) -> None:
         logger.info("config %s: \"auto\" -> %s", path, chosen)
 
 
+def _names_nested_key(parts: list[str]) -> bool:
+    """Whether ``a.b.c`` (split) names a key inside a config block (aliases and deprecated names count)."""
+    model: type[BaseModel] | None = ShardwiseConfig
+    for part in parts[:-1]:
+        field = model.model_fields.get(part) if model is not None else None
+        model = _submodel(field.annotation) if field is not None else None
+        if model is None:
+            return False
+    probe = Report()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normalise({parts[-1]: None}, model, "", probe)
+    return not probe.problems
+
+
+def _drop_dotted_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """Top-level keys written as a path (``"zero_optimization.reduce_bucket_size": 1024``) are what accelerate
+    uses to fill "auto" values; TRL's ``prepare_deepspeed`` passes them straight to ``deepspeed.initialize``.
+    DeepSpeed reads nested blocks only and ignores them: so does shardwise, with a warning naming them. A path
+    that names no config key is an unknown key as usual."""
+    ignored = [k for k in data if isinstance(k, str) and "." in k and _names_nested_key(k.split("."))]
+    if ignored:
+        logger.warning("config: ignoring top-level %s (a key written as a path is not read, as in DeepSpeed; "
+                       "set it inside its block)", ", ".join(ignored))
+    return {k: v for k, v in data.items() if k not in ignored}
+
+
 def _from_dict(data: dict[str, Any], source: str | None) -> ShardwiseConfig:
     report = Report()
-    cleaned = normalise(data, ShardwiseConfig, "", report)
+    cleaned = normalise(_drop_dotted_keys(data), ShardwiseConfig, "", report)
     problems = list(report.problems)
     cfg = None
     try:

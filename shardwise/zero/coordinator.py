@@ -348,6 +348,30 @@ class ParamCoordinator:
         if self.bwd_trace:
             self._prefetch(self.bwd_trace, len(self._bwd_now) - 1)
 
+    # -- hooks off (generation on weights gathered once: zero/param_offload.py) ------------------
+    def hook_handles(self) -> list:
+        return [h for m in self.module_units if self._hooked(m) for h in self._handles[m]]
+
+    def _hooked(self, module: torch.nn.Module) -> bool:
+        pair = self._handles.get(module)
+        return pair is not None and pair[0].id in module._forward_pre_hooks and pair[1].id in module._forward_hooks
+
+    def forget_removed_hooks(self) -> None:
+        for m in [m for m in self._handles if not self._hooked(m)]:
+            for handle in self._handles.pop(m):
+                handle.remove()  # (the other of a pair one of which was removed)
+
+    def restore_hooks(self, root: torch.nn.Module) -> None:
+        """Hook every module of ``root``'s subtree that gathers units and lost its hooks."""
+        self.forget_removed_hooks()
+        for m in root.modules():
+            if m in self.module_units and m not in self._handles:
+                self._hook(m)
+
+    def forget_trace(self) -> None:
+        """Drop the recorded unit order: the next pass prefetches nothing and records a new one."""
+        self.fwd_trace, self.bwd_trace = [], []
+
     def end_of_pass(self) -> None:
         """After backward (or a step): release everything, keep this pass's order for prefetching."""
         if self._fwd_now:

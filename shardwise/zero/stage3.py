@@ -21,6 +21,7 @@ import torch
 from shardwise import comm
 from shardwise.param_attrs import external_params, is_z3_leaf, zero_unit
 from shardwise.precision import PrecisionPolicy
+from shardwise.zero import param_offload as param_offload_view
 from shardwise.zero import registry
 from shardwise.zero.buckets import Bucket, BucketReducer
 from shardwise.zero.coordinator import ParamCoordinator, Unit
@@ -184,6 +185,7 @@ class Stage3Strategy(ZeroStrategy):
             max_live_elements=int(zc.stage3_max_live_parameters) if zc is not None else 10**9,
             reuse_distance=int(zc.stage3_max_reuse_distance) if zc is not None else 10**9,
         )
+        self.parameter_offload = param_offload_view.attach(module, self.coordinator, optimizer)
 
     # -- layout ---------------------------------------------------------------------------
     def _fragments(self) -> list[list[Fragment]]:
