@@ -33,6 +33,8 @@ deepspeed-unit-tests:
 # docs/deepspeed-chat.md; own venvs (.dschat-venv), outputs in .dschat-out; ~15 min on two cores
 deepspeed-chat:
 	compat/run-deepspeed-chat.sh
+
+# docs/hf-trainer.md (TRL); own venvs (.trl-venv, .trl-ds-venv), outputs in .trl-out; ~6 min on two cores
 trl-check:
 	compat/run-trl.sh
 
