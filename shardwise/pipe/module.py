@@ -143,7 +143,7 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
-        self._checkpointable_by_chunk: list[list[bool]] = []  # per chunk, per block of the interval below
+        self._checkpointable_by_chunk: list[list[bool]] = []  # per chunk, per block of the interval (below)
         self.is_checkpointable_results_interval: int | None = None
 
         self._grid = ParallelGrid.for_topology(topology)  # the user's grid, if already built for it
@@ -172,6 +172,7 @@ class PipelineModule(nn.Module):
             self._build()
         self.tied_comms = self._index_tied_modules()
         self._synchronize_tied_weights()
+        self._precompute_checkpointable_values()
 
     # -- partitioning -----------------------------------------------------------------------------
     def _partition(self, method, total: int) -> list[int]:
@@ -308,6 +309,18 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = interval
         self._precompute_checkpointable_values()
 
+    @property
+    def activation_checkpoint_interval(self) -> int:
+        return self._checkpoint_interval
+
+    @activation_checkpoint_interval.setter
+    def activation_checkpoint_interval(self, interval: int) -> None:
+        # Setting it (the engine does from the config, a user may) decides the blocks at once: forward only
+        # reads them (it changes no state, so a compiled forward keeps one graph).
+        self._checkpoint_interval = int(interval)
+        if "forward_funcs" in self.__dict__:
+            self._precompute_checkpointable_values()
+
     def _precompute_checkpointable_values(self) -> None:
         """Decide, once per interval, which blocks of ``activation_checkpoint_interval`` layers forward
         checkpoints (``is_checkpointable_results``: chunk 0's, as DeepSpeed's attribute)."""
@@ -341,7 +354,6 @@ class PipelineModule(nn.Module):
         interval = self.activation_checkpoint_interval
         if interval <= 0:
             return run(0, len(funcs))(forward_input)
-        self._precompute_checkpointable_values()  # the interval may have been set directly
         x = forward_input
         for start, checkpointable in zip(range(0, len(funcs), interval), self._checkpointable_by_chunk[chunk]):
             end = min(start + interval, len(funcs))
