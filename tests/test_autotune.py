@@ -98,7 +98,7 @@ def test_autotune_demo_gpt_within_budget_and_best_config_trains(tmp_path):
         "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "logs"), "job_name": "demo"},
         "autotuning": {"enabled": True, "start_profile_step": 1, "end_profile_step": 3,
                        "min_train_micro_batch_size_per_gpu": 2, "max_train_micro_batch_size_per_gpu": 8,
-                       "num_tuning_micro_batch_sizes": 2, "tuner_num_trials": 3, "tuner_type": "gridsearch",
+                       "num_tuning_micro_batch_sizes": 2, "tuner_num_trials": 2, "tuner_type": "gridsearch",
                        "results_dir": str(tmp_path / "results"), "exps_dir": str(tmp_path / "exps")},
     }
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
@@ -108,7 +108,7 @@ def test_autotune_demo_gpt_within_budget_and_best_config_trains(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     records = json.loads((tmp_path / "results" / "exps.json").read_text())
-    assert len(records) == 3  # tuner_num_trials bounds the real trials
+    assert len(records) == 2  # tuner_num_trials bounds the real trials (of the 8 the space holds)
     assert sorted(os.listdir(tmp_path / "exps")) == sorted(["model_info"] + [r["name"] for r in records])
     for r in records:
         m = r["metrics"]
@@ -121,7 +121,7 @@ def test_autotune_demo_gpt_within_budget_and_best_config_trains(tmp_path):
     assert optimal["train_micro_batch_size_per_gpu"] == best["settings"]["micro_batch"]
     assert "autotuning" not in optimal and optimal["csv_monitor"]["enabled"]
     summary = (tmp_path / "results" / "summary.txt").read_text()
-    assert f"best: {best['name']}" in summary and summary.count(" ok ") == 3
+    assert f"best: {best['name']}" in summary and summary.count(" ok ") == 2
 
     train = [sys.executable, "-m", "shardwise", "run", "--num_procs", "2", TRAIN, "--deepspeed",
              "--deepspeed_config", str(tmp_path / "results" / "ds_config_optimal.json"), "--steps", "4",
