@@ -214,14 +214,45 @@ def _all_cases(rank, world, folder):
     cases += [(2, 3, 2, False), (4, 3, 2, False), (2, 3, 2, False, True), (2, 3, 1, True)]
     _checkpoint((2, 3, 2, False), rank, world, folder + "/z3", [(1, 0, 2, False), (4, 2, 2, False)])  # saved at ZeRO-3
     return (run_subtests(_train, cases, rank, world), _checkpoint(SAVE, rank, world, folder, LOADS),
-            [_loop_block(leaf, rank, world) for leaf in ("api", "config", None)])
+            [_loop_block(leaf, rank, world) for leaf in ("api", "config", None)], _half_precision(rank))
+
+
+def _half_precision(rank, steps=3):
+    """ep 2 in fp16 (dynamic loss scale from 2^16: the first steps overflow and are skipped) and bf16 at
+    ZeRO-2 and ZeRO-3: per dtype, the losses and skipped steps of both stages (they must agree: the
+    overflow decision and the expert reduction are the same whichever stage shards the experts)."""
+    import shardwise
+    from shardwise.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    out = {}
+    for dtype, half in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        for stage in (2, 3):
+            net = Net(ep_size=2)
+            _set_experts(net, rank % 2)
+            opt = torch.optim.Adam(split_params_into_different_moe_groups_for_optimizer(
+                {"params": list(net.parameters()), "name": "all"}), lr=0.01)
+            engine, *_ = shardwise.initialize(model=net, optimizer=opt, config={
+                "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.05, dtype: {"enabled": True},
+                "zero_optimization": {"stage": stage, "stage3_prefetch_bucket_size": 10**6}})
+            losses = []
+            for step in range(steps):
+                xs, ys = _data(step, 4)
+                loss = engine(xs[rank].to(half), ys[rank].to(half))
+                engine.backward(loss)
+                engine.step()
+                losses.append(float(loss.detach()))
+            out[(dtype, stage)] = (losses, engine.skipped_steps)
+    return out
 
 
 def test_expert_parallel_matches_one_process_and_checkpoints_reshard(tmp_path):
     import shardwise
 
     results = run_distributed(_all_cases, 4, args=(str(tmp_path),), timeout=400)
-    for out, _, _ in results:
+    for *_, half in results:  # fp16 / bf16, ep 2: ZeRO-3 trains as ZeRO-2 (fp16 skipping the same steps)
+        assert half[("fp16", 2)] == half[("fp16", 3)] and half[("bf16", 2)] == half[("bf16", 3)], half
+        assert half[("fp16", 2)][1] > 0 and all(v == v for v in half[("fp16", 2)][0]), half  # some steps skipped
+    for out, _, _, _ in results:
         assert [(o["ep"], o["edp"]) for o in out[:9:3]] == [(1, 4), (2, 2), (4, 1)]
         assert all(o["has_moe"] for o in out) and [o["dims_expert"] for o in out[:9:3]] == [1, 2, 4]
         assert len(out) == 16
