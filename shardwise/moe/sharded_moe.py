@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardwise import comm
+from shardwise.comm.autograd import all_to_all
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 
@@ -191,22 +192,6 @@ class TopKGate(nn.Module):
 
 
 # -- the exchange ------------------------------------------------------------------------------------
-class _AllToAll(torch.autograd.Function):
-    """Rows ``[r * n / p, (r + 1) * n / p)`` go to rank ``r`` of ``group``; backward is the same exchange."""
-
-    @staticmethod
-    def forward(ctx, group, x: Tensor) -> Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        comm.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return None, _AllToAll.apply(ctx.group, grad)
-
-
 def all_to_all_bytes(*, hidden: int, num_experts: int, capacity: int, element_bytes: int) -> int:
     """Bytes one rank hands to ``all_to_all_single`` per MoE layer and training step: two exchanges forward
     and two backward, each of the whole ``[experts, capacity, hidden]`` buffer (the ``1 / ep_size`` of it
@@ -240,11 +225,11 @@ class MOELayer(nn.Module):
             if self.ep_group is None:
                 raise RuntimeError(f"MoE layer with ep_size {self.ep_size} has no expert-parallel group: "
                                    "train it through shardwise.initialize (or call set_deepspeed_parallelism())")
-            dispatched = _AllToAll.apply(self.ep_group, dispatched)
+            dispatched = all_to_all(dispatched, group=self.ep_group)
         out = self.experts(dispatched.reshape(self.ep_size, self.num_local_experts, -1, hidden))
         out = out.reshape(num_experts, -1, hidden)
         if self.ep_size > 1:
-            out = _AllToAll.apply(self.ep_group, out)
+            out = all_to_all(out, group=self.ep_group)
         return _decode(out.reshape(num_experts * capacity, hidden), slots, weights).reshape(input[0].shape)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from shardwise import comm
+from shardwise.comm.autograd import all_to_all
 from shardwise.param_attrs import add_external_param
 from shardwise.moe.autoep import dispatch
 from shardwise.moe.autoep.presets import LayerSpec
@@ -130,13 +131,13 @@ class AutoEPMoE(nn.Module):
         received = dispatch.exchange_counts(counts, ep_size=self.ep_size, group=self.ep_group)
         send = counts.view(self.ep_size, -1).sum(dim=1).tolist()
         recv = received.sum(dim=1).tolist()
-        got = dispatch._AllToAllV.apply(self.ep_group, rows, send, recv)
+        got = all_to_all(rows, group=self.ep_group, send=send, recv=recv)
         ids = dispatch.expert_ids_of(received)
         by_expert = torch.argsort(ids, stable=True)
         y = dispatch.run_experts(got.index_select(0, by_expert), received.sum(dim=0).tolist(), w13, w2,
                                  self.act_fn, grouped=self.use_grouped_mm)
         y = torch.empty_like(y).index_copy_(0, by_expert, y)
-        return dispatch._AllToAllV.apply(self.ep_group, y, recv, send)
+        return all_to_all(y, group=self.ep_group, send=recv, recv=send)
 
     def _stacked(self) -> tuple[Tensor, Tensor]:
         """``[local, 2 x inter, hidden]`` (gate rows then up rows, the model's fused layout) and

@@ -16,21 +16,6 @@ from torch import Tensor
 from shardwise import comm
 
 
-class _AllToAllV(torch.autograd.Function):
-    """Rows ``send[r]`` go to rank r of ``group``, ``recv[r]`` rows come from it; backward reverses it."""
-
-    @staticmethod
-    def forward(ctx, group, x: Tensor, send: list[int], recv: list[int]) -> Tensor:
-        ctx.group, ctx.send, ctx.recv = group, send, recv
-        out = x.new_empty((sum(recv), x.shape[1]))
-        comm.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return None, _AllToAllV.apply(ctx.group, grad.contiguous(), ctx.recv, ctx.send), None, None
-
-
 def exchange_counts(counts: Tensor, *, ep_size: int, group) -> Tensor:
     """``[ep_size, local experts]``: how many routes each rank of the group sends to each local expert."""
     received = torch.empty_like(counts)

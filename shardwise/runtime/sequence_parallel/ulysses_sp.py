@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from shardwise import comm
+from shardwise.comm.autograd import all_to_all
 from shardwise.utils.logging import logger
 
 _TILED = ("TiledMLP", "TiledFusedLogitsLoss", "SequenceTiledCompute", "sequence_tiled_compute")
@@ -38,28 +39,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class _DimZeroAllToAll(torch.autograd.Function):
-    """All-to-all along dim 0 (its size is the group size): row ``j`` goes to rank ``j``, and row ``j``
-    of the result came from rank ``j``. Its gradient is the same exchange of the incoming gradient."""
-
-    @staticmethod
-    def forward(ctx, group, x: torch.Tensor) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        comm.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        comm.all_to_all_single(out, grad, group=ctx.group)
-        return None, out
-
-
 def _all_to_all(group, x: torch.Tensor) -> torch.Tensor:
-    return _DimZeroAllToAll.apply(group, x)
+    return all_to_all(x, group=group)  # row j to rank j, row j of the result from rank j
 
 
 class UlyssesSPAttentionHF(torch.nn.Module):
