@@ -319,7 +319,23 @@ class FlatGradients:
         return 0
 
 
-class PooledBucketGradients:
+class PartitionGrads:
+    """The step's view of gradients kept only as this rank's partitions (``self.partitions``, one flat tensor
+    per group: stage 2 here, stage 3's ``UnitGradients``)."""
+
+    partitions: list[torch.Tensor]
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        return list(self.partitions)
+
+    def grad_of(self, f: Fragment) -> torch.Tensor:
+        return self.partitions[f.group][f.local : f.local + f.numel]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.partitions)
+
+
+class PooledBucketGradients(PartitionGrads):
     reduce_every_backward = True  # the full gradients do not outlive their bucket
     max_in_flight = 2
 
@@ -381,16 +397,6 @@ class PooledBucketGradients:
         if len(spare) < 2:
             spare.append(b.data)
         b.data = None
-
-    # -- for the step -----------------------------------------------------------------------
-    def owned_grads(self) -> list[torch.Tensor]:
-        return list(self.partitions)
-
-    def grad_of(self, f: Fragment) -> torch.Tensor:
-        return self.partitions[f.group][f.local : f.local + f.numel]
-
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.partitions)
 
     def transient_bytes(self, reducer) -> int:
         return reducer.transient_bytes(self.groups[0].param_buffer.element_size())

@@ -23,7 +23,7 @@ from shardwise.param_attrs import external_params, is_z3_leaf, zero_unit
 from shardwise.precision import PrecisionPolicy
 from shardwise.zero import param_offload as param_offload_view
 from shardwise.zero import registry
-from shardwise.zero.buckets import Bucket, BucketReducer
+from shardwise.zero.buckets import Bucket, BucketReducer, PartitionGrads
 from shardwise.zero.coordinator import ParamCoordinator, Unit
 from shardwise.zero.partitioned_param import gather_full, is_partitioned, owned_range, scatter_full_, shard_param_
 from shardwise.zero.partitioned_step import Fragment, PartitionedOptimizer, offload_device
@@ -53,7 +53,7 @@ class _UnitBuckets:
                 pos += size
 
 
-class UnitGradients:
+class UnitGradients(PartitionGrads):
     """The ``GradientStore`` of stage 3: a unit's gradients are packed rank-major into a short-lived
     bucket as they arrive (``param.grad`` is dropped at once), and this rank's row of the reduced
     bucket is added to the unit's gradient partition."""
@@ -103,16 +103,6 @@ class UnitGradients:
         u = self.layout.unit_of_bucket[b.position]
         self.partitions[u.index].add_(own)
         b.data = None
-
-    # -- for the step -----------------------------------------------------------------------
-    def owned_grads(self) -> list[torch.Tensor]:
-        return list(self.partitions)
-
-    def grad_of(self, f: Fragment) -> torch.Tensor:
-        return self.partitions[f.group][f.local : f.local + f.numel]
-
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.partitions)
 
 
 class Stage3Strategy(ZeroStrategy):
