@@ -225,6 +225,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         c = self.config
         return ReduceSettings(
             bucket_elements=int(c.zero_optimization.reduce_bucket_size),
+            bucket_size_given="reduce_bucket_size" in c.zero_optimization.model_fields_set,
             average=c.gradient_allreduce_op == "mean",
             prescale=bool(c.prescale_gradients),
             predivide_factor=float(c.gradient_predivide_factor),

@@ -27,7 +27,8 @@ The gradient stores of the flat layouts (where ``param.grad`` lives under stages
   every backward, gets a short-lived buffer from a small pool whose views
   become the members' ``param.grad`` (autograd accumulates straight into it);
   once reduced, this rank's chunk is added to a partition-sized buffer and the
-  bucket buffer goes back to the pool, which is emptied when backward ends.
+  bucket buffer goes back to the pool, which is emptied when backward ends
+  (kept for the next backward when the config gives ``reduce_bucket_size``).
 """
 
 from __future__ import annotations
@@ -340,9 +341,12 @@ class PooledBucketGradients(PartitionGrads):
     max_in_flight = 2
 
     def __init__(self, groups: list[FlatGroup], chunk_local: list[list[int]], world: int, *,
-                 accum_dtype: torch.dtype | None = None) -> None:
+                 accum_dtype: torch.dtype | None = None, keep_pool: bool = False) -> None:
         """``chunk_local[g][k]``: where this rank's chunk of bucket ``k`` of group ``g`` lies in its partition.
-        ``accum_dtype``: the partitions' dtype (where micro-steps accumulate) when not the parameters'."""
+        ``accum_dtype``: the partitions' dtype (where micro-steps accumulate) when not the parameters'.
+        ``keep_pool``: the (at most two) spare bucket buffers stay for the next backward instead of being
+        freed when backward ends (buckets sized by the user: DeepSpeed keeps its reduction buffers too)."""
+        self.keep_pool = keep_pool
         self.groups = groups
         self.chunk_local = chunk_local
         self.world = world
@@ -354,8 +358,10 @@ class PooledBucketGradients(PartitionGrads):
         """Nothing: ``param.grad`` are bucket views handed out as buckets are prepared."""
 
     def backward_finished(self) -> None:
-        """Every bucket is reduced: the pool lives for one backward, nothing bucket-sized outlives it."""
-        self._spare.clear()
+        """Every bucket is reduced: unless kept, the pool lives for one backward and nothing bucket-sized
+        outlives it."""
+        if not self.keep_pool:
+            self._spare.clear()
 
     def zero_(self) -> None:
         for buf in self.partitions:

@@ -50,6 +50,7 @@ class PartitionedStrategy(ZeroStrategy):
         ignore_unused_parameters: bool = True,
     ) -> None:
         self.optimizer = optimizer
+        self.reduce = reduce
         self.ignore_unused_parameters = ignore_unused_parameters
         self.precision = precision
         self.dp_group = dp_group
@@ -245,13 +246,19 @@ class Stage2Strategy(PartitionedStrategy):
 
     def _gradient_store(self) -> PooledBucketGradients:
         return PooledBucketGradients(self.groups, self.chunk_local, self.world,
-                                     accum_dtype=self.precision.grad_accum_dtype)
+                                     accum_dtype=self.precision.grad_accum_dtype,
+                                     keep_pool=self.reduce.bucket_size_given)
 
     def _bucket_elements(self, reduce: ReduceSettings, trainable) -> int:
-        """At stage 2 a bucket is a short-lived full-size copy of its gradients, alive until reduced:
-        a bucket as large as the model (the default ``reduce_bucket_size``, 5e8 elements) would be a
-        whole gradient buffer, more than stage 1 holds. Buckets are cut to 1/64 of the model (at least
-        2^18 elements), so the few alive at once stay a few percent of the model states."""
+        """At stage 2 a bucket is a short-lived full-size copy of its gradients, alive until reduced.
+
+        A ``reduce_bucket_size`` the config gives is used as given, as DeepSpeed does (the user chose
+        fewer, larger collectives over memory; with a size of the whole model stage 2 holds what stage 1
+        does). Left at its default (5e8 elements, more than most models: one bucket would be a whole
+        gradient buffer), buckets are cut to 1/64 of the model (at least 2^18 elements), so the few alive
+        at once stay a few percent of the model states."""
+        if reduce.bucket_size_given:
+            return reduce.bucket_elements
         total = sum(p.numel() for _, p in trainable)
         return min(reduce.bucket_elements, max(self.min_bucket_elements, -(-total // self.min_buckets)))
 

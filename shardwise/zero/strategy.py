@@ -30,6 +30,7 @@ class ReduceSettings:
     """How gradients are reduced across the data-parallel group."""
 
     bucket_elements: int = 500_000_000
+    bucket_size_given: bool = True  # False: the config left reduce_bucket_size at its default (stage 2 sizes its own)
     average: bool = True  # gradient_allreduce_op "mean"
     prescale: bool = False  # prescale_gradients: divide by world size before the sum
     predivide_factor: float = 1.0  # gradient_predivide_factor
