@@ -99,9 +99,6 @@ RULES: tuple[Rule, ...] = (
     Rule("expert parallelism (ep_size {expert}) with tensor, pipeline or sequence parallelism "
          "(tensor {tensor}, pipe {pipe}, sequence {sequence})", "expert > 1 with tensor, pipe or sequence > 1",
          lambda d: d.expert > 1 and d.tensor * d.pipe * d.sequence > 1, "not implemented yet"),
-    Rule("expert parallelism (ep_size {expert}) with optimizer offload at zero_optimization.stage {zero_stage}",
-         "expert > 1 with offload at ZeRO 1-2", lambda d: d.expert > 1 and d.offload_optimizer and d.zero_stage < 3,
-         "not implemented yet: offload the experts with stage 3"),
     Rule("expert parallelism (ep_size {expert}) with optimizer.type={compressed_optimizer}",
          "expert > 1 with a 1-bit optimizer", lambda d: d.expert > 1 and _compressed(d),
          "the 1-bit optimizers exchange whole replicated momentum; experts are not replicated"),

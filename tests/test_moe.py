@@ -109,7 +109,8 @@ def _train(case, rank, world, steps=2):
         torch.testing.assert_close(mine[name], p.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
     return {"ep": groups._get_expert_parallel_world_size(f"ep_size_{ep}"),
             "edp": groups._get_expert_data_parallel_world_size(f"ep_size_{ep}"),
-            "has_moe": engine.has_moe_layers, "dims_expert": engine.dims.expert}
+            "has_moe": engine.has_moe_layers, "dims_expert": engine.dims.expert,
+            "offload": sorted({getattr(s, "offload_device", "none") for s in getattr(engine.strategy, "strategies", [])})}
 
 
 def _checkpoint(case, rank, world, folder, loads):
@@ -208,6 +209,7 @@ LOADS = [(1, 0, 2, False), (4, 2, 2, False), (2, 0, 2, False), (2, 3, 2, False)]
 def _all_cases(rank, world, folder):
     cases = [(ep, stage, 2, False) for ep in (1, 2, 4) for stage in (0, 1, 2)]
     cases.append((2, 2, 1, True))  # top-1, dropless, experts 2 and 3 (ep rank 1) never chosen
+    cases += [(2, 1, 2, False, True), (4, 2, 2, False, True)]  # the optimizer offloaded (stepping during backward)
     cases += [(1, 3, 2, False), (1, 3, 1, True)]  # ZeRO-3, every expert on every rank; then two never chosen
     # ZeRO-3, experts sharded within their expert-data-parallel group; ep 2 also with the optimizer and the
     # parameters offloaded, and with the experts of ep rank 1 never chosen
@@ -255,8 +257,9 @@ def test_expert_parallel_matches_one_process_and_checkpoints_reshard(tmp_path):
     for out, _, _, _ in results:
         assert [(o["ep"], o["edp"]) for o in out[:9:3]] == [(1, 4), (2, 2), (4, 1)]
         assert all(o["has_moe"] for o in out) and [o["dims_expert"] for o in out[:9:3]] == [1, 2, 4]
-        assert len(out) == 16
-        assert [(o["ep"], o["edp"]) for o in out[12:14]] == [(2, 2), (4, 1)]
+        assert len(out) == 18
+        assert [(o["ep"], o["edp"]) for o in out[14:16]] == [(2, 2), (4, 1)]
+        assert [o["offload"] for o in out[10:12]] == [["cpu"], ["cpu"]]  # every part's optimizer offloaded
     _check_loop_blocks([r[2] for r in results])
     after = results[0][1]
     assert sum(".deepspeed_experts." in k for k in after) == EXPERTS * 4  # every expert, by global index
@@ -361,9 +364,8 @@ def test_bad_sizes_are_named():
     with pytest.raises(ValueError, match="MoE ep_size 2 with 1 data-parallel ranks"):
         shardwise.initialize(model=Net(ep_size=2), config={"train_batch_size": 1,
                                                            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    ParallelDims(data=2, expert=2, zero_stage=3, offload_optimizer=True).validate()  # (trains: test above)
-    with pytest.raises(ValueError, match=r"ep_size 2\) with optimizer offload at zero_optimization.stage 2"):
-        ParallelDims(data=2, expert=2, zero_stage=2, offload_optimizer=True).validate()
+    for stage in (1, 2, 3):  # (they train: the test above)
+        ParallelDims(data=2, expert=2, zero_stage=stage, offload_optimizer=True).validate()
 
 
 def test_expert_rank_lists_follow_deepspeeds_layout():
