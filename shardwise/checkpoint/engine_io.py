@@ -101,7 +101,7 @@ def save_checkpoint(engine, save_dir, *, writer: CheckpointWriter, tag=None, cli
             plan.write_now(name, tensors)
     rng_meta, rng_tensors = st.rng_state()
     plan.tensors[f"rank{rank}.safetensors"] = rng_tensors
-    plan.json_files[f"rank{rank}.json"] = {"rng": rng_meta}
+    plan.json_files[f"rank{rank}.json"] = {"rng": rng_meta, **_rank_settings(engine)}
     private = _rank_optimizer_state(engine)
     if private:  # per-rank optimizer state (1-bit optimizers' error feedback): one file per rank
         plan.tensors[f"optim_private_rank{rank}.safetensors"] = snapshot(private) if asynchronous else private
@@ -221,11 +221,13 @@ def read_checkpoint(engine, ckpt: Checkpoint, *, load_module_strict=True, load_o
 
     client_state, counters = {}, None
     if not load_module_only:
+        own = _own_rank_settings(ckpt)
         if load_opt:
-            st.load_group_settings(engine, manifest["optimizer"]["param_groups"])
+            st.load_group_settings(engine, own.get("param_groups", manifest["optimizer"]["param_groups"]))
         extra = ckpt.read("extra.safetensors")
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(join_state(manifest["lr_scheduler"], extra))
+        sched = own.get("lr_scheduler", manifest["lr_scheduler"])
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and sched is not None:
+            engine.lr_scheduler.load_state_dict(join_state(sched, extra))
         state = manifest["engine"]
         counters = StepCounters(global_steps=state["global_steps"], global_samples=state["global_samples"],
                                 micro_steps=state["micro_steps"], skipped_steps=state["skipped_steps"])
@@ -239,6 +241,30 @@ def read_checkpoint(engine, ckpt: Checkpoint, *, load_module_strict=True, load_o
             meta = json.loads(ckpt.check(f"rank{rank}.json").read_text())
             st.set_rng_state(meta["rng"], ckpt.read(f"rank{rank}.safetensors"))
     return str(ckpt.folder), client_state, counters
+
+
+def _rank_settings(engine) -> dict:
+    """This rank's optimizer group settings and scheduler state, kept beside its RNG state: the stages of a
+    pipeline may hold different param groups (a stage with MoE layers has the experts' groups too), and the
+    manifest's copy is rank 0's. (A scheduler state holding tensors stays rank 0's only.)"""
+    out = {}
+    if engine.optimizer is not None:
+        out["param_groups"] = st.optimizer_groups(engine)
+    if engine.lr_scheduler is not None:
+        sched, tensors = split_state(engine.lr_scheduler.state_dict(), "scheduler")
+        if not tensors:
+            out["lr_scheduler"] = sched
+    return out
+
+
+def _own_rank_settings(ckpt) -> dict:
+    """What ``_rank_settings`` saved for this rank, when the checkpoint has as many ranks as this run ({}
+    otherwise, or for checkpoints saved before it was kept: the manifest's, rank 0's, are used)."""
+    manifest, rank = ckpt.manifest, comm.get_rank()
+    if manifest["topology"]["world_size"] != comm.get_world_size() or f"rank{rank}.json" not in manifest["files"]:
+        return {}
+    meta = json.loads(ckpt.check(f"rank{rank}.json").read_text())
+    return {k: meta[k] for k in ("param_groups", "lr_scheduler") if k in meta}
 
 
 def _rank_optimizer_state(engine) -> dict[str, torch.Tensor]:

@@ -31,8 +31,28 @@ def expert_parallel_size(model: torch.nn.Module) -> int:
     return max((layer.ep_size for layer in moe_layers(model)), default=1)
 
 
-def configure(module: torch.nn.Module) -> None:
-    """Create the groups of every MoE layer (collective) and arm the gradient pre-division."""
+def expert_parallel_sizes(model: torch.nn.Module, *, across_stages: bool = False) -> list[int]:
+    """The ``ep_size`` of every MoE layer of ``model``, sorted. ``across_stages`` (a pipeline: each stage builds
+    only its own layers): of every stage's, gathered over the world (collective), so that every rank sees the
+    same sizes, refuses the same combinations and creates the same groups."""
+    sizes = {layer.ep_size for layer in moe_layers(model)}
+    world = comm.get_world_size()
+    if across_stages and world > 1:
+        used = torch.zeros(world + 1, dtype=torch.int32)  # used[n]: some rank has a layer of ep_size n
+        used[[n for n in sizes if n <= world]] = 1
+        comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX)
+        sizes |= {int(n) for n in used.nonzero().flatten()}
+    return sorted(sizes)
+
+
+def configure(module: torch.nn.Module, *, across_stages: bool = False) -> None:
+    """Create the groups of every MoE layer (collective) and arm the gradient pre-division. ``across_stages``:
+    the groups of every stage's layers are created on every rank (process groups are created by the whole
+    world), this stage's layers then take theirs."""
+    if across_stages:
+        for size in expert_parallel_sizes(module, across_stages=True):
+            if size > 1:
+                groups._create_expert_and_data_parallel(size)
     for layer in moe_layers(module):
         layer.set_deepspeed_parallelism()
         if layer.ep_size == 1:

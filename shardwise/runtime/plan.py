@@ -87,9 +87,9 @@ def _expert_size(model) -> int:
     """The largest ``ep_size`` of the model's MoE layers: the expert axis (a sub-axis of data)."""
     if not isinstance(model, torch.nn.Module):
         return 1
-    from shardwise.moe.parallel import expert_parallel_size
+    from shardwise.moe.parallel import expert_parallel_sizes
 
-    return expert_parallel_size(model)
+    return max(expert_parallel_sizes(model, across_stages=_is_pipeline_module(model)), default=1)
 
 
 def _offloaded(block) -> bool:
