@@ -70,7 +70,7 @@ def initialize(
     if cfg.expert_parallel.enabled:  # AutoEP: the blocks and sizes checked before any group exists
         from shardwise.moe.autoep import check_sizes
 
-        data = comm.get_world_size() // (max(1, cfg.tensor_parallel.autotp_size) * max(1, cfg.sequence_parallel_size))
+        data = comm.get_world_size() // max(1, cfg.tensor_parallel.autotp_size)  # (x sequence: each rank's tokens)
         check_sizes(model, cfg.expert_parallel, data_size=data)
     grid, dims = plan_grid(cfg, mpu=mpu, model=model, optimizer=optimizer)  # every size, validated once
     grid.activate()  # DeepSpeed's group accessors (utils.groups, mpu views) answer from the engine's grid

@@ -93,12 +93,12 @@ _ONEBIT = "the 1-bit optimizers average the momentum of whole, replicated tensor
 
 # The table of allowed combinations: anything not refused here trains (docs/engine.md prints it).
 RULES: tuple[Rule, ...] = (
-    Rule("MoE ep_size {expert} with {data} data-parallel ranks", "expert size not dividing data",
-         lambda d: d.data % d.expert != 0,
-         "the experts of a layer are split over ep_size ranks of the data axis: ep_size must divide it"),
-    Rule("expert parallelism (ep_size {expert}) with tensor or sequence parallelism "
-         "(tensor {tensor}, sequence {sequence})", "expert > 1 with tensor or sequence > 1",
-         lambda d: d.expert > 1 and d.tensor * d.sequence > 1, "not implemented yet"),
+    Rule("MoE ep_size {expert} with {data} data-parallel x {sequence} sequence-parallel ranks",
+         "expert size not dividing data x sequence", lambda d: (d.data * d.sequence) % d.expert != 0,
+         "the experts of a layer are split over ep_size ranks of the data axis (with sequence parallelism, of "
+         "data x sequence: every rank routes its own tokens): ep_size must divide it"),
+    Rule("expert parallelism (ep_size {expert}) with tensor parallelism (tensor {tensor})",
+         "expert > 1 with tensor > 1", lambda d: d.expert > 1 and d.tensor > 1, "not implemented yet"),
     Rule("expert parallelism (ep_size {expert}) with optimizer.type={compressed_optimizer}",
          "expert > 1 with a 1-bit optimizer", lambda d: d.expert > 1 and _compressed(d),
          "the 1-bit optimizers exchange whole replicated momentum; experts are not replicated"),

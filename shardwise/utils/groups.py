@@ -137,6 +137,8 @@ def _data_axis_rank_lists() -> list[list[int]]:
         return [list(range(comm.get_world_size()))]
     topology = getattr(grid, "topology", None)
     if topology is not None and "data" in topology.axes:
+        if "sequence" in topology.axes and topology.get_dim("sequence") > 1:  # every rank routes its own tokens:
+            return _sequence_data_rank_lists(topology)  # experts split over data x sequence
         return topology.axis_groups("data")
     import torch.distributed as dist
 
@@ -145,6 +147,17 @@ def _data_axis_rank_lists() -> list[list[int]]:
     everyone = [None] * comm.get_world_size()
     dist.all_gather_object(everyone, sorted(mine))
     return [list(r) for r in sorted({tuple(r) for r in everyone})]
+
+
+def _sequence_data_rank_lists(topology) -> list[list[int]]:
+    """The ranks of each (pipe, model) coordinate, data-major then sequence: DeepSpeed's sequence-data groups."""
+    by_rest: dict[tuple, list[int]] = {}
+    for rank in range(topology.world_size):
+        coord = topology.get_coord(rank)
+        rest = tuple(coord.get(a, 0) for a in topology.axes if a not in ("data", "sequence"))
+        by_rest.setdefault(rest, []).append(rank)
+    return [sorted(ranks, key=lambda r: (topology.get_coord(r).get("data"), topology.get_coord(r).get("sequence")))
+            for ranks in by_rest.values()]
 
 
 def _split_data_ranks(data_ranks: list[int], ep: int, data_before_expert: bool):

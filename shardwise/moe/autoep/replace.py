@@ -20,8 +20,9 @@ def check_sizes(model: nn.Module, cfg, *, data_size: int) -> list:
     blocks = find_blocks(model, cfg)
     ep = cfg.autoep_size
     if data_size % ep:
-        raise ValueError(f"expert_parallel.autoep_size={ep} does not divide the data-parallel size {data_size}: "
-                         "the experts of a layer are split over autoep_size ranks of the data axis")
+        raise ValueError(f"expert_parallel.autoep_size={ep} does not divide the data-parallel size {data_size} "
+                         "(times sequence_parallel_size): the experts of a layer are split over autoep_size ranks of "
+                         "the data axis")
     for name, module, preset in blocks:
         spec = spec_of(module, preset, cfg)
         if spec.num_experts % ep:

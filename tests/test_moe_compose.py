@@ -1,5 +1,6 @@
-"""Expert parallelism inside a pipeline: MoE layers on one stage of pipe 2 x data 2 (ep 2 over that stage's
-data ranks) train as one process does on the same layers (fp32, rtol 1e-6 per step)."""
+"""Expert parallelism composed with pipeline and sequence parallelism, against one process (fp32, rtol 1e-6
+per step): MoE layers on one stage of pipe 2 x data 2 (ep 2 over that stage's data ranks); AutoEP on a
+Hugging Face Qwen3-MoE under Ulysses sequence parallelism (ep 2 over the two sequence ranks)."""
 
 from __future__ import annotations
 
@@ -132,3 +133,97 @@ def test_expert_parallel_inside_a_pipeline_matches_one_process(tmp_path):
             for name in held:
                 torch.testing.assert_close(out["state"][name], names[name].detach(), rtol=1e-6, atol=1e-7,
                                            msg=lambda m: f"ZeRO {zero} {name}: {m}")
+
+
+# -- AutoEP under Ulysses sequence parallelism -----------------------------------------------------------
+VOCAB = 64
+
+
+def _sample(seed, length):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (1, length), generator=g)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    return {"input_ids": ids, "position_ids": torch.arange(length)[None], "labels": labels}
+
+
+SAMPLES = [_sample(10 + k, n) for k, n in enumerate((12, 8, 10, 6))]  # rank j's loader: SAMPLES[j::2]
+
+
+def _qwen3_moe():
+    from autoep_models import tiny_model
+
+    model = tiny_model("qwen3_moe").train()
+    model.set_attn_implementation("sdpa")  # (what Ulysses wraps: the same in the reference)
+    return model
+
+
+def _sp_reference():
+    model = _qwen3_moe()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for s in SAMPLES:
+        loss = model(**s).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _sp_autoep(stage, rank, world):
+    import shardwise
+    from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    from shardwise.utils import groups, safe_get_full_fp32_param
+
+    model = _qwen3_moe()
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=world,
+        micro_batch_size=1, seq_length_is_variable=True)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    engine, *_ = shardwise.initialize(model=model, optimizer=opt, mpu=mpu, config={
+        "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": world, "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": stage}, "expert_parallel": {"enabled": True, "autoep_size": 2}})
+    assert engine.dims.expert == 2 and engine.dims.sequence == world and engine.dims.data == 1
+    batches = UlyssesSPDataLoaderAdapter(SAMPLES[rank::world], sp_rank=groups._get_sequence_parallel_rank(),
+                                         sp_group=groups._get_sequence_parallel_group(), sp_world_size=world,
+                                         device=engine.device)
+    losses = []
+    for batch in batches:
+        batch = dict(batch)
+        shift_labels = batch.pop("shift_labels")
+        logits = engine(**batch).logits
+        loss = engine.module.loss_function(logits=logits, labels=None, shift_labels=shift_labels, vocab_size=VOCAB)
+        good = (shift_labels != -100).view(-1).sum()  # the whole sequence's loss: shards weighted by their tokens
+        per_rank = torch.distributed.nn.functional.all_gather(loss, group=groups._get_sequence_parallel_group())
+        counts = torch.distributed.nn.functional.all_gather(good, group=groups._get_sequence_parallel_group())
+        loss = sum(per_rank[r] * counts[r] for r in range(world)) / sum(counts)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    state = engine.strategy.module_state_dict(engine.module)  # every expert (the other rank's gathered)
+    return losses, {k: v.clone() for k, v in state.items()}
+
+
+def _sp_cases(rank, world):
+    return run_subtests(_sp_autoep, [0, 3], rank, world)  # ZeRO-0; ZeRO-3 (experts sharded: edp 1 here)
+
+
+def test_autoep_under_sequence_parallelism_matches_one_process():
+    want, params = _sp_reference()
+    runs = run_distributed(_sp_cases, 2, timeout=240)
+    for losses, state in [run for per_rank in runs for run in per_rank]:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=0)
+        assert len(state) > len(params)  # (per-expert names: compared in the model's fused layout below)
+        for name, want_p in params.items():
+            prefix, _, leaf = name.rpartition(".")
+            experts = range(want_p.shape[0]) if prefix.endswith("mlp.experts") else ()
+            if leaf == "gate_up_proj":
+                got = torch.stack([torch.cat([state[f"{prefix}.{e}.gate_proj.weight"],
+                                              state[f"{prefix}.{e}.up_proj.weight"]]) for e in experts])
+            elif leaf == "down_proj" and experts:
+                got = torch.stack([state[f"{prefix}.{e}.down_proj.weight"] for e in experts])
+            else:
+                got = state[name]
+            torch.testing.assert_close(got, want_p, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
