@@ -41,10 +41,11 @@ class UlyssesSPViTAttention(torch.nn.Module):
         cls, patches = hidden_states[:, :skip], hidden_states[:, skip:]
         full, lens = gather_sequence(patches, self.process_group, dim=1)
         out = self.attn(torch.cat([cls, full], dim=1) if skip else full, **kwargs)
-        first, extra = (out[0], tuple(out[1:])) if isinstance(out, (tuple, list)) else (out, ())
+        many = isinstance(out, (tuple, list))
+        first = out[0] if many else out
         start = skip + sum(lens[:comm.get_rank(self.process_group)])
         mine = first[:, start:start + patches.shape[1]]
         if skip:
             mine = torch.cat([first[:, :skip], mine], dim=1)
         mine = mine.contiguous()
-        return (mine, *extra) if extra else mine
+        return (mine, *out[1:]) if many else mine  # the wrapped module's tuple, its first item replaced
