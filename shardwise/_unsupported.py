@@ -24,8 +24,11 @@ NOT_SUPPORTED: dict[str, str] = {
     "model_implementations": "DeepSpeed's fused inference model implementations are not implemented",
     "compression": "the compression library was removed from DeepSpeed too (only deepspeed.compression.helper's "
                    "recursive_getattr/recursive_setattr remain, in the compat package)",
-    "sequence": "only deepspeed.sequence.layer.DistributedAttention is provided (FPDT, AutoSP and the vocab-parallel "
-                "cross-entropy are not); for Hugging Face models see shardwise.runtime.sequence_parallel",
+    "sequence.fpdt_layer": "FPDT (fully pipelined distributed transformer) is not implemented; for Hugging Face "
+                           "models see shardwise.runtime.sequence_parallel",
+    "sequence.cross_entropy": "the vocab-parallel cross-entropy is not implemented",
+    "sequence.linear_cross_entropy": "the vocab-parallel cross-entropy is not implemented",
+    "sequence.vocab_parallel_ops": "the vocab-parallel cross-entropy is not implemented",
     "linear": "DeepSpeed's OptimizedLinear / LoRA-quantized linear is not implemented",
     "compile": "DeepCompile is not implemented; engine.compile() compiles each block with torch.compile "
                "(docs/compile.md)",

@@ -53,6 +53,8 @@ _HERE = Path(__file__).resolve().parent
 # DeepSpeed paths whose shardwise module has another name (the rest map deepspeed.X.Y -> shardwise.X.Y).
 PATHS: dict[str, str] = {
     "runtime.activation_checkpointing.checkpointing": "shardwise.checkpointing",  # one module, one set of settings
+    "sequence.auto_sp": "shardwise.sequence.autosp.detect",  # AutoSP (docs/sequence-parallel.md)
+    "sequence.autosp_vit": "shardwise.sequence.autosp.vit",
 }
 
 
