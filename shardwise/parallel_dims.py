@@ -97,8 +97,9 @@ RULES: tuple[Rule, ...] = (
          "expert size not dividing data x sequence", lambda d: (d.data * d.sequence) % d.expert != 0,
          "the experts of a layer are split over ep_size ranks of the data axis (with sequence parallelism, of "
          "data x sequence: every rank routes its own tokens): ep_size must divide it"),
-    Rule("expert parallelism (ep_size {expert}) with tensor parallelism (tensor {tensor})",
-         "expert > 1 with tensor > 1", lambda d: d.expert > 1 and d.tensor > 1, "not implemented yet"),
+    Rule("expert parallelism (ep_size {expert}) with tensor parallelism (tensor {tensor}) and sequence "
+         "parallelism (sequence {sequence})", "expert > 1 with tensor > 1 and sequence > 1",
+         lambda d: d.expert > 1 and d.tensor > 1 and d.sequence > 1, "not implemented yet"),
     Rule("expert parallelism (ep_size {expert}) with optimizer.type={compressed_optimizer}",
          "expert > 1 with a 1-bit optimizer", lambda d: d.expert > 1 and _compressed(d),
          "the 1-bit optimizers exchange whole replicated momentum; experts are not replicated"),

@@ -359,9 +359,13 @@ def test_bad_sizes_are_named():
 
     with pytest.raises(ValueError, match=r"num_experts \(3\) is not divisible by ep_size \(2\)"):
         MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=3, ep_size=2)
-    with pytest.raises(ValueError, match="MoE ep_size 3 with 4 data-parallel ranks: not supported"):
+    with pytest.raises(ValueError, match="MoE ep_size 3 with 4 data-parallel x 1 sequence-parallel ranks: not supp"):
         ParallelDims(data=4, expert=3).validate()
-    with pytest.raises(ValueError, match="MoE ep_size 2 with 1 data-parallel ranks"):
+    ParallelDims(data=1, sequence=2, expert=2).validate()  # (every rank routes its own tokens: test_moe_compose)
+    ParallelDims(data=2, tensor=2, expert=2, zero_stage=3).validate()
+    with pytest.raises(ValueError, match=r"ep_size 2\) with tensor parallelism \(tensor 2\) and sequence"):
+        ParallelDims(data=2, tensor=2, sequence=2, expert=2).validate()
+    with pytest.raises(ValueError, match="MoE ep_size 2 with 1 data-parallel x 1 sequence-parallel ranks"):
         shardwise.initialize(model=Net(ep_size=2), config={"train_batch_size": 1,
                                                            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     for stage in (1, 2, 3):  # (they train: the test above)

@@ -53,14 +53,34 @@ def configure(module: torch.nn.Module, *, across_stages: bool = False) -> None:
         for size in expert_parallel_sizes(module, across_stages=True):
             if size > 1:
                 groups._create_expert_and_data_parallel(size)
+    tp = groups.get_tensor_model_parallel_world_size()
     for layer in moe_layers(module):
         layer.set_deepspeed_parallelism()
-        if layer.ep_size == 1:
+        shared = 1  # how many tensor ranks share each expert's slots
+        if tp > 1:
+            shared = _share_slots(layer, tp)
+        # the expert-data-parallel reduction averages over (data / ep_size) x tensor ranks; with the slots
+        # shared each of them saw 1 / tensor of the tokens: the gradient is scaled by shared / ep_size first
+        scale = shared / layer.ep_size
+        if scale == 1:
             continue
         for p in layer.get_submodule(layer.local_experts_path).parameters():
             if not getattr(p, "_shardwise_ep_divided", False) and p.requires_grad:
-                p.register_hook(lambda g, n=layer.ep_size: g / n)
+                p.register_hook(lambda g, c=scale: g * c)
                 p._shardwise_ep_divided = True
+
+
+def _share_slots(layer, tp: int) -> int:
+    """Under tensor parallelism: the tensor ranks share every expert's slots (DeepSpeed's ``MoE``: returns
+    ``tp``), or, a block that cannot (AutoEP's), each runs all of them at ``ep_size`` 1 (returns 1)."""
+    inner = getattr(layer, "deepspeed_moe", layer)  # DeepSpeed's MoE keeps its token exchange there
+    if hasattr(inner, "_set_tp_group"):
+        inner._set_tp_group(groups.get_tensor_model_parallel_group(), tp)
+        return tp
+    if layer.ep_size > 1:
+        raise ValueError(f"{type(layer).__name__} with ep_size {layer.ep_size} and tensor parallelism (tensor "
+                         f"{tp}) is not implemented yet (DeepSpeed's MoE layer is; or use ep_size 1)")
+    return 1
 
 
 def broadcast_experts(module: torch.nn.Module) -> None:
@@ -74,15 +94,14 @@ def broadcast_experts(module: torch.nn.Module) -> None:
 
 
 def build_strategy(build, *, module, named_params, optimizer, dp_group, zero_stage: int = 0) -> ZeroStrategy:
-    """``build(named_params=, optimizer=, dp_group=)`` makes one ordinary strategy; split when an expert
-    group is smaller than the data axis (an ``ep_size`` above 1). ZeRO-3 is not split: one strategy shards
+    """``build(named_params=, optimizer=, dp_group=)`` makes one ordinary strategy; split when an expert-data-
+    parallel group is not the data axis (an ``ep_size`` above 1, or tensor parallelism). ZeRO-3 is not split: one strategy shards
     each expert parameter within its expert-data-parallel group (``partition_group``), the rest over the
     data axis."""
-    dp_size = comm.get_world_size(dp_group)
     by_group: dict[str, list] = {}
     dense = []
     for name, p in named_params:
-        if is_moe_param(p) and groups._get_expert_data_parallel_world_size(p.group_name) != dp_size:
+        if is_moe_param(p) and not _reduced_over(p, dp_group):
             by_group.setdefault(p.group_name, []).append((name, p))
         else:
             dense.append((name, p))
@@ -115,10 +134,19 @@ def build_strategy(build, *, module, named_params, optimizer, dp_group, zero_sta
     return ExpertSplitStrategy(parts, optimizer=optimizer, module=module)
 
 
+def _reduced_over(p: torch.nn.Parameter, dp_group) -> bool:
+    """Whether expert parameter ``p``'s expert-data-parallel group is ``dp_group`` itself (``ep_size`` 1
+    without tensor parallelism): then it is reduced and partitioned as a dense parameter."""
+    edp = sorted(groups._get_expert_data_parallel_group_ranks(p.group_name))
+    dp = sorted(torch.distributed.get_process_group_ranks(dp_group)) if dp_group is not None else \
+        list(range(comm.get_world_size()))
+    return edp == dp
+
+
 def partition_group(p: torch.nn.Parameter, dp_group):
     """The group ZeRO-3 shards ``p`` over: an expert parameter (DeepSpeed's tagging: ``allreduce`` False,
     ``group_name``) its expert-data-parallel group, any other the data axis."""
-    if is_moe_param(p) and groups._get_expert_data_parallel_world_size(p.group_name) != comm.get_world_size(dp_group):
+    if is_moe_param(p) and not _reduced_over(p, dp_group):
         return groups._get_expert_data_parallel_group(p.group_name)
     return dp_group
 

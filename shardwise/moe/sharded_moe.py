@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from shardwise import comm
 from shardwise.comm.autograd import all_to_all
+from shardwise.tensor_parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 
@@ -206,21 +207,31 @@ class MOELayer(nn.Module):
         self.gate, self.experts = gate, experts
         self.ep_group = None
         self.ep_group_name, self.ep_size, self.num_local_experts = ep_group_name, ep_size, num_local_experts
+        self.tp_group, self.tp_size = None, 1
         self.l_aux = self.exp_counts = self.last_capacity = None
 
     def _set_ep_group(self, ep_group) -> None:
         self.ep_group = ep_group
         self.gate._set_ep_group(ep_group)
 
+    def _set_tp_group(self, tp_group, tp_size: int) -> None:
+        """Under tensor parallelism the tokens are the same on every tensor rank: each rank sends its
+        ``1 / tp_size`` of every expert's slots, and the expert outputs are all-gathered back (DeepSpeed's
+        ``drop_tokens`` / ``gather_tokens``)."""
+        self.tp_group, self.tp_size = tp_group, tp_size
+
     def forward(self, *input: Tensor, **kwargs) -> Tensor:
         hidden = input[0].shape[-1]
         x = input[0].reshape(-1, hidden)
         used_token = input[1] if len(input) > 1 else None
         self.l_aux, capacity, num_experts, index, locations, weights, self.exp_counts = self.gate(x, used_token)
-        capacity = self.last_capacity = int(capacity)  # (benchmarks/moe.py: the all-to-all buffer size)
+        capacity = int(capacity)
+        capacity = self.last_capacity = -(-capacity // self.tp_size) * self.tp_size  # (the all-to-all buffer size)
         slots = torch.where(index >= 0, index.long() * capacity + locations.long(),
                             torch.full_like(index, num_experts * capacity, dtype=torch.long))
         dispatched = _encode(x, slots, num_experts * capacity).view(num_experts, capacity, hidden)
+        if self.tp_size > 1:  # this tensor rank's share of every expert's slots (backward: all-gathered)
+            dispatched = scatter_to_sequence_parallel_region(dispatched, self.tp_group, dim=1)
         if self.ep_size > 1:
             if self.ep_group is None:
                 raise RuntimeError(f"MoE layer with ep_size {self.ep_size} has no expert-parallel group: "
@@ -230,6 +241,9 @@ class MOELayer(nn.Module):
         out = out.reshape(num_experts, -1, hidden)
         if self.ep_size > 1:
             out = all_to_all(out, group=self.ep_group)
+        if self.tp_size > 1:  # every tensor rank's slots again (backward: this rank's share of the gradient)
+            out = gather_from_sequence_parallel_region(out.reshape(num_experts, -1, hidden), self.tp_group, dim=1,
+                                                       tensor_parallel_output_grad=False)
         return _decode(out.reshape(num_experts * capacity, hidden), slots, weights).reshape(input[0].shape)
 
 

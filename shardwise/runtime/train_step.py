@@ -186,6 +186,8 @@ def norm_scope(strategy, *, grid, module: torch.nn.Module, skip=frozenset()) -> 
         return NormScope(group=strategy.dp_group)
     tensor_rank = grid.get_tensor_model_parallel_rank() if tensor_size > 1 else 0
     sharded = {n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+    if not strategy.norm_is_local:  # MoE experts: partitioned over expert-data groups that span the tensor ranks
+        sharded |= _expert_names(module)
     skip = frozenset(skip)
 
     def counted(name: str) -> bool:
@@ -197,6 +199,15 @@ def norm_scope(strategy, *, grid, module: torch.nn.Module, skip=frozenset()) -> 
     if model_group is None and grid.get_data_parallel_world_size() > 1:  # a user's mpu without that group
         return NormScope(group=None, counted=counted, contributes=grid.get_data_parallel_rank() == 0)
     return NormScope(group=model_group, counted=counted)
+
+
+def _expert_names(module: torch.nn.Module) -> set[str]:
+    """Every name an expert parameter has: local, and global (as the partitioned strategies name them)."""
+    from shardwise.moe.parallel import global_expert_names
+    from shardwise.moe.utils import is_moe_param
+
+    local = {n for n, p in module.named_parameters() if is_moe_param(p)}
+    return local | {g for n, g in global_expert_names(module).items() if n in local}
 
 
 def clipped_step(strategy, scope: NormScope, *, loss_scale: float, clip: float, check_overflow: bool,

@@ -137,9 +137,7 @@ def _data_axis_rank_lists() -> list[list[int]]:
         return [list(range(comm.get_world_size()))]
     topology = getattr(grid, "topology", None)
     if topology is not None and "data" in topology.axes:
-        if "sequence" in topology.axes and topology.get_dim("sequence") > 1:  # every rank routes its own tokens:
-            return _sequence_data_rank_lists(topology)  # experts split over data x sequence
-        return topology.axis_groups("data")
+        return _expert_rank_lists(topology)
     import torch.distributed as dist
 
     group = grid.get_data_parallel_group()
@@ -149,15 +147,21 @@ def _data_axis_rank_lists() -> list[list[int]]:
     return [list(r) for r in sorted({tuple(r) for r in everyone})]
 
 
-def _sequence_data_rank_lists(topology) -> list[list[int]]:
-    """The ranks of each (pipe, model) coordinate, data-major then sequence: DeepSpeed's sequence-data groups."""
-    by_rest: dict[tuple, list[int]] = {}
+def _expert_rank_lists(topology) -> list[list[int]]:
+    """Per pipeline stage, the ranks experts are split over, in DeepSpeed's order: tensor rank 0's data
+    ranks, then tensor rank 1's, ... (TP-strided), each data rank followed by its sequence peers. With
+    sequence parallelism every rank routes its own tokens; with tensor parallelism every tensor rank runs
+    1 / tensor of each expert's slots. So expert-parallel groups (consecutive blocks) stay within one tensor
+    rank, and an expert-data-parallel group spans the tensor ranks."""
+    stages: dict[int, list[int]] = {}
     for rank in range(topology.world_size):
-        coord = topology.get_coord(rank)
-        rest = tuple(coord.get(a, 0) for a in topology.axes if a not in ("data", "sequence"))
-        by_rest.setdefault(rest, []).append(rank)
-    return [sorted(ranks, key=lambda r: (topology.get_coord(r).get("data"), topology.get_coord(r).get("sequence")))
-            for ranks in by_rest.values()]
+        stages.setdefault(topology.get_coord(rank).get("pipe", 0), []).append(rank)
+
+    def order(rank):
+        c = topology.get_coord(rank)
+        return c.get("model", 0), c.get("data", 0), c.get("sequence", 0)
+
+    return [sorted(ranks, key=order) for _, ranks in sorted(stages.items())]
 
 
 def _split_data_ranks(data_ranks: list[int], ep: int, data_before_expert: bool):
