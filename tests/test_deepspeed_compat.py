@@ -402,6 +402,46 @@ def test_autotuning_flag_hands_over_to_autotune(tmp_path, monkeypatch):
     assert [o.script_args for o in launched] == [[f"--deepspeed_config={best}"]]
 
 
+_ZERO_LINEAR_PROBE = r"""
+# DeepSpeed's ZeRO-3 linear: nn.Linear's values and gradients (1-3 dim inputs, with and without bias, fp32 and under
+# autocast), saving for backward only the tensors it was given (no lower-precision copies), autocast off stays fp32
+import functools, os, tempfile
+import deepspeed.runtime.zero.linear as zl
+assert zl.autocast_custom_fwd.func is torch.amp.custom_fwd and zl.autocast_custom_fwd.keywords == {"device_type": "cpu"}
+torch.manual_seed(0)
+for shape, bias, cast in [(s, b, c) for s in [(5,), (3, 5), (2, 3, 5)] for b in (True, False) for c in (False, True)]:
+    ref = torch.nn.Linear(5, 4, bias=bias)
+    mine = zl.LinearModuleForZeroStage3(5, 4, bias=bias)
+    mine.load_state_dict(ref.state_dict())
+    x = torch.randn(*shape, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    saved = []
+    with torch.autocast("cpu", enabled=cast):
+        a = ref(x)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            b = mine(x2)
+    assert b.dtype == a.dtype == (torch.bfloat16 if cast else torch.float32)
+    given = {x2.data_ptr(), mine.weight.data_ptr()} | ({mine.bias.data_ptr()} if bias else set())
+    assert {t.data_ptr() for t in saved if t is not None} <= given and all(t.dtype == torch.float32 for t in saved if t is not None)
+    g = torch.randn_like(a)
+    a.backward(g); b.backward(g)
+    pairs = [(b, a), (x2.grad, x.grad), (mine.weight.grad, ref.weight.grad)] + ([(mine.bias.grad, ref.bias.grad)] if bias else [])
+    for m, r in pairs:
+        assert m.dtype == r.dtype and torch.equal(m, r), (shape, bias, cast)
+with torch.autocast("cpu", enabled=False):
+    assert zl.zero3_linear_wrap(torch.randn(2, 5), mine.weight).dtype == torch.float32
+# zero_to_fp32.get_optim_files: DeepSpeed's *_optim_states.pt files of a folder, numbers in order
+from deepspeed.utils.zero_to_fp32 import get_optim_files, get_fp32_state_dict_from_zero_checkpoint
+folder = tempfile.mkdtemp()
+names = [f"zero_pp_rank_{i}_mp_rank_00_optim_states.pt" for i in (0, 1, 2, 10)] + ["mp_rank_00_model_states.pt"]
+for n in names:
+    open(os.path.join(folder, n), "w").close()
+assert get_optim_files(folder) == [os.path.join(folder, n) for n in names[:4]]
+with pytest.raises(FileNotFoundError, match="_optim_states.pt"):
+    get_optim_files(tempfile.mkdtemp())
+"""
+
+
 _COMPAT_PROBE = r"""
 import sys, warnings
 import pytest, torch
@@ -493,6 +533,7 @@ for cls in (DeepSpeedZeroOptimizer, FP16_Optimizer):
         cls()
 from deepspeed.git_version_info import torch_info
 assert is_current_accelerator_supported() and torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
+""" + _ZERO_LINEAR_PROBE + """
 print("ok")
 """
 
