@@ -67,6 +67,7 @@ ENGINE_METHODS = [
     ("zero_optimization_stage", []), ("zero_optimization", []), ("fp16_enabled", []), ("bfloat16_enabled", []),
     ("zero_offload_optimizer", []), ("zero_cpu_offload", []), ("gradient_clipping", []),
     ("set_gradient_accumulation_boundary", ["is_boundary"]), ("was_step_applied", []), ("optimizer_name", []),
+    ("allreduce_gradients", ["bucket_size"]),
     ("set_train_batch_size", ["train_batch_size"]), ("get_data_parallel_rank", []),
     ("get_data_parallel_world_size", []), ("destroy", []), ("zero_gather_16bit_weights_on_model_save", []),
     ("_zero3_consolidated_16bit_state_dict", ["exclude_frozen_parameters"]),
