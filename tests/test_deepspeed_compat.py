@@ -67,6 +67,7 @@ ENGINE_METHODS = [
     ("zero_optimization_stage", []), ("zero_optimization", []), ("fp16_enabled", []), ("bfloat16_enabled", []),
     ("zero_offload_optimizer", []), ("zero_cpu_offload", []), ("gradient_clipping", []),
     ("set_gradient_accumulation_boundary", ["is_boundary"]), ("was_step_applied", []), ("optimizer_name", []),
+    ("allreduce_gradients", ["bucket_size"]),
     ("set_train_batch_size", ["train_batch_size"]), ("get_data_parallel_rank", []),
     ("get_data_parallel_world_size", []), ("destroy", []), ("zero_gather_16bit_weights_on_model_save", []),
     ("_zero3_consolidated_16bit_state_dict", ["exclude_frozen_parameters"]),
@@ -208,6 +209,31 @@ def test_seed_scheduler_example_client_optimizer_wins(caplog):
     assert lrs == [0.001, 0.0023546349804879152]
     won = [r for r in caplog.records if "client optimizer" in r.getMessage()]
     assert len(won) == 1 and "'optimizer' block (type Adam) is not used" in won[0].getMessage()
+
+
+def test_engine_optimizer_optimizer_names_the_torch_optimizer():
+    """DeepSpeed's ``engine.optimizer.optimizer`` (the torch optimizer under its ZeRO wrapper) is engine.optimizer
+    itself here: its state counts the steps the engine took (ZeRO-1, bf16, 2 accumulation steps); an optimizer that
+    already has an ``optimizer`` attribute (a wrapper of its own) keeps it."""
+    import shardwise
+
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 1}, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    engine, opt, *_ = shardwise.initialize(model=model, config=config)
+    for _ in range(6):
+        engine.backward(engine(torch.randn(2, 4, dtype=torch.bfloat16)).float().pow(2).mean())
+        engine.step()
+    inner = opt.optimizer
+    assert inner is opt is engine.optimizer
+    assert {int(inner.state[p]["step"]) for g in inner.param_groups for p in g["params"]} == {engine.global_steps} == {3}
+
+    class Wrapped(torch.optim.SGD):
+        optimizer = "its own"
+    engine, opt, *_ = shardwise.initialize(model=torch.nn.Linear(2, 2), optimizer=Wrapped([torch.nn.Parameter(
+        torch.ones(1))], lr=0.1), config={"train_batch_size": 1})
+    assert opt.optimizer == "its own"
 
 
 # -------------------------------------------------------------------------- elasticity
@@ -402,6 +428,46 @@ def test_autotuning_flag_hands_over_to_autotune(tmp_path, monkeypatch):
     assert [o.script_args for o in launched] == [[f"--deepspeed_config={best}"]]
 
 
+_ZERO_LINEAR_PROBE = r"""
+# DeepSpeed's ZeRO-3 linear: nn.Linear's values and gradients (1-3 dim inputs, with and without bias, fp32 and under
+# autocast), saving for backward only the tensors it was given (no lower-precision copies), autocast off stays fp32
+import functools, os, tempfile
+import deepspeed.runtime.zero.linear as zl
+assert zl.autocast_custom_fwd.func is torch.amp.custom_fwd and zl.autocast_custom_fwd.keywords == {"device_type": "cpu"}
+torch.manual_seed(0)
+for shape, bias, cast in [(s, b, c) for s in [(5,), (3, 5), (2, 3, 5)] for b in (True, False) for c in (False, True)]:
+    ref = torch.nn.Linear(5, 4, bias=bias)
+    mine = zl.LinearModuleForZeroStage3(5, 4, bias=bias)
+    mine.load_state_dict(ref.state_dict())
+    x = torch.randn(*shape, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    saved = []
+    with torch.autocast("cpu", enabled=cast):
+        a = ref(x)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            b = mine(x2)
+    assert b.dtype == a.dtype == (torch.bfloat16 if cast else torch.float32)
+    given = {x2.data_ptr(), mine.weight.data_ptr()} | ({mine.bias.data_ptr()} if bias else set())
+    assert {t.data_ptr() for t in saved if t is not None} <= given and all(t.dtype == torch.float32 for t in saved if t is not None)
+    g = torch.randn_like(a)
+    a.backward(g); b.backward(g)
+    pairs = [(b, a), (x2.grad, x.grad), (mine.weight.grad, ref.weight.grad)] + ([(mine.bias.grad, ref.bias.grad)] if bias else [])
+    for m, r in pairs:
+        assert m.dtype == r.dtype and torch.equal(m, r), (shape, bias, cast)
+with torch.autocast("cpu", enabled=False):
+    assert zl.zero3_linear_wrap(torch.randn(2, 5), mine.weight).dtype == torch.float32
+# zero_to_fp32.get_optim_files: DeepSpeed's *_optim_states.pt files of a folder, numbers in order
+from deepspeed.utils.zero_to_fp32 import get_optim_files, get_fp32_state_dict_from_zero_checkpoint
+folder = tempfile.mkdtemp()
+names = [f"zero_pp_rank_{i}_mp_rank_00_optim_states.pt" for i in (0, 1, 2, 10)] + ["mp_rank_00_model_states.pt"]
+for n in names:
+    open(os.path.join(folder, n), "w").close()
+assert get_optim_files(folder) == [os.path.join(folder, n) for n in names[:4]]
+with pytest.raises(FileNotFoundError, match="_optim_states.pt"):
+    get_optim_files(tempfile.mkdtemp())
+"""
+
+
 _COMPAT_PROBE = r"""
 import sys, warnings
 import pytest, torch
@@ -493,6 +559,7 @@ for cls in (DeepSpeedZeroOptimizer, FP16_Optimizer):
         cls()
 from deepspeed.git_version_info import torch_info
 assert is_current_accelerator_supported() and torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
+""" + _ZERO_LINEAR_PROBE + """
 print("ok")
 """
 

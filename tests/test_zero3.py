@@ -31,6 +31,8 @@ def _train(rank, world, make, cfg):
         for m in range(gas):
             loss = mse(engine(xs[m * micro:(m + 1) * micro]), ys[m * micro:(m + 1) * micro])
             engine.backward(loss)
+            if s == 0 and m == gas - 1:
+                _check_averaged_gradients(engine, model)
             engine.step()
             total += loss.item() / gas
         t = torch.tensor(total)
@@ -40,6 +42,24 @@ def _train(rank, world, make, cfg):
 
     params = {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()}
     return losses, params
+
+
+def _check_averaged_gradients(engine, model):
+    """DeepSpeed's ``engine.optimizer.averaged_gradients``: {0: this rank's zero-padded chunk of each reduced
+    gradient (accumulated over the micro-steps)}, unit by unit; read before the step."""
+    from shardwise.utils import safe_get_full_grad
+    from shardwise.zero.partitioned_param import chunk_size, owned_range, unit_of
+
+    engine.allreduce_gradients()  # DeepSpeed's call: backward reduced them already, nothing changes
+    view = engine.optimizer.averaged_gradients
+    trainable = sorted((p for p in model.parameters() if p.requires_grad),
+                       key=lambda p: (unit_of(p).index, unit_of(p).position_of[id(p)]))
+    assert list(view) == [0] and len(view[0]) == len(trainable)
+    for p, got in zip(trainable, view[0]):
+        full = safe_get_full_grad(p).reshape(-1)  # (collective: same order on every rank)
+        start, end = owned_range(p)
+        assert got.numel() == chunk_size(p) and not got[end - start:].any()
+        assert torch.equal(got[: end - start], full[start:end])
 
 
 def _cases(world):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+import functools
+from types import UnionType
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import AllowInfNan, BaseModel, BeforeValidator, ConfigDict
+from pydantic import AllowInfNan, BaseModel, BeforeValidator, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
+
+from .errors import describe_value
 
 if TYPE_CHECKING:  # pragma: no cover
     from .loader import Report
@@ -17,10 +21,12 @@ class ConfigModel(BaseModel):
     """Base of every config block: unknown keys are rejected, and values must have their JSON type.
 
     The one type rule (strict mode): booleans are JSON ``true``/``false``, numbers are JSON
-    numbers, strings are strings. ``"32"``, ``"yes"``, ``1`` for a boolean or ``"1.5"`` for a
-    number are errors naming the key, never quietly converted. The single exception is the
-    string ``"auto"`` (Hugging Face templates), which the loader's pre-pass treats as "not set"
-    before validation. Integer keys still take integral floats (``5e8``), as in DeepSpeed.
+    numbers, strings are strings. ``"32"``, ``"yes"``, ``2`` for a boolean or ``"1.5"`` for a
+    number are errors naming the key, never quietly converted. The exceptions: the string
+    ``"auto"`` (Hugging Face templates), which the loader's pre-pass treats as "not set" before
+    validation; the integers ``0`` and ``1`` for a boolean (what pydantic's lax mode, and so
+    DeepSpeed, takes: configs written ``"zero_allow_untested_optimizer": 1`` exist); integral
+    floats (``5e8``) for an integer, as in DeepSpeed.
 
     Two class-level hooks are used by the loader's pre-pass (``loader.normalise``):
     ``renamed`` maps a deprecated key to its replacement, and ``upgrade`` may
@@ -29,6 +35,16 @@ class ConfigModel(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _booleans_from_0_and_1(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        flags = _boolean_fields(cls)
+        if not any(type(data.get(k)) is int and data[k] in (0, 1) for k in flags):
+            return data
+        return {k: bool(v) if k in flags and type(v) is int and v in (0, 1) else v for k, v in data.items()}
 
     renamed: ClassVar[dict[str, str]] = {}
 
@@ -42,6 +58,19 @@ class ConfigModel(BaseModel):
     def unknown_key_hint(cls, key: str) -> str | None:
         """A specific explanation for a key that does not belong here (or None)."""
         return None
+
+
+def _is_boolean(annotation: Any) -> bool:
+    """``bool`` or ``bool | None``."""
+    if annotation is bool:
+        return True
+    args = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else ()
+    return bool(args) and set(args) == {bool, type(None)}
+
+
+@functools.cache
+def _boolean_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(name for name, field in model.model_fields.items() if _is_boolean(field.annotation))
 
 
 def _reject_bool(kind: str):
@@ -60,10 +89,17 @@ def _integral(value: Any) -> Any:
     return value
 
 
+def _number(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # DeepSpeed's words ("must be a number"), shown by pydantic's ValidationError as well as by ConfigError
+        raise PydanticCustomError("shardwise_type", "must be a number, got {got}", {"got": describe_value(value)})
+    return value
+
+
 # JSON true/false are not numbers here (pydantic would quietly turn true into 1); strings are
 # not numbers either (strict mode). Integers accept integral floats, so 5e8 is fine.
 Int = Annotated[int, BeforeValidator(_integral)]
-Float = Annotated[float, BeforeValidator(_reject_bool("a number")), AllowInfNan(False)]
+Float = Annotated[float, BeforeValidator(_number), AllowInfNan(False)]
 
 
 _DTYPE_SPELLINGS = {

@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, PlainValidator, model_validator
+from pydantic import BeforeValidator, Field, PlainValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .errors import describe_value
 from .compile import CompileConfig
 from .hybrid import HybridEngineConfig
-from .base import ConfigModel, Float, Int, OptDType, case_insensitive
+from .base import ConfigModel, Float, Int, OptDType
 from .monitors import (AutotuningConfig, CometConfig, CommsLoggerConfig, CSVMonitorConfig,
                        ElasticityConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig, WandbConfig)
 from .precision import AmpConfig, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig, param_dtype_conflict
@@ -43,7 +43,17 @@ def _steps_per_print(value: Any) -> int | float:
 
 # a positive integer, or infinity: accelerate writes float("inf") for "never print"
 StepsPerPrint = Annotated[int | float, PlainValidator(_steps_per_print)]
-AllreduceOp = Annotated[Literal["mean", "sum"], case_insensitive("mean", "sum")]
+
+
+def _allreduce_op(value: Any) -> Any:
+    if isinstance(value, str) and value.lower() in ("mean", "sum"):
+        return value.lower()
+    # DeepSpeed's words first ("Invalid gradient_allreduce_op"), so code matching them still does
+    raise PydanticCustomError("shardwise_value", "Invalid gradient_allreduce_op {got}: expected 'mean' or 'sum'",
+                              {"got": describe_value(value)})
+
+
+AllreduceOp = Annotated[Literal["mean", "sum"], BeforeValidator(_allreduce_op)]
 
 # Blocks of features we accept as keys but do not model yet: free-form, and an
 # error from check_supported() as soon as they are switched on.
@@ -56,6 +66,18 @@ OTHER_BLOCKS = (
 
 def _block(factory):
     return Field(default_factory=factory)
+
+
+def _refuse_sum_with(data: dict[str, Any], report: "Report") -> None:
+    """``gradient_allreduce_op: sum`` beside ZenFlow or DeepCompile: refused first in DeepSpeed's words (shardwise
+    implements neither, so each is refused again on its own below)."""
+    if not (isinstance(data.get("gradient_allreduce_op"), str) and data["gradient_allreduce_op"].lower() == "sum"):
+        return
+    zero, compile_ = data.get("zero_optimization"), data.get("compile")
+    if isinstance(zero, dict) and zero.get("zenflow") is not None:
+        report.problem("gradient_allreduce_op: 'sum' is not supported with ZenFlow (zero_optimization.zenflow)")
+    if isinstance(compile_, dict) and compile_.get("deepcompile") is True:
+        report.problem("gradient_allreduce_op: 'sum' is not supported with DeepCompile (compile.deepcompile)")
 
 
 class ShardwiseConfig(ConfigModel):
@@ -135,6 +157,7 @@ class ShardwiseConfig(ConfigModel):
             report.warn(f"\"zero_optimization\": {str(zero).lower()} is deprecated; "
                         f"write \"zero_optimization\": {{\"stage\": {stage}}} instead")
             data["zero_optimization"] = {"stage": stage}
+        _refuse_sum_with(data, report)
         return data
 
     @model_validator(mode="after")

@@ -227,6 +227,15 @@ class EngineCompatMixin:
         gas = self.gradient_accumulation_steps()
         self._batch = BatchSizes(micro_batch_size * gas * self.dp_world_size, micro_batch_size, gas)
 
+    def allreduce_gradients(self, bucket_size=None) -> None:
+        """DeepSpeed's reduction of the gradients over the data-parallel group, which its ``backward`` calls at
+        the accumulation boundary. shardwise's ``backward`` reduces them itself (at the boundary; every
+        backward under ZeRO-2/3) and waits for the reductions, so after it nothing is left to reduce.
+        ``bucket_size`` is accepted for DeepSpeed's signature (the buckets are ``reduce_bucket_size``)."""
+        if not self.enable_backward_allreduce:
+            raise ValueError("engine.allreduce_gradients(): the gradient reduction is switched off "
+                             "(engine.enable_backward_allreduce is False: the optimizer exchanges them itself)")
+
     def was_step_applied(self) -> bool:
         """True if the last ``step()`` updated the weights (a boundary without overflow)."""
         return bool(getattr(self, "_step_applied", False))

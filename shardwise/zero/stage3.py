@@ -16,6 +16,8 @@ stage 2 (``PartitionedStrategy``), with units in the role of buckets.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from shardwise import comm
@@ -105,6 +107,35 @@ class UnitGradients(PartitionGrads):
         b.data = None
 
 
+class AveragedGradients(Mapping):
+    """DeepSpeed's ``optimizer.averaged_gradients`` under ZeRO-3, read when asked: ``{0: [...]}``, this rank's
+    partition (``ds_tensor``'s layout: ``ceil(numel / world)`` elements, zero-padded) of the reduced gradient of
+    each trainable parameter, unit by unit, as accumulated since the last step. One key: DeepSpeed keys them
+    by sub-group of the optimizer step, and shardwise steps every partition as one group. Views, not copies."""
+
+    def __init__(self) -> None:
+        self.stores: list[UnitGradients] = []  # (MoE: the expert and the non-expert strategies add theirs)
+
+    @classmethod
+    def attach(cls, optimizer, store: UnitGradients) -> None:
+        view = getattr(optimizer, "averaged_gradients", None)
+        if not isinstance(view, cls):
+            view = optimizer.averaged_gradients = cls()
+        view.stores.append(store)
+
+    def __getitem__(self, key):
+        if key != 0:
+            raise KeyError(key)
+        return [g.partitions[u.index][off : off + c] for g in self.stores for u in g.units
+                for p, off, c in zip(u.params, u.offsets, u.chunks) if p.requires_grad]
+
+    def __iter__(self):
+        return iter((0,))
+
+    def __len__(self) -> int:
+        return 1
+
+
 class Stage3Strategy(ZeroStrategy):
     stage = 3
     replicated = False
@@ -176,6 +207,8 @@ class Stage3Strategy(ZeroStrategy):
             reuse_distance=int(zc.stage3_max_reuse_distance) if zc is not None else 10**9,
         )
         self.parameter_offload = param_offload_view.attach(module, self.coordinator, optimizer)
+        if optimizer is not None:
+            AveragedGradients.attach(optimizer, self.gradients)
 
     # -- layout ---------------------------------------------------------------------------
     def _fragments(self) -> list[list[Fragment]]:
