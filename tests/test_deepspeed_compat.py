@@ -211,31 +211,6 @@ def test_seed_scheduler_example_client_optimizer_wins(caplog):
     assert len(won) == 1 and "'optimizer' block (type Adam) is not used" in won[0].getMessage()
 
 
-def test_engine_optimizer_optimizer_names_the_torch_optimizer():
-    """DeepSpeed's ``engine.optimizer.optimizer`` (the torch optimizer under its ZeRO wrapper) is engine.optimizer
-    itself here: its state counts the steps the engine took (ZeRO-1, bf16, 2 accumulation steps); an optimizer that
-    already has an ``optimizer`` attribute (a wrapper of its own) keeps it."""
-    import shardwise
-
-    torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
-              "zero_optimization": {"stage": 1}, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    engine, opt, *_ = shardwise.initialize(model=model, config=config)
-    for _ in range(6):
-        engine.backward(engine(torch.randn(2, 4, dtype=torch.bfloat16)).float().pow(2).mean())
-        engine.step()
-    inner = opt.optimizer
-    assert inner is opt is engine.optimizer
-    assert {int(inner.state[p]["step"]) for g in inner.param_groups for p in g["params"]} == {engine.global_steps} == {3}
-
-    class Wrapped(torch.optim.SGD):
-        optimizer = "its own"
-    engine, opt, *_ = shardwise.initialize(model=torch.nn.Linear(2, 2), optimizer=Wrapped([torch.nn.Parameter(
-        torch.ones(1))], lr=0.1), config={"train_batch_size": 1})
-    assert opt.optimizer == "its own"
-
-
 # -------------------------------------------------------------------------- elasticity
 
 DS_ELASTIC = {"elasticity": {"enabled": True, "max_train_batch_size": 10000, "micro_batch_sizes": [8, 12, 16, 17],

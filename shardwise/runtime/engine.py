@@ -104,10 +104,6 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         self._cast_module()
 
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
-        if self.optimizer is not None and not hasattr(self.optimizer, "optimizer"):
-            # DeepSpeed scripts read the torch optimizer under its ZeRO wrapper as engine.optimizer.optimizer;
-            # there is no wrapper here (engine.optimizer is that torch optimizer), so the name points to itself
-            self.optimizer.optimizer = self.optimizer
         if self.dims.compressed_optimizer is None and getattr(self.optimizer, "compressed_communication", False):
             self.dims = self.dims.replace(**optimizer_features(self.optimizer)).validate()  # built by a callable
         build = functools.partial(build_strategy, config.zero_optimization, aio=config.aio, module=self.module,
