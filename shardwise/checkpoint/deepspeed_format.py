@@ -25,7 +25,7 @@ Each rank's flat data is cut into (parameter name, flat range) fragments, exactl
 shardwise's own checkpoints store, and written as a native checkpoint (``convert_deepspeed_checkpoint``);
 ``engine.load_checkpoint`` does that into a temporary folder and loads it with the ordinary
 loader, which reshards to any world size and ZeRO stage (``loading.py`` tells the formats apart).  Files are read with the restricted
-unpickler of ``safe_unpickle.py``.
+unpickler of ``safe_unpickle.py``.  MoE checkpoints (expert files beside these) are read by ``deepspeed_moe.py``.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ DEEPSPEED_KEYS = frozenset({
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
     "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
+    "ds_autoep_layers",
 })
 _MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 # PipelineModule's per-layer files: layer_<index>[-model_<tensor-parallel rank>]-model_states.pt
@@ -738,7 +739,9 @@ def convert_deepspeed_checkpoint(ds_dir, out_dir, *, tag=None, param_names: list
         shutil.rmtree(plan.tmp)
     plan.tmp.mkdir()
     try:
-        reader = _Reader(folder, param_names, plan.tmp)
+        from shardwise.checkpoint.deepspeed_moe import MoEReader, is_moe_folder  # (it builds on _Reader)
+
+        reader = (MoEReader if is_moe_folder(folder) else _Reader)(folder, param_names, plan.tmp)
         try:
             reader.read()
         except DeepSpeedLayoutError as e:
