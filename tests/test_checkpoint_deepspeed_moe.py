@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed, run_subtests
-from shardwise.checkpoint.deepspeed_format import convert_deepspeed_checkpoint
+from shardwise.checkpoint.deepspeed_import import convert_deepspeed_checkpoint
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 _spec = importlib.util.spec_from_file_location("deepspeed_fixture_model", FIXTURES / "model.py")
@@ -66,7 +66,7 @@ def _continue(case, rank, world):
             dist.all_reduce(total)
         got.append((total.item() / ds_world, engine.get_lr()[0]))
     for (loss, lr), e in zip(got, record["continuation"]):
-        assert loss == pytest.approx(e["loss"], rel=LOSS_RTOL), f"{case} step {e['step']}: {loss} vs DeepSpeed's {e['loss']}"
+        assert loss == pytest.approx(e["loss"], rel=LOSS_RTOL), f"{case} step {e['step']}: {loss} vs {e['loss']}"
         assert lr == pytest.approx(e["lr"], rel=LR_RTOL), f"{case} step {e['step']}: lr {lr} vs DeepSpeed's {e['lr']}"
     return [loss for loss, _ in got]
 

@@ -90,9 +90,9 @@ class MoEReader(_Reader):
         for layer, count in enumerate(counts):
             missing = sorted(set(range(int(count))) - found.get(layer, set()))
             if missing and None not in found:
-                raise FileNotFoundError(f"DeepSpeed MoE checkpoint {self.folder}: MoE layer {layer} has {count} experts "
-                                        f"('num_experts' of {self.ms_path.name}) but the files of experts {missing} "
-                                        f"(layer_{layer}_expert_<e>_mp_rank_00_model_states.pt) are missing")
+                raise FileNotFoundError(f"DeepSpeed MoE checkpoint {self.folder}: MoE layer {layer} has {count} "
+                                        f"experts ('num_experts' of {self.ms_path.name}) but the files of experts "
+                                        f"{missing} (layer_{layer}_expert_<e>_mp_rank_00_model_states.pt) are missing")
 
     # -- naming ------------------------------------------------------------------------------
     def _global(self, local_name: str, ep: int, ep_rank: int, where) -> str:
@@ -104,8 +104,9 @@ class MoEReader(_Reader):
         prefix, j = m.group(1), int(m.group(2))
         experts = self.layers.get(prefix)
         if not experts or len(experts) % ep:
-            raise DeepSpeedLayoutError(f"{where}: expert group ep_size_{ep} holds '{local_name}', but the expert files "
-                                       f"hold {len(experts or {})} experts of {prefix.rstrip('.')}, not a multiple of {ep}")
+            raise DeepSpeedLayoutError(f"{where}: expert group ep_size_{ep} holds '{local_name}', but the expert "
+                                       f"files hold {len(experts or {})} experts of {prefix.rstrip('.')}, not a "
+                                       f"multiple of {ep}")
         return f"{prefix}{ep_rank * (len(experts) // ep) + j}.{m.group(3)}"
 
     def _expert_names(self, ep: int, ep_rank: int) -> list[str]:
@@ -259,7 +260,7 @@ class MoEReader(_Reader):
             need = sum(_numel(s) for s in shapes.values())
             for ep_rank in range(eps[g]):
                 if starts.get((g, ep_rank), 0) < need:
-                    raise DeepSpeedLayoutError(f"{self.folder}: the partitions of param group {g} (expert-parallel rank "
-                                               f"{ep_rank}) hold {starts.get((g, ep_rank), 0)} elements over their "
-                                               f"ranks, 'param_shapes' need {need}")
+                    raise DeepSpeedLayoutError(f"{self.folder}: the partitions of param group {g} (expert-parallel "
+                                               f"rank {ep_rank}) hold {starts.get((g, ep_rank), 0)} elements over "
+                                               f"their ranks, 'param_shapes' need {need}")
                 self.trainable += [n if eps[g] == 1 else self._global(n, eps[g], ep_rank, self.ms_path) for n in shapes]
