@@ -104,3 +104,17 @@ def test_missing_moe_files_are_named(fixture, remove, message, tmp_path):
     (tmp_path / "ds" / "global_step3" / remove).unlink()
     with pytest.raises((FileNotFoundError, ValueError), match=message):
         convert_deepspeed_checkpoint(tmp_path / "ds", tmp_path / "native")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("ds_autoep_layers", [{"layer": 0}], r"a DeepSpeed AutoEP checkpoint \(field 'ds_autoep_layers'\)"),
+    ("ds_config", {"use_data_before_expert_parallel_": True}, r"use_data_before_expert_parallel_=true"),
+])
+def test_unsupported_moe_layouts_are_named(field, value, message, tmp_path):
+    shutil.copytree(FIXTURES / "moe_zero2", tmp_path / "ds")
+    path = tmp_path / "ds" / "global_step3" / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)
+    states[field] = value
+    torch.save(states, path)
+    with pytest.raises(ValueError, match=message):
+        convert_deepspeed_checkpoint(tmp_path / "ds", tmp_path / "native")
