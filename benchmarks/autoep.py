@@ -10,7 +10,8 @@ Each configuration runs in ``--world`` processes (gloo, CPU, one thread each), t
 ``--seq`` tokens per rank and step. The configurations take turns (A B C A B C ...) for ``--rounds``
 rounds; reported per configuration: the median step time after one warm-up step (best round, slowest
 rank), tokens/s over the world, the ratio to the unmodified model, and the bytes one rank hands to
-``all_to_all_single`` per step, averaged over the ranks, against
+``all_to_all_single`` per step, averaged over the ranks (the median over the steps of each step's mean; every
+step's must equal the formula), against
 ``layers x (4 x tokens x k x hidden x 4 + experts x 8)`` (routes out and back, forward and backward, plus
 the count exchange; exact for the average, since the rows a rank receives sum over ranks to the rows sent).
 """
@@ -46,6 +47,7 @@ def _body(rank, world, ep, args):
 
     import shardwise
     from shardwise import comm
+    from shardwise.comm import autograd as comm_autograd
 
     torch.set_num_threads(1)
     model = _model(args)
@@ -62,6 +64,7 @@ def _body(rank, world, ep, args):
         return exchange(output, tensor, *a, **kw)
 
     comm.all_to_all_single = counted
+    comm_autograd.all_to_all_single = counted  # (the differentiable row exchange holds its own reference)
     ids = torch.randint(0, 512, (1, args.seq), generator=torch.Generator().manual_seed(rank))
     times, measured = [], []
     for _ in range(args.steps + 1):
@@ -72,7 +75,7 @@ def _body(rank, world, ep, args):
         engine.step()
         times.append(time.perf_counter() - t0)
         measured.append(sent[0])
-    return {"step_s": statistics.median(times[1:]), "a2a": statistics.median(measured[1:])}
+    return {"step_s": statistics.median(times[1:]), "a2a_steps": measured[1:]}
 
 
 def main() -> int:
@@ -88,15 +91,19 @@ def main() -> int:
     from distributed import run_distributed
 
     eps = [0] + [ep for ep in (1, 2, 4) if args.world % ep == 0 and args.experts % ep == 0]
+    formula = args.layers * (4 * args.seq * 2 * args.hidden * 4 + args.experts * 8)
     best: dict[int, dict] = {}
     for _ in range(args.rounds):
         for ep in eps:
             outs = run_distributed(_body, args.world, args=(ep, args), timeout=1800)
             step = max(o["step_s"] for o in outs)
+            # Bytes: each step's mean over the ranks (what the formula counts); the ranks' own medians over
+            # the steps would not add up, since a rank receives a different share of the rows each step.
+            per_step = [statistics.mean(o["a2a_steps"][i] for o in outs) for i in range(args.steps)]
             if ep not in best or step < best[ep]["step_s"]:
-                best[ep] = {"step_s": step, "a2a": statistics.mean(o["a2a"] for o in outs)}
+                best[ep] = {"step_s": step, "a2a": statistics.median(per_step),
+                            "a2a_off": max(abs(b - (formula if ep > 1 else 0)) for b in per_step)}
     base = best[0]["step_s"]
-    formula = args.layers * (4 * args.seq * 2 * args.hidden * 4 + args.experts * 8)
     print(f"Qwen3-MoE: world {args.world}, hidden {args.hidden}, {args.experts} experts top-2, {args.layers} layers, "
           f"{args.seq} tokens/rank/step, ZeRO-2, fp32")
     print(f"{'model':<28} {'step (s)':>9} {'tokens/s':>10} {'vs HF':>7} {'a2a bytes/step':>15} {'formula':>10}")
@@ -107,8 +114,8 @@ def main() -> int:
         expect = formula if ep > 1 else 0
         print(f"{what:<28} {b['step_s']:>9.4f} {args.world * args.seq / b['step_s']:>10.0f} "
               f"{base / b['step_s']:>6.2f}x {b['a2a']:>15.0f} {expect:>10}")
-        if b["a2a"] != expect:
-            print(f"  all-to-all bytes differ from the formula: {b['a2a']} vs {expect}")
+        if b["a2a_off"]:
+            print(f"  all-to-all bytes differ from the formula by up to {b['a2a_off']} in a step")
             status = 1
     return status
 

@@ -169,7 +169,8 @@ def _add_consolidate(sub: argparse._SubParsersAction) -> None:
         import tempfile
 
         from shardwise.checkpoint.consolidate import consolidate_checkpoint
-        from shardwise.checkpoint.deepspeed_format import convert_deepspeed_checkpoint, is_deepspeed_checkpoint
+        from shardwise.checkpoint.deepspeed_format import is_deepspeed_checkpoint
+        from shardwise.checkpoint.deepspeed_import import convert_deepspeed_checkpoint
 
         try:
             with tempfile.TemporaryDirectory(prefix="shardwise-from-deepspeed-") as tmp:
@@ -199,7 +200,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in DIR/latest)")
 
     def handle(ns: argparse.Namespace) -> int:
-        from shardwise.checkpoint.deepspeed_format import convert_deepspeed_checkpoint
+        from shardwise.checkpoint.deepspeed_import import convert_deepspeed_checkpoint
 
         try:
             print(convert_deepspeed_checkpoint(ns.from_deepspeed, ns.out, tag=ns.tag))

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 import ds_layout
 from distributed import run_distributed, run_subtests
-from shardwise.checkpoint.deepspeed_format import DeepSpeedLayoutError, convert_deepspeed_checkpoint
+from shardwise.checkpoint.deepspeed_format import DeepSpeedLayoutError
+from shardwise.checkpoint.deepspeed_import import convert_deepspeed_checkpoint
 from shardwise.checkpoint.fragments import FragmentReader
 from shardwise.checkpoint.manifest import open_checkpoint
 from shardwise.checkpoint.safe_unpickle import RefusedPickle

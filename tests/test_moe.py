@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -70,13 +72,26 @@ def _engine(case, rank):
     import shardwise
     from shardwise.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    ep, stage, k, starve, *offload = case
-    net = Net(ep_size=ep, k=k, drop_tokens=not starve)
-    _set_experts(net, rank % ep, starve=starve)
-    if rank >= ep:  # the other replicas start elsewhere: the engine copies the first one's experts
-        with torch.no_grad():
-            for p in net.moe.deepspeed_moe.experts.parameters():
-                p.add_(1.0)
+    ep, stage, k, starve, *options = case
+    offload, under_init = (list(options) + [False, False])[:2]
+    if under_init:  # built inside zero.Init: experts sharded within their expert-data-parallel group at once
+        from shardwise import zero
+        from shardwise.utils import groups
+
+        with zero.Init():
+            net = Net(ep_size=ep, k=k, drop_tokens=not starve)
+        group = groups._get_expert_data_parallel_group(f"ep_size_{ep}")
+        assert all(p.ds_process_group is group for p in net.moe.deepspeed_moe.experts.parameters())
+        assert net.inp.weight.ds_process_group is None
+        edit = zero.GatheredParameters(list(net.parameters()), modifier_rank=0)  # groups' first ranks
+    else:
+        net, edit = Net(ep_size=ep, k=k, drop_tokens=not starve), contextlib.nullcontext()
+    with edit:
+        _set_experts(net, rank % ep, starve=starve)
+        if rank >= ep:  # the other replicas start elsewhere: the engine copies the first one's experts
+            with torch.no_grad():
+                for p in net.moe.deepspeed_moe.experts.parameters():
+                    p.add_(1.0)
     groups_ = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "all"})
     opt = torch.optim.Adam(groups_, lr=0.01)
     zero = {"stage": stage, "stage3_prefetch_bucket_size": 10**6}  # (ZeRO-3: units as large as the model allows)
@@ -214,6 +229,7 @@ def _all_cases(rank, world, folder):
     # ZeRO-3, experts sharded within their expert-data-parallel group; ep 2 also with the optimizer and the
     # parameters offloaded, and with the experts of ep rank 1 never chosen
     cases += [(2, 3, 2, False), (4, 3, 2, False), (2, 3, 2, False, True), (2, 3, 1, True)]
+    cases.append((2, 3, 2, False, False, True))  # ep 2, ZeRO-3, the model built inside zero.Init
     _checkpoint((2, 3, 2, False), rank, world, folder + "/z3", [(1, 0, 2, False), (4, 2, 2, False)])  # saved at ZeRO-3
     return (run_subtests(_train, cases, rank, world), _checkpoint(SAVE, rank, world, folder, LOADS),
             [_loop_block(leaf, rank, world) for leaf in ("api", "config", None)], _half_precision(rank))
@@ -257,7 +273,7 @@ def test_expert_parallel_matches_one_process_and_checkpoints_reshard(tmp_path):
     for out, _, _, _ in results:
         assert [(o["ep"], o["edp"]) for o in out[:9:3]] == [(1, 4), (2, 2), (4, 1)]
         assert all(o["has_moe"] for o in out) and [o["dims_expert"] for o in out[:9:3]] == [1, 2, 4]
-        assert len(out) == 18
+        assert len(out) == 19
         assert [(o["ep"], o["edp"]) for o in out[14:16]] == [(2, 2), (4, 1)]
         assert [o["offload"] for o in out[10:12]] == [["cpu"], ["cpu"]]  # every part's optimizer offloaded
     _check_loop_blocks([r[2] for r in results])

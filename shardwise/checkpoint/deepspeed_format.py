@@ -22,10 +22,10 @@ A pipeline (``PipelineEngine``) checkpoint has no ``module``: each layer's state
 each stage s is ``mp_rank_<s>`` in the other files' names, its optimizer read as a data-parallel one.
 
 Each rank's flat data is cut into (parameter name, flat range) fragments, exactly what
-shardwise's own checkpoints store, and written as a native checkpoint (``convert_deepspeed_checkpoint``);
+shardwise's own checkpoints store, and written as a native checkpoint (``deepspeed_import.convert_deepspeed_checkpoint``);
 ``engine.load_checkpoint`` does that into a temporary folder and loads it with the ordinary
 loader, which reshards to any world size and ZeRO stage (``loading.py`` tells the formats apart).  Files are read with the restricted
-unpickler of ``safe_unpickle.py``.
+unpickler of ``safe_unpickle.py``.  MoE checkpoints (expert files beside these) are read by ``deepspeed_moe.py``.
 """
 
 from __future__ import annotations
@@ -34,18 +34,16 @@ import json
 import logging
 import math
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from shardwise.checkpoint.files import TMP_PREFIX, write_tensors
+from shardwise.checkpoint.files import write_tensors
 from shardwise.checkpoint.fragments import index_fragments
 from shardwise.checkpoint.manifest import FORMAT, VERSION, read_latest
 from shardwise.checkpoint.safe_unpickle import load_deepspeed_file
 from shardwise.checkpoint.serialize import split_state
-from shardwise.checkpoint.writer import SavePlan
 from shardwise.version import __version__
 
 logger = logging.getLogger("shardwise")
@@ -56,6 +54,7 @@ DEEPSPEED_KEYS = frozenset({
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
     "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
+    "ds_autoep_layers",
 })
 _MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 # PipelineModule's per-layer files: layer_<index>[-model_<tensor-parallel rank>]-model_states.pt
@@ -718,37 +717,3 @@ class _Reader:
             "rank_states": False,  # DeepSpeed saves no RNG states: no rank<r>.json/.safetensors
             "converted_from": {"deepspeed_version": str(ms.get("ds_version", "unknown")), "folder": str(self.folder)},
         }
-
-
-def convert_deepspeed_checkpoint(ds_dir, out_dir, *, tag=None, param_names: list[str] | None = None) -> Path:
-    """Write the DeepSpeed checkpoint ``ds_dir`` (``tag`` or ``latest``) as a native shardwise
-    checkpoint ``out_dir/<tag>`` (and ``out_dir/latest``); returns that folder.
-
-    ``param_names``: the trainable parameters in order, only needed for a ZeRO-0 checkpoint whose
-    optimizer holds fewer parameters than the module (DeepSpeed names none at stage 0)."""
-    folder = find_deepspeed_folder(ds_dir, tag)
-    if folder is None:
-        raise FileNotFoundError(f"{ds_dir}: no DeepSpeed checkpoint there (no *model_states.pt"
-                                f"{' in tag ' + str(tag) if tag is not None else ''}, and no 'latest')")
-    tag_name = folder.name
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plan = SavePlan(tmp=out_dir / f"{TMP_PREFIX}{tag_name}", final=out_dir / tag_name, rank=0, world=1)
-    if plan.tmp.exists():
-        shutil.rmtree(plan.tmp)
-    plan.tmp.mkdir()
-    try:
-        reader = _Reader(folder, param_names, plan.tmp)
-        try:
-            reader.read()
-        except DeepSpeedLayoutError as e:
-            raise DeepSpeedLayoutError(f"{e} [written by DeepSpeed {reader.ms.get('ds_version', '?')}]") from None
-        plan.manifest = reader.manifest(tag_name)
-        plan.written.update(reader.out.written)
-        for name, tensors in {"model.safetensors": reader.canonical, "extra.safetensors": reader.extra}.items():
-            plan.written[name] = (write_tensors(plan.tmp / name, tensors), 0)
-    except BaseException:
-        shutil.rmtree(plan.tmp, ignore_errors=True)
-        raise
-    plan.commit([plan.write_files()])
-    return plan.final

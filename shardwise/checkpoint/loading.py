@@ -1,7 +1,7 @@
 """``engine.load_checkpoint``: which format a folder holds, and one agreed outcome on every rank.
 
 The two readers sit below this module and do not know of each other: ``engine_io.read_checkpoint``
-reads a native checkpoint; ``deepspeed_format.convert_deepspeed_checkpoint`` turns DeepSpeed's own
+reads a native checkpoint; ``deepspeed_import.convert_deepspeed_checkpoint`` turns DeepSpeed's own
 layout into a native one (in a temporary folder, on each rank) for it to read.
 
 Reading runs no collective. Every rank reads its part to the end (or to its error), then the ranks
@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 from shardwise.checkpoint.agreement import agree_on_load
-from shardwise.checkpoint.deepspeed_format import convert_deepspeed_checkpoint, find_deepspeed_folder, \
-    pipeline_module_keys
+from shardwise.checkpoint.deepspeed_format import find_deepspeed_folder, pipeline_module_keys
+from shardwise.checkpoint.deepspeed_import import convert_deepspeed_checkpoint
 from shardwise.checkpoint.engine_io import read_checkpoint, wait_for_save
 from shardwise.checkpoint.manifest import list_tags, open_checkpoint
 from shardwise.checkpoint.writer import CheckpointWriter

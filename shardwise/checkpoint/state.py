@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -66,6 +67,8 @@ def optimizer_groups(engine) -> list[dict]:
 
 def load_group_settings(engine, saved: list[dict]) -> None:
     groups = engine.optimizer.param_groups
+    if len(saved) != len(groups) and len({json.dumps(h, sort_keys=True, default=repr) for h in saved}) == 1:
+        saved = saved[:1] * len(groups)  # groups that differed only in their parameters (e.g. DeepSpeed's MoE split)
     if len(saved) != len(groups):
         raise ValueError(f"checkpoint optimizer has {len(saved)} param groups, the current one {len(groups)}")
     for group, hyper in zip(groups, saved):

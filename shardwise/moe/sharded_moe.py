@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from shardwise import comm
 from shardwise.comm.autograd import all_to_all
+from shardwise.param_attrs import set_z3_leaf
 from shardwise.tensor_parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
@@ -168,6 +169,7 @@ class TopKGate(nn.Module):
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
             raise ValueError(f"MoE noisy_gate_policy={noisy_gate_policy!r}: must be one of 'None', 'Jitter', 'RSample'")
         self.wg = nn.Linear(model_dim, num_experts, bias=False)
+        set_z3_leaf(self, True)  # forward reads wg.weight without calling wg: ZeRO-3 gathers it on the gate's entry
         self.ep_group = ep_group
         self.k, self.capacity_factor, self.eval_capacity_factor = k, capacity_factor, eval_capacity_factor
         self.min_capacity, self.noisy_gate_policy = min_capacity, noisy_gate_policy

@@ -162,6 +162,10 @@ class TrainingStep:
     def restore(self, counters: StepCounters) -> None:
         self.global_steps, self.global_samples = counters.global_steps, counters.global_samples
         self.micro_steps, self.skipped_steps = counters.micro_steps, counters.skipped_steps
+        # Checkpoints hold no partly accumulated gradients: the next micro-batch starts a window. (A
+        # checkpoint saved with another gradient_accumulation_steps, e.g. DeepSpeed's at another world
+        # size, would otherwise put the boundary in the middle of it.)
+        self.micro_steps -= self.micro_steps % self._gas()
 
 
 # -- the norm over the right ranks, and the clipped step ----------------------------------------

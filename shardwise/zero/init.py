@@ -5,6 +5,7 @@ finished its constructor, so a model built inside the context never exists
 whole on any rank (at most one module's parameters at a time).
 ``Module.apply`` is wrapped while the context is active so that
 initialisation functions (``model.apply(init_fn)``) see whole parameters.
+MoE expert parameters are sharded within their expert-data-parallel group.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from shardwise import comm
 from shardwise.malloc import return_large_frees_to_the_os
 from shardwise.param_attrs import add_external_param
+from shardwise.utils import groups
 from shardwise.zero import registry
 from shardwise.zero.partitioned_param import (ZeroParamStatus, gather_full, is_partitioned, scatter_full_,
                                               shard_param_, unit_of)
@@ -105,7 +107,19 @@ class Init:
             if not is_partitioned(p):
                 if self.dtype is not None and p.is_floating_point():
                     p.data = p.data.to(self.dtype)
-                shard_param_(p, group=self.group)
+                shard_param_(p, group=self._group_of(p))
+
+    def _group_of(self, p: torch.nn.Parameter):
+        """An MoE expert parameter (DeepSpeed's tags: ``allreduce`` False, ``group_name`` ``ep_size_N``) is sharded
+        within its expert-data-parallel group, as the engine's ZeRO-3 shards it (the groups are created here,
+        over the whole world, when a data group was not given); any other parameter over the data group."""
+        name = getattr(p, "group_name", None)
+        if self.group is not None or getattr(p, "allreduce", True) or not str(name).startswith("ep_size_"):
+            return self.group
+        groups._create_expert_and_data_parallel(int(str(name)[len("ep_size_"):]))  # (once per name; collective)
+        if groups._get_expert_data_parallel_world_size(name) == comm.get_world_size():
+            return self.group
+        return groups._get_expert_data_parallel_group(name)
 
     def __enter__(self):
         if not self.enabled:
