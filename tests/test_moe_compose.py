@@ -114,15 +114,21 @@ def _train(stage, rank, world):
             "has_moe": engine.has_moe_layers, "state": {k: v.clone() for k, v in state.items()}}
 
 
-def _cases(rank, world, folder):
-    return run_subtests(_train, [0, 1, 2, 3], rank, world), _resume(1, rank, world, folder)
+def _four_ranks(rank, world, folder):
+    """One spawn for the 4-rank cases: the pipeline (ZeRO 0, 1, 3 and a resume at ZeRO-1), then tensor."""
+    return (run_subtests(_train, [0, 1, 3], rank, world), _resume(1, rank, world, folder),
+            run_subtests(_tensor_train, [(2, 0), (2, 2), (1, 2), (1, 3), (2, 3)], rank, world))
 
 
-def test_expert_parallel_inside_a_pipeline_matches_one_process(tmp_path):
-    results = run_distributed(_cases, 4, args=(str(tmp_path),), timeout=300)
-    for _, (want, got) in results:
+def test_expert_parallel_inside_a_pipeline_and_with_tensor_parallelism_matches_one_process(tmp_path):
+    results = run_distributed(_four_ranks, 4, args=(str(tmp_path),), timeout=400)
+    for _, (want, got), _ in results:
         assert want == got, (want, got)
-    results = [r[0] for r in results]
+    _check_pipeline([r[0] for r in results])
+    _check_tensor([r[2] for r in results])
+
+
+def _check_pipeline(results):
     want, ref = _reference(2)
     names = dict(ref.named_parameters())
     want = torch.tensor(want).mean(1)  # train_batch's loss: the mean over the data ranks, as DeepSpeed's
@@ -134,7 +140,7 @@ def test_expert_parallel_inside_a_pipeline_matches_one_process(tmp_path):
             assert sorted(out["state"]) == sorted(held), (zero, out["stage"])  # every expert, by global index
             for name in held:
                 torch.testing.assert_close(out["state"][name], names[name].detach(), rtol=1e-6, atol=1e-7,
-                                           msg=lambda m: f"ZeRO {zero} {name}: {m}")
+                                           msg=lambda m: f"case {zero} {name}: {m}")
 
 
 # -- AutoEP under Ulysses sequence parallelism -----------------------------------------------------------
@@ -209,7 +215,7 @@ def _sp_autoep(stage, rank, world):
 
 
 def _sp_cases(rank, world):
-    return run_subtests(_sp_autoep, [0, 3], rank, world)  # ZeRO-0; ZeRO-3 (experts sharded: edp 1 here)
+    return run_subtests(_sp_autoep, [3], rank, world)  # ZeRO-3 (experts sharded: edp 1 here)
 
 
 def test_autoep_under_sequence_parallelism_matches_one_process():
@@ -291,13 +297,9 @@ def _tensor_train(case, rank, world):
     return {"losses": losses, "d": d, "t": t, "state": {k: v.clone() for k, v in state.items()}}
 
 
-def _tensor_cases(rank, world):
-    return run_subtests(_tensor_train, [(2, 0), (2, 1), (2, 2), (1, 2), (1, 3), (2, 3)], rank, world)
-
-
-def test_expert_parallel_with_tensor_parallelism_matches_one_process():
+def _check_tensor(results):
     want, params = _tensor_reference(2)
-    for per_rank in run_distributed(_tensor_cases, 4, timeout=300):
+    for per_rank in results:
         for out in per_rank:
             torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(want)[:, out["d"]], rtol=1e-6, atol=0)
             for name, want_p in params.items():

@@ -55,9 +55,8 @@ class MoE(nn.Module):
     def _create_process_groups(self, use_data_before_expert_parallel_: bool = False) -> None:
         from shardwise.utils import groups
 
-        if self.expert_group_name not in groups._get_expert_parallel_group_dict():
-            groups._create_expert_and_data_parallel(self.ep_size,
-                                                    use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        groups._create_expert_and_data_parallel(self.ep_size,  # (made again only for another grid's layout)
+                                                use_data_before_expert_parallel_=use_data_before_expert_parallel_)
         self.deepspeed_moe._set_ep_group(groups._get_expert_parallel_group(self.expert_group_name))
 
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):

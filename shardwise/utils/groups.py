@@ -119,11 +119,12 @@ _EXPERT_PARALLEL_GROUP: dict = {}
 _EXPERT_PARALLEL_GROUP_RANKS: dict = {}
 _EXPERT_DATA_PARALLEL_GROUP: dict = {}
 _EXPERT_DATA_PARALLEL_GROUP_RANKS: dict = {}
+_EXPERT_LAYOUT: dict = {}  # name -> every (expert-parallel, expert-data-parallel) rank list the groups were cut to
 
 
 def _forget_expert_groups() -> None:
     for d in (_EXPERT_PARALLEL_GROUP, _EXPERT_PARALLEL_GROUP_RANKS, _EXPERT_DATA_PARALLEL_GROUP,
-              _EXPERT_DATA_PARALLEL_GROUP_RANKS):
+              _EXPERT_DATA_PARALLEL_GROUP_RANKS, _EXPERT_LAYOUT):
         d.clear()
 
 
@@ -195,14 +196,19 @@ def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expe
 def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False):
     """Create the groups of ``ep_size_{expert_parallel_size_}`` (collective: every rank creates every group)."""
     name = f"ep_size_{expert_parallel_size_}"
-    if name in _EXPERT_PARALLEL_GROUP:
-        return
     rank, ep = comm.get_rank(), expert_parallel_size_
+    layout = []
     for data_ranks in _data_axis_rank_lists():
         if len(data_ranks) % ep:
             raise ValueError(f"MoE ep_size {ep} does not divide the data-parallel size {len(data_ranks)} "
                              f"(data ranks {data_ranks})")
-        ep_groups, edp_groups = _split_data_ranks(data_ranks, ep, use_data_before_expert_parallel_)
+        layout.append(_split_data_ranks(data_ranks, ep, use_data_before_expert_parallel_))
+    # Made once per layout: the same every rank computes from the same grid, so every rank agrees whether to
+    # create them again (an engine on another grid in the same process: new groups, not the old grid's).
+    if _EXPERT_LAYOUT.get(name) == layout:
+        return
+    _EXPERT_LAYOUT[name] = layout
+    for ep_groups, edp_groups in layout:
         for table, ranks_table, lists in ((_EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_GROUP_RANKS, edp_groups),
                                           (_EXPERT_PARALLEL_GROUP, _EXPERT_PARALLEL_GROUP_RANKS, ep_groups)):
             for ranks in lists:

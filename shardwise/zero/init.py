@@ -116,7 +116,7 @@ class Init:
         name = getattr(p, "group_name", None)
         if self.group is not None or getattr(p, "allreduce", True) or not str(name).startswith("ep_size_"):
             return self.group
-        groups._create_expert_and_data_parallel(int(str(name)[len("ep_size_"):]))  # (once per name; collective)
+        groups._create_expert_and_data_parallel(int(str(name)[len("ep_size_"):]))  # (made once per layout; collective)
         if groups._get_expert_data_parallel_world_size(name) == comm.get_world_size():
             return self.group
         return groups._get_expert_data_parallel_group(name)

@@ -75,9 +75,8 @@ class AutoEPMoE(nn.Module):
         """Create (once per world) the ``ep_size_N`` groups and take this block's expert-parallel group."""
         from shardwise.utils import groups
 
-        if self.expert_group_name not in groups._get_expert_parallel_group_dict():
-            groups._create_expert_and_data_parallel(self.ep_size,
-                                                    use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        groups._create_expert_and_data_parallel(self.ep_size,  # (made again only for another grid's layout)
+                                                use_data_before_expert_parallel_=use_data_before_expert_parallel_)
         self.ep_group = groups._get_expert_parallel_group(self.expert_group_name)
         self.dp_group = groups.get_data_parallel_group()
 

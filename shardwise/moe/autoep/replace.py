@@ -39,8 +39,7 @@ def apply_autoep(model: nn.Module, cfg, *, optimizer=None, model_parameters=None
 
     ep = cfg.autoep_size
     name = f"ep_size_{ep}"
-    if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep)
+    groups._create_expert_and_data_parallel(ep)  # (made again only for another grid's layout)
     ep_rank = groups._get_expert_parallel_rank(name) if ep > 1 else 0
     sources: dict[int, list[torch.Tensor]] = {}
     for path, module, preset in find_blocks(model, cfg):
