@@ -417,6 +417,18 @@ class _Reader:
             self._read_flat_partitions()
         self.out.flush()
 
+    def _partition_states(self, osd, base, count: int, path, rank: int):
+        """A ZeRO-1/2 optimizer file's per-group flat states (with the step count), its alignment paddings
+        and slice mappings; rank 0's also gives the groups' settings and the loss scaler."""
+        states = _flat_states(base, count, path)
+        if "base_optimizer_state_step" in osd:
+            for s in states:
+                s.setdefault("step", torch.tensor(float(osd["base_optimizer_state_step"])))
+        if rank == 0:
+            self._groups_hyper(base, count)
+            self._scaler(osd.get("loss_scaler"))
+        return states, osd.get("param_alignment_paddings"), osd.get("param_slice_mappings")
+
     def _groups_hyper(self, opt_sd, count: int = 1) -> None:
         if isinstance(opt_sd, dict) and "param_groups" in opt_sd:
             # (FusedAdam / DeepSpeedCPUAdam groups also carry 'bias_correction' and a 'step' they never use)
@@ -465,15 +477,7 @@ class _Reader:
             if count is not None and int(count) != self.world:
                 raise DeepSpeedLayoutError(f"{path}: field 'partition_count' is {count} but dp_world_size {self.world}")
             base = _need(osd, "base_optimizer_state", path)
-            states = _flat_states(base, len(parts), path)
-            if "base_optimizer_state_step" in osd:
-                for s in states:
-                    s.setdefault("step", torch.tensor(float(osd["base_optimizer_state_step"])))
-            if rank == 0:
-                self._groups_hyper(base, len(parts))
-                self._scaler(osd.get("loss_scaler"))
-            align = osd.get("param_alignment_paddings")
-            mappings = osd.get("param_slice_mappings")
+            states, align, mappings = self._partition_states(osd, base, len(parts), path, rank)
             for g, (shapes, part) in enumerate(zip(self.param_shapes, parts)):
                 part = part.reshape(-1)
                 lo_r, hi_r = starts[g], starts[g] + part.numel()

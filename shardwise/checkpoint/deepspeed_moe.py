@@ -30,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.checkpoint.deepspeed_format import DeepSpeedLayoutError, _flat_states, _need, _numel, _Reader, \
-    _split_states
+from shardwise.checkpoint.deepspeed_format import DeepSpeedLayoutError, _need, _numel, _Reader, _split_states
 from shardwise.checkpoint.safe_unpickle import load_deepspeed_file
 
 logger = logging.getLogger("shardwise")
@@ -223,15 +222,7 @@ class MoEReader(_Reader):
                     raise DeepSpeedLayoutError(f"{path}: param group {g} (ep_size {ep}) has field 'partition_count' "
                                                f"{counts[g] if isinstance(counts, list) else counts}, expected "
                                                f"dp_world_size / ep_size = {self.world} / {ep}")
-            states = _flat_states(base, len(parts), path)
-            if "base_optimizer_state_step" in osd:
-                for s in states:
-                    s.setdefault("step", torch.tensor(float(osd["base_optimizer_state_step"])))
-            if rank == 0:
-                self._groups_hyper(base, len(parts))
-                self._scaler(osd.get("loss_scaler"))
-            align = osd.get("param_alignment_paddings")
-            mappings = osd.get("param_slice_mappings")
+            states, align, mappings = self._partition_states(osd, base, len(parts), path, rank)
             for g, (shapes, part) in enumerate(zip(self.param_shapes, parts)):
                 ep_rank = rank % eps[g]
                 part = part.reshape(-1)
