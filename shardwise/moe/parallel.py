@@ -94,10 +94,10 @@ def broadcast_experts(module: torch.nn.Module) -> None:
 
 
 def build_strategy(build, *, module, named_params, optimizer, dp_group, zero_stage: int = 0) -> ZeroStrategy:
-    """``build(named_params=, optimizer=, dp_group=)`` makes one ordinary strategy; split when an expert-data-
-    parallel group is not the data axis (an ``ep_size`` above 1, or tensor parallelism). ZeRO-3 is not split: one strategy shards
-    each expert parameter within its expert-data-parallel group (``partition_group``), the rest over the
-    data axis."""
+    """``build(named_params=, optimizer=, dp_group=)`` makes one ordinary strategy; split when an
+    expert-data-parallel group is not the data axis (an ``ep_size`` above 1, or tensor parallelism). ZeRO-3
+    is not split: one strategy shards each expert parameter within its expert-data-parallel group
+    (``partition_group``), the rest over the data axis."""
     by_group: dict[str, list] = {}
     dense = []
     for name, p in named_params:
