@@ -70,12 +70,12 @@ def _reference(dp):
     return losses, net
 
 
-def _engine(stage, rank, world, scheduler=None):
+def _engine(stage, rank, world, scheduler=None, ep=2):
     import shardwise
     from shardwise.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from shardwise.pipe import PipelineModule
 
-    pipe, dp, ep = 2, world // 2, 2
+    pipe, dp = 2, world // 2
     model = PipelineModule(_layers(ep, (rank % dp) % ep), num_stages=pipe, loss_fn=_loss, partition_method="uniform")
     opt = torch.optim.Adam(split_params_into_different_moe_groups_for_optimizer(
         {"params": [p for p in model.parameters()], "name": "all"}), lr=0.01)
@@ -105,8 +105,9 @@ def _resume(stage, rank, world, folder):
     return want, [_batch(loaded, step) for step in (2, 3)]
 
 
-def _train(stage, rank, world):
-    engine = _engine(stage, rank, world)
+def _train(case, rank, world):
+    stage, ep = case  # (ep 1: only the second stage has MoE layers, and no expert axis)
+    engine = _engine(stage, rank, world, ep=ep)
     d = engine.grid.get_data_parallel_rank()
     losses = [_batch(engine, step) for step in range(STEPS)]
     state = engine.strategy.module_state_dict(engine.module)
@@ -116,7 +117,7 @@ def _train(stage, rank, world):
 
 def _four_ranks(rank, world, folder):
     """One spawn for the 4-rank cases: the pipeline (ZeRO 0, 1, 3 and a resume at ZeRO-1), then tensor."""
-    return (run_subtests(_train, [0, 1, 3], rank, world), _resume(1, rank, world, folder),
+    return (run_subtests(_train, [(0, 2), (1, 2), (3, 2), (1, 1)], rank, world), _resume(1, rank, world, folder),
             run_subtests(_tensor_train, [(2, 0), (2, 2), (1, 2), (1, 3), (2, 3)], rank, world))
 
 

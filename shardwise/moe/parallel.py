@@ -50,9 +50,8 @@ def configure(module: torch.nn.Module, *, across_stages: bool = False) -> None:
     the groups of every stage's layers are created on every rank (process groups are created by the whole
     world), this stage's layers then take theirs."""
     if across_stages:
-        for size in expert_parallel_sizes(module, across_stages=True):
-            if size > 1:
-                groups._create_expert_and_data_parallel(size)
+        for size in expert_parallel_sizes(module, across_stages=True):  # (ep_size 1 too: its groups are made
+            groups._create_expert_and_data_parallel(size)  # by the whole world, like the others)
     tp = groups.get_tensor_model_parallel_world_size()
     for layer in moe_layers(module):
         layer.set_deepspeed_parallelism()

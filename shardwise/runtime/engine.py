@@ -93,8 +93,8 @@ class Engine(EngineCompatMixin, torch.nn.Module):
         _check_tensor_parallel_layers(model, self.tp_world_size)
         self.module = model.to(self.device)
         self.has_moe_layers, self.num_experts = has_moe_layers(self.module)
-        if self.has_moe_layers or (self.dims.expert > 1 and self.dims.pipe > 1):  # the expert groups, before
-            with grid.active():  # the experts' start weights are broadcast (a pipeline: on every stage)
+        if self.has_moe_layers or self.dims.pipe > 1:  # the expert groups, before the experts' start weights
+            with grid.active():  # are broadcast (a pipeline: on every stage, whether it has MoE layers or not)
                 moe_parallel.configure(self.module, across_stages=self.dims.pipe > 1)
         if self.tp_world_size > 1:  # norms/biases on sequence shards: sum their gradients over the tensor ranks
             sync_sequence_parallel_grads(self.module, grid.get_tensor_model_parallel_group())
