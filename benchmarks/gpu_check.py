@@ -163,6 +163,8 @@ def main() -> int:
     tol = 5e-3 if args.dtype == torch.bfloat16 else 1e-5
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
+        if device.index is None:  # "cuda" alone: the current device
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     from model import GPTConfig
 
