@@ -12,8 +12,8 @@ Measured in one run, taking turns, on the same folder:
   requests (fp32 weights + two optimizer states per file, 64 MiB each) written then read back,
   with aligned buffers (``store.empty``, zero-copy) and with ordinary ``torch.empty`` buffers
   (through the bounce buffers);
-- the previous store (buffered ``pwritev`` on ``aio.thread_count`` threads), when it is still
-  importable as ``shardwise.zero.offload.NvmeStore`` and is not the new one.
+- a buffered store (``pwritev`` on ``aio.thread_count`` threads), when a tree provides one as
+  ``shardwise.zero.offload.NvmeStore`` that is not ``nvme_io.NvmeStore`` (not in this tree).
 
 Write times include an ``fsync`` (otherwise a buffered writer is timed at page-cache speed);
 before each read the files' pages are dropped from the page cache (``posix_fadvise``), so reads

@@ -1,4 +1,4 @@
-"""Convergence of the 1-bit optimizers against their full-precision baselines (issue 31's measurement).
+"""Convergence of the 1-bit optimizers against their full-precision baselines.
 
     python benchmarks/onebit_convergence.py [--steps 80] [--freeze 10] [--lr 2e-3] [--seeds 0 1 2]
 
@@ -11,7 +11,7 @@ Not a timing benchmark: fine on a loaded machine.
 Variants (``name:variant``): ``ds`` is ``bias_correction: false`` (DeepSpeed's own formulas, for
 Lamb and OneBitLamb). OneBitLamb's ``rawcoeff`` / ``rawfresh`` each undo one of the two corrections
 shardwise makes after warm-up with ``bias_correction: true`` (the trust-ratio average's start from 0,
-the fresh variance's; docs/onebit.md), ``old`` undoes both (the code before issue 31), and
+the fresh variance's; docs/onebit.md), ``old`` undoes both, and
 ``nofactor`` holds the variance factor at 1 (the frozen trust-ratio average alone).
 """
 

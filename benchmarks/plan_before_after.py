@@ -2,7 +2,7 @@
 
     python benchmarks/plan_before_after.py --before /path/to/old/tree --after . [--steps 20] [--repeats 3]
 
-Made for refactors that must not change speed (the "one parallel plan" rework): every case runs in
+Made for changes that must not change speed (refactors): every case runs in
 fresh processes with ``PYTHONPATH`` set to one tree, the trees alternate (A B A B ...) so machine
 drift hits both, and the table shows the median step time of rank 0 after warm-up per tree and the
 ratio after/before. The model is the reference GPT (``shardwise.models.gpt``), fp32, AdamW.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DeepSpeed's own unit tests through the compat package (issue 28): the yardstick of "drop-in".
+# DeepSpeed's own unit tests through the compat package: the yardstick of "drop-in".
 # Builds (once) a venv with the CPU torch, pytest, DeepSpeed's test-only imports (hjson, py-cpuinfo),
 # shardwise and compat/deepspeed from this tree (editable), then runs the shared harness over it.
 # Usage: compat/run-deepspeed-unit-tests.sh [SELECTION] [OUTDIR]

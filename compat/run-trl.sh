@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# TRL's SFT, DPO and GRPO trainers through the compat package, against real DeepSpeed 0.19.8 (issue 29).
+# TRL's SFT, DPO and GRPO trainers through the compat package, against real DeepSpeed 0.19.8.
 # Builds (once) two venvs with the CPU torch, trl, transformers, accelerate and datasets:
 #   $TRL_VENV    (default .trl-venv):    shardwise and compat/deepspeed from this tree (editable)
 #   $TRL_DS_VENV (default .trl-ds-venv): DeepSpeed 0.19.8 (--no-deps, plus what it imports); TRL_DS=0 skips it

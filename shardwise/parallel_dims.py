@@ -1,7 +1,7 @@
 """``ParallelDims``: the size of every parallel axis and the features that constrain them, in one
 frozen record, and ``validate()``, the one table of which combinations train.
 
-Everything that used to check a combination on its own (``initialize``, the engine, the pipeline
+Everything that checks a combination (``initialize``, the engine, the pipeline
 engine, the 1-bit optimizers, the ZeRO factory, the memory estimator) asks this record. The grid of
 process groups is cut from it (``shardwise.topology.ParallelGrid.from_dims``). docs/engine.md prints
 the table (``combination_table()``); a test keeps the two equal.

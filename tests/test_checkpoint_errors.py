@@ -97,7 +97,7 @@ def _body(rank, world, root):
 
 
 def _edited_manifests(folder, load):
-    """Load after editing manifest.json the ways issue 18 found to pass silently."""
+    """Load after editing manifest.json in ways that must not pass silently."""
     import hashlib
     import json
 
@@ -140,7 +140,7 @@ def test_errors_name_the_problem(tmp_path):
     assert str(folder / "manifest.json") in r["manifest"] and "corrupted or truncated" in r["manifest"]
     assert "FileNotFoundError" in r["missing_file"] and str(folder / "rank0.json") in r["missing_file"]
     assert "no checkpoint 't9'" in r["missing_tag"] and "tags there: t1" in r["missing_tag"]
-    # issue 18: the manifest checks itself, and lists every file the load needs
+    # the manifest checks itself, and lists every file the load needs
     manifest = str(folder / "manifest.json")
     for key in ("edited_shape", "unlisted"):
         assert manifest in r[key] and "changed after it was written" in r[key], (key, r[key])
@@ -164,7 +164,7 @@ def test_tag_resolution_without_an_engine(tmp_path):
     assert open_checkpoint(tmp_path) is None and list_tags(tmp_path / "nothing") == []
     with pytest.raises(FileNotFoundError, match="tags there: none"):
         open_checkpoint(tmp_path, tag="x")
-    # issue 18: a non-UTF-8 'latest' gave "'utf-8' codec can't decode byte" without the path
+    # a non-UTF-8 'latest' is named with its path (not a bare "'utf-8' codec can't decode byte")
     (tmp_path / "latest").write_bytes(b"global_step\xe9")
     with pytest.raises(ValueError) as info:
         open_checkpoint(tmp_path)
@@ -172,7 +172,7 @@ def test_tag_resolution_without_an_engine(tmp_path):
 
 
 def test_latest_is_read_defensively_by_both_formats(tmp_path):
-    """issue 30: the DeepSpeed-format detector runs first on every load; a non-UTF-8 'latest' is an error naming
+    """The DeepSpeed-format detector runs first on every load; a non-UTF-8 'latest' is an error naming
     the file (not a bare UnicodeDecodeError), and a tag leading out of the folder is refused by both formats."""
     from shardwise.checkpoint import open_checkpoint
     from shardwise.checkpoint.deepspeed_format import find_deepspeed_folder, is_deepspeed_checkpoint

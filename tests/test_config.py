@@ -296,7 +296,7 @@ def test_bucket_sizes_written_as_floats_become_ints():
     assert zero.allgather_bucket_size == 200_000_000 and isinstance(zero.allgather_bucket_size, int)
 
 
-# One type rule (issue 18): JSON types as DeepSpeed documents them, "auto" where HF writes it.
+# One type rule: JSON types as DeepSpeed documents them, "auto" where HF writes it.
 @pytest.mark.parametrize("config,path,expected", [
     ({"train_batch_size": "32"}, "train_batch_size", "an integer"),
     ({"bf16": {"enabled": "yes"}}, "bf16.enabled", "true or false"),
@@ -340,7 +340,7 @@ def _nest(path, value):
 
 
 def test_every_scalar_key_refuses_strings_and_bools_as_numbers():
-    """The rule holds for every boolean and numeric key, not only the ones named in the issue."""
+    """The rule holds for every boolean and numeric key, not only a few named ones."""
     leaves = list(_leaf_fields(ShardwiseConfig))
     assert len(leaves) > 80
     for path, kind in leaves:
@@ -599,7 +599,7 @@ def test_load_config_inputs(tmp_path):
 
 # ---------------------------------------------------------------- check_supported
 
-NOT_YET = [  # (config snippet, key path that must be named), from the task's list
+NOT_YET = [  # (config snippet, key path that must be named)
     ({"comet": {"enabled": True}}, "comet"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
     ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
@@ -687,8 +687,8 @@ def test_config_object_type():
 
 
 def test_docs_not_implemented_table_matches_code():
-    """docs/config.md's "Not implemented yet" table names exactly the code's NOT_IMPLEMENTED keys (issue 18:
-    it listed tensorboard, which works)."""
+    """docs/config.md's "Not implemented yet" table names exactly the code's NOT_IMPLEMENTED keys (no more, no
+    fewer: a key listed there that works would mislead)."""
     import re
     from shardwise.config.support import NOT_IMPLEMENTED
     text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()

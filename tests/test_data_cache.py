@@ -170,7 +170,7 @@ def test_dataset_reads_only_what_it_is_asked_for(setup, tmp_path):
 
 @pytest.mark.parametrize("kind", ["json", "jsonl"])
 def test_non_utf8_byte_is_named_with_file_and_line(tmp_path, kind):
-    """Issue 18: a non-UTF-8 byte in a JSON-array file gave only "'utf-8' codec can't decode byte 0xe9"."""
+    """A non-UTF-8 byte is named with file and line, not only "'utf-8' codec can't decode byte 0xe9"."""
     from shardwise.data.records import BadRecord, Columns, read_records
 
     good = '{"prompt": "a", "response": "b"}'

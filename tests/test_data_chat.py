@@ -164,8 +164,8 @@ def test_json_array_files_and_custom_columns(tmp_path):
 
 
 def test_long_lines_are_refused_without_being_read_and_reading_goes_on(tmp_path):
-    """Issue 30 item 6: a 78 MB line was read whole (11.3 GB peak). Now a line over the limit is
-    a bad record naming file and line, skipped in bounded pieces; the records after it are read."""
+    """A line over the limit is never read whole (a 78 MB line would take about 11 GB): it is a bad
+    record naming file and line, skipped in bounded pieces; the records after it are read."""
     import tracemalloc
 
     path = tmp_path / "train.jsonl"

@@ -178,7 +178,7 @@ def test_accelerator_on_cpu(monkeypatch):
 
 
 def _seed_scheduler_example(caplog):
-    """The seed's scheduler example: a client optim.Adam, a config 'optimizer' block and WarmupLR."""
+    """A scheduler example: a client optim.Adam, a config 'optimizer' block and WarmupLR."""
     import shardwise as deepspeed
 
     torch.manual_seed(0)
@@ -448,7 +448,7 @@ import sys, warnings
 import pytest, torch
 import deepspeed, shardwise
 assert deepspeed.__file__.startswith(sys.argv[1]), deepspeed.__file__
-# DeepSpeed's paths that used to be re-export modules inside shardwise/ live in the compat package now
+# DeepSpeed's paths that only re-export shardwise modules live in the compat package
 from deepspeed.runtime.pipe import LayerSpec, PipelineModule, ProcessTopology
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import TrainSchedule
@@ -538,7 +538,7 @@ assert is_current_accelerator_supported() and torch_info["version"] == ".".join(
 print("ok")
 """
 
-# DeepSpeed's internal names that the compat package provides over shardwise (issue 28)
+# DeepSpeed's internal names that the compat package provides over shardwise
 _INTERNALS_PROBE = r"""
 import types
 from deepspeed.runtime.engine import DeepSpeedEngine

@@ -1,4 +1,4 @@
-"""Fault injection (issue 18): what a kill -9, a full disk, read-only storage or a cut network
+"""Fault injection: what a kill -9, a full disk, read-only storage or a cut network
 does to a job, and that shardwise keeps its promises (docs/reliability.md).
 
 Kept fast: tiny models, 2 ranks, a few trials each. The long SIGKILL-during-save loop of a
@@ -93,8 +93,8 @@ TRIALS = int(os.environ.get("SHARDWISE_FAULT_TRIALS", "4"))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_kill9_at_random_points_of_saves(tmp_path: Path) -> None:
     """SIGKILL of the launcher, of one rank, or of every process, in turn, while two ranks save a
-    checkpoint after every step: no process outlives the job (issue 18 item 1: killing the launcher
-    left both ranks training), `latest` names a complete checkpoint that passes every checksum and
+    checkpoint after every step: no process outlives the job (nothing of torch's own stops the ranks
+    when the launcher is killed), `latest` names a complete checkpoint that passes every checksum and
     is at least as new as the last save that returned, and the next launch resumes from it."""
     from shardwise.checkpoint import open_checkpoint
 
@@ -264,13 +264,12 @@ def test_full_disk_or_read_only_storage_during_a_save(tmp_path: Path, full_disk:
         assert r["latest_after"] == "t3"
 
 
-# ---------------------------------------------------------------- issue 30 item 8: how a stop is reported
+# ---------------------------------------------------------------- how a stop is reported
 
 def test_sigint_stops_as_fast_as_sigterm_and_a_killed_rank_is_named(tmp_path: Path) -> None:
-    """Ctrl-C (SIGINT to the launcher) used to take 2-5 s against ~1 s for SIGTERM: the agent
-    forwarded SIGINT, and each worker's KeyboardInterrupt waited for its collective until the
-    agent's SIGKILL. Now both stop within 3 s. A rank killed with SIGKILL is reported as
-    "was killed by SIGKILL" (it read "failed with killed by SIGKILL")."""
+    """Ctrl-C (SIGINT to the launcher) stops the job as fast as SIGTERM, within 3 s (forwarded as
+    SIGINT, each worker's KeyboardInterrupt would wait in its collective until the agent's SIGKILL,
+    2-5 s). A rank killed with SIGKILL is reported as "was killed by SIGKILL"."""
     times = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         job = _Job(tmp_path / "ckpt")

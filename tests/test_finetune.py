@@ -268,7 +268,7 @@ def test_user_mistakes_exit_2_with_a_message(ws, tmp_path):
     assert (f"train_micro_batch_size_per_gpu is 8 in the config {tmp_path / 'ds.json'} (--deepspeed) but "
             "--per_device_train_batch_size is 4") in out
 
-    # Issue 30 item 8: a learning-rate mistake names the config file; empty data names the data file.
+    # a learning-rate mistake names the config file; empty data names the data file.
     cfg = json.load(open(ws["root"] / "ds0.json"))
     cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = "fast"
     (tmp_path / "ds_lr.json").write_text(json.dumps(cfg))

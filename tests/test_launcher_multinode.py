@@ -265,7 +265,7 @@ def _gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def test_kill9_of_a_node_agent_or_the_launcher_leaves_no_orphans(cluster) -> None:
-    """Issue 18 item 1, multi-node: a SIGKILLed node agent takes its ranks down (and the job ends);
+    """Multi-node: a SIGKILLed node agent takes its ranks down (and the job ends);
     a SIGKILLed fan-out launcher takes every node down."""
     common = [*RUN, "--hostfile", cluster.hostfile, "--skip_doctor", "tests/scripts/sleep_or_fail.py"]
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -369,10 +369,10 @@ def test_deepspeed_parameters_accepted_and_checked():
 
 
 def test_onebit_lamb_after_warmup_keeps_the_trust_ratio_of_steady_gradients():
-    """Issue 31: with the same gradient every step nothing changes at the freeze, so the factor must
-    stay 1 and the trust ratio must be the warm-up's average, bias-corrected like Adam's moments (the
-    code before compared the fresh variance uncorrected, so the factor fell 10% a step, and averaged
-    from 0, so the ratio was (1 - 0.9**10) = 65% of the warm-up's). benchmarks/onebit_convergence.py."""
+    """With the same gradient every step nothing changes at the freeze, so the factor must stay 1 and
+    the trust ratio must be the warm-up's average, bias-corrected like Adam's moments (comparing the
+    fresh variance uncorrected makes the factor fall 10% a step; averaging from 0 gives a ratio of
+    (1 - 0.9**10) = 65% of the warm-up's). benchmarks/onebit_convergence.py."""
     import shardwise
 
     class Linear(torch.nn.Module):

@@ -1,5 +1,5 @@
 """Pipeline parallelism: parity with one-process training of the same layers (fp32, rtol 1e-6 per
-step), errors, and the seed example. Many cases share one spawn (``run_subtests``)."""
+step), errors, and the pipeline example. Many cases share one spawn (``run_subtests``)."""
 from __future__ import annotations
 
 import pytest

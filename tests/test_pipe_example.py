@@ -1,4 +1,4 @@
-"""The seed's pipeline example (examples/pipeline/train.py) trains under `shardwise run`, in fp16,
+"""The pipeline example (examples/pipeline/train.py) trains under `shardwise run`, in fp16,
 and gives the losses of the same layers run as one stage in one process."""
 from __future__ import annotations
 

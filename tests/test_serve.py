@@ -230,7 +230,7 @@ def test_requests_over_the_queue_limit_get_503(model_dir):
     assert done == [200, 200] and after == 200 and gate.active == 0
 
 
-# ---------------------------------------------------------------- issue 18: reliability and batching
+# ---------------------------------------------------------------- reliability and batching
 
 def test_oversized_body_gets_413_before_parsing(server):
     body = json.dumps({"prompt": "x" * 8_000_000}).encode()  # over the default --max_body_bytes (4 MiB)
@@ -247,8 +247,8 @@ def _in_process(app):
 
 
 def test_slow_tokenising_does_not_block_the_event_loop(model_dir):
-    """Issue 18 item 2: an 8 MB prompt made GET /health wait 7.5 s, because the body was parsed and
-    tokenised on the event loop. A tokenizer slowed to 2 s per call stands in for the huge prompt."""
+    """GET /health answers while a huge prompt is being parsed and tokenised (which must not run on the
+    event loop). A tokenizer slowed to 2 s per call stands in for the huge prompt."""
     from shardwise.apps.generation import ChatModel
     from shardwise.apps.serve import ServeSettings, create_app
 

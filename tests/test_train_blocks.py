@@ -1,4 +1,4 @@
-"""Issue 31's training blocks: ``timers``, ``torch_autocast`` and ``data_types.grad_accum_dtype``."""
+"""The training blocks ``timers``, ``torch_autocast`` and ``data_types.grad_accum_dtype``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Fine-tune a causal LM on prompt/response/history chat data with Hugging Face's Seq2SeqTrainer.
 
-A DeepSpeed user's script, shaped like the ChatGLM P-Tuning ``main.py`` the seed runs: nothing in it
+A DeepSpeed user's script, shaped like the ChatGLM P-Tuning ``main.py``: nothing in it
 names shardwise. Launched the DeepSpeed way it runs on shardwise through the ``deepspeed``
 compatibility package (``pip install ./compat/deepspeed``; docs/hf-trainer.md)::
 
