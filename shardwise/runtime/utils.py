@@ -9,7 +9,28 @@ import torch
 
 from shardwise import comm
 
-__all__ = ["see_memory_usage", "set_random_seed"]
+__all__ = ["move_to_device", "see_memory_usage", "set_random_seed"]
+
+
+def move_to_device(item, device, criterion_func=None):
+    """``item`` (a tensor, or lists, tuples and dicts of them, nested) with its tensors on ``device``
+    (DeepSpeed's helper, same semantics).
+
+    A leaf or container for which ``criterion_func`` is true is moved *in place*: its storage is
+    swapped for the copy on ``device`` (``item.data = ...``), so every other reference to it sees the
+    move, and it is returned itself. Everything else is walked (new lists, tuples and dicts are
+    returned) and its tensors come back as ``tensor.to(device)``, as DeepSpeed does. Leaves that are
+    not tensors (no ``.to``) are returned unchanged."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item.to(device) if hasattr(item, "to") else item
 
 
 def set_random_seed(seed):

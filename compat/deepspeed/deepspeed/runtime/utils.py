@@ -5,7 +5,7 @@ import torch
 
 from shardwise.pipe.partition import partition_balanced, partition_uniform  # noqa: F401
 from shardwise.runtime.utils import *  # noqa: F401,F403
-from shardwise.runtime.utils import see_memory_usage, set_random_seed  # noqa: F401
+from shardwise.runtime.utils import move_to_device, see_memory_usage, set_random_seed  # noqa: F401
 from shardwise.tensor_parallel.layers import is_tensor_parallel
 
 
@@ -127,4 +127,4 @@ class CheckOverflow:
         return self._agree(self.has_overflow_serial(params), moe=moe, world=self.zero_reduce_scatter)
 
 
-__all__ = ["CheckOverflow", "clip_grad_norm_", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
+__all__ = ["CheckOverflow", "clip_grad_norm_", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "move_to_device", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
