@@ -361,3 +361,71 @@ def test_deepspeed_data_pipeline_paths(tmp_path):
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- engine: data_efficiency config
+class _SeenBlock(torch.nn.Module):
+    def __init__(self, d, seen):
+        super().__init__()
+        self.lin, self.seen = torch.nn.Linear(d, d), seen
+
+    def forward(self, h, attention_mask=None):
+        self.seen.append(h.shape[1])
+        return torch.tanh(self.lin(h))
+
+
+def test_engine_runs_random_ltd_from_the_config():
+    import shardwise
+
+    torch.manual_seed(0)
+    seen: list[int] = []
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(_SeenBlock(4, seen) for _ in range(3))
+
+        def forward(self, h):
+            for layer in self.layers:
+                h = layer(h, attention_mask=None)
+            return h.pow(2).mean()
+
+    ltd = {"enabled": True, "total_layer_num": 3, "random_ltd_layer_num": 2, "random_ltd_layer_id": [0, 1],
+           "model_mask_name": None, "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
+           "random_ltd_schedule": {"min_value": 4, "max_value": 16, "schedule_type": "fixed_linear",
+                                   "schedule_config": {"require_steps": 6, "seq_per_step": 4}}}
+    engine, *_ = shardwise.initialize(model=Net(), config={
+        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": ltd}}})
+    assert engine.random_ltd_enabled() and not engine.curriculum_learning_enabled()
+    wrap_layers(engine.module, _SeenBlock)
+    engine.random_ltd_initialize()  # what DeepSpeed's convert_to_random_ltd(engine, ...) calls
+    kept = []
+    for _ in range(8):
+        seen.clear()
+        loss = engine(torch.randn(2, 16, 4))
+        engine.backward(loss)
+        engine.step()
+        kept.append(list(seen))
+    # DeepSpeed's fixed_linear at global steps 0..7: floor(4 + 12 * step / 6) rounded down to a multiple of 4
+    expected = [4, 4, 8, 8, 12, 12, 16, 16]
+    assert kept == [[k, k, 16] for k in expected]  # the third layer is not a random-LTD layer
+    assert engine.random_ltd_scheduler.state_dict()["current_value"] == 16
+    engine.eval()
+    seen.clear()
+    engine(torch.randn(2, 16, 4))
+    assert seen == [16, 16, 16]
+
+
+def test_data_efficiency_config_refuses_what_is_not_implemented_by_name():
+    from shardwise.config import ConfigError, load_config
+
+    on = {"enabled": True}
+    for block, path in (({"data_sampling": {"curriculum_learning": on}}, "data_sampling.curriculum_learning"),
+                        ({"data_sampling": {"dynamic_batching": on}}, "data_sampling.dynamic_batching"),
+                        ({"data_routing": {"random_ltd": {**on, "layer_token_lr_schedule": on}}},
+                         "data_routing.random_ltd.layer_token_lr_schedule")):
+        with pytest.raises(ConfigError, match=f"not implemented yet: data_efficiency.{path}"):
+            load_config({"data_efficiency": {"enabled": True, **block}}).check_supported()
+    load_config({"data_efficiency": {"enabled": True, "data_routing": {"random_ltd": on}}}).check_supported()
+    load_config({"data_efficiency": {"enabled": True, "seed": 3}}).check_supported()

@@ -23,6 +23,7 @@ from shardwise.moe.utils import has_moe_layers, is_moe_param
 from shardwise.monitor.observer import StepObserver
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime import autocast as torch_autocast
+from shardwise.runtime.data_efficiency import DataEfficiencyMixin
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.engine_compat import EngineCompatMixin, check_forced_cpu_optimizer
 from shardwise.runtime.module_dtypes import cast_buffers, cast_parameters, keep_in_fp32_pattern
@@ -49,7 +50,7 @@ _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 _TIMERS = ["forward", "backward", "backward_allreduce", "step"]
 
 
-class Engine(EngineCompatMixin, torch.nn.Module):
+class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
     """What ``shardwise.initialize`` returns; DeepSpeed's ``DeepSpeedEngine`` API."""
 
     def __init__(
@@ -308,6 +309,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
     # -- training step ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self.observer.before_forward(self.global_steps)
+        self._data_efficiency_before_forward()  # random-LTD: the kept-token count of this step
         self.tput_timer.start()
         self.timers.start("forward")
         if self.precision.auto_cast:
