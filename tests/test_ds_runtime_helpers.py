@@ -145,3 +145,37 @@ def test_deepspeed_paths(tmp_path):
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=180,
                          cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def _partitioned_body(rank, world_size):
+    from shardwise.utils.partitioned_tensor import PartitionedTensor
+
+    results = []
+    for shape in [(4, 3), (7,), (2, 1, 5)]:  # 12 and 10 elements split evenly over the 2 ranks, 7 unevenly
+        full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) * 1.5
+        part = PartitionedTensor(full, group=None)
+        n = full.numel()
+        bounds = [0, (n + 1) // 2, n]  # the first piece takes the odd element
+        assert part.partition == bounds and part.full_size() == list(shape)
+        assert torch.equal(part.data(), full.flatten()[bounds[rank]:bounds[rank + 1]])
+        again = PartitionedTensor.from_meta(part.to_meta(), part.data(), group=None, device="cpu")
+        assert again.partition == part.partition and again.full_size() == list(shape)
+        assert torch.equal(again.full(), full) and torch.equal(part.full(), full)
+        results.append(part.to_meta().tolist())
+    bad = part.to_meta().clone()
+    bad[len(part.full_size()) + 2] = 1 - rank  # claims the other rank's piece
+    try:
+        PartitionedTensor.from_meta(bad, part.data(), group=None)
+    except ValueError as exc:
+        assert "cut for rank" in str(exc)
+    else:
+        raise AssertionError("a piece of the other rank was accepted")
+    return results
+
+
+def test_partitioned_tensor_over_two_ranks():
+    from distributed import run_distributed
+
+    metas = run_distributed(_partitioned_body, 2)
+    # DeepSpeed's encoding: [ndim, *shape, num_parts, rank, *boundaries]
+    assert metas[0][0] == [2, 4, 3, 2, 0, 0, 6, 12] and metas[1][1] == [1, 7, 2, 1, 0, 4, 7]
