@@ -12,7 +12,6 @@ Gradients: kept tokens get the layer's gradient, skipped tokens the identity's (
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import OrderedDict
 from typing import Any
@@ -23,7 +22,6 @@ from torch import nn
 __all__ = ["TokenDropLayer", "TokenDropSchedule", "sample_tokens_decoder", "sample_tokens_encoder",
            "gather_tokens", "scatter_tokens", "wrap_layers", "attach_schedule", "strip_token_drop_keys"]
 
-logger = logging.getLogger("shardwise")
 
 
 def _draw(reserved_length: int, seq_length: int, batch_size: int, layers: int, device) -> torch.Tensor:
