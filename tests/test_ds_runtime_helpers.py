@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.runtime.utils import move_to_device
+from shardwise.runtime.utils import move_to_device, partition_min_spread, prefix_sum_inc
 from shardwise.utils.wall_clock import NullTimerGroup, TimerGroup, trimmed_mean
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,6 +34,21 @@ def test_move_to_device_walks_containers_and_moves_matches_in_place():
     # the criterion sees containers too: a matching list is handed to .to (here: no such method)
     with pytest.raises(AttributeError):
         move_to_device(keep, "cpu", criterion_func=lambda t: isinstance(t, list))
+
+
+def test_prefix_sum_inc():
+    weights = [3, 4, 5]
+    assert prefix_sum_inc(weights) == [3, 7, 12] and weights == [3, 4, 5] and prefix_sum_inc([]) == []
+
+
+@pytest.mark.parametrize("weights, parts, expected", [
+    # DeepSpeed 0.19.8's partition_balanced on the same input (its unit test's cases and a few more)
+    ([1, 2, 1], 4, [0, 1, 2, 3, 3]), ([1, 1, 1, 1], 4, [0, 1, 2, 3, 4]), ([1, 1, 1, 1, 1], 4, [0, 2, 3, 4, 5]),
+    ([1, 1, 1, 1, 0, 1], 4, [0, 2, 3, 5, 6]), ([5, 0, 3, 8, 2, 2, 1], 3, [0, 3, 4, 7]),
+    ([3, 1, 2, 8, 0, 0, 5, 1, 1, 2], 4, [0, 3, 6, 7, 10]), ([2, 2], 1, [0, 2]),
+])
+def test_partition_min_spread_is_deepspeeds_partition_balanced(weights, parts, expected):
+    assert partition_min_spread(weights, parts) == expected
 
 
 def test_timer_group_records_intervals_and_logs(capsys):

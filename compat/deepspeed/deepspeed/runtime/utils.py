@@ -4,9 +4,10 @@
 
 import torch
 
-from shardwise.pipe.partition import partition_balanced, partition_uniform  # noqa: F401
+from shardwise.pipe.partition import partition_uniform  # noqa: F401
 from shardwise.runtime.utils import *  # noqa: F401,F403
-from shardwise.runtime.utils import move_to_device, see_memory_usage, set_random_seed  # noqa: F401
+from shardwise.runtime.utils import move_to_device, prefix_sum_inc, see_memory_usage, set_random_seed  # noqa: F401
+from shardwise.runtime.utils import partition_min_spread as partition_balanced  # noqa: F401
 from shardwise.tensor_parallel.layers import is_tensor_parallel
 from shardwise.utils.partitioned_tensor import PartitionedTensor  # noqa: F401
 
@@ -129,4 +130,4 @@ class CheckOverflow:
         return self._agree(self.has_overflow_serial(params), moe=moe, world=self.zero_reduce_scatter)
 
 
-__all__ = ["CheckOverflow", "clip_grad_norm_", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "move_to_device", "PartitionedTensor", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
+__all__ = ["CheckOverflow", "clip_grad_norm_", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "move_to_device", "PartitionedTensor", "prefix_sum_inc", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
