@@ -331,11 +331,17 @@ from deepspeed.runtime.data_pipeline.data_sampling.data_analyzer import DataAnal
 from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import (MMapIndexedDataset,
     MMapIndexedDatasetBuilder, make_builder, make_dataset)
 from deepspeed.runtime.data_pipeline.data_sampling.utils import find_fit_int_dtype, split_index
+from deepspeed.runtime.data_pipeline.data_sampling.data_sampler import DeepSpeedDataSampler
+from deepspeed.runtime.data_pipeline.config import get_data_efficiency_config
 from deepspeed.runtime.data_pipeline.data_routing.basic_layer import RandomLayerTokenDrop
 from deepspeed.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler
 from deepspeed.runtime.data_pipeline.data_routing.helper import (convert_to_random_ltd,
     remove_random_ltd_state_dict, save_without_random_ltd)
 assert CURRICULUM_LEARNING_MIN_DIFFICULTY == "min_difficulty" and RANDOM_LTD_LAYER_ID == "random_ltd_layer_id"
+de = get_data_efficiency_config({"data_efficiency": {"enabled": True}})
+assert de["seed"] == 1234 and de["data_sampling"]["num_epochs"] == 1000 and not de["data_routing"]["random_ltd"]["enabled"]
+plain = DeepSpeedDataSampler(de, 10, 2, 0, 1, None, 1, 0)  # curriculum off: an empty sampler of 10000 samples
+assert len(plain) == 10000
 s = CurriculumScheduler({"min_difficulty": 2, "max_difficulty": 10, "schedule_type": "fixed_linear",
                          "schedule_config": {"total_curriculum_step": 8, "difficulty_step": 2}})
 assert [s.update_difficulty(n) for n in range(1, 5)] == [2, 4, 4, 6]
@@ -417,12 +423,90 @@ def test_engine_runs_random_ltd_from_the_config():
     assert seen == [16, 16, 16]
 
 
+# --------------------------------------------------------------------------- curriculum data sampling
+_SAMPLER_LENS = [(i * 7) % 13 + 1 for i in range(40)]  # metric values 1..13
+# DeepSpeed 0.19.8's DeepSpeedDataSampler on the analyzer's files below (micro-batch 2, 2 accumulation steps,
+# one data-parallel rank, seed 1234): the first 14 micro-batches and the difficulty reached
+_DS_BATCHES = {
+    "value": ([[15, 32], [19, 0], [10, 28], [30, 26], [2, 14], [17, 34], [38, 21], [13, 4], [23, 39], [31, 6], [17, 27], [6, 8], [29, 33], [9, 0]], 13),
+    "percentile": ([[15, 30], [17, 0], [26, 2], [28, 10], [12, 13], [6, 4], [1, 3], [39, 15], [17, 4], [23, 19], [16, 34], [20, 8], [31, 29], [30, 11]], 4),
+}
+
+
+def _sampling_config(root, kind):
+    metric = {"index_to_sample_path": f"{root}/an/seqlen/seqlen_index_to_sample",
+              "index_to_metric_path": f"{root}/an/seqlen/seqlen_index_to_metric",
+              "difficulty_type": kind, "clustering_type": "schedule_based",
+              "min_difficulty": 3 if kind == "value" else 1, "max_difficulty": 13 if kind == "value" else 4,
+              "schedule_type": "fixed_linear",
+              "schedule_config": {"total_curriculum_step": 6, "difficulty_step": 2 if kind == "value" else 1}}
+    if kind == "percentile":
+        metric["index_to_sample_path"] = f"{root}/an/seqlen/seqlen_index_to_sample_percentile_merged"
+    return {"enabled": True, "seed": 1234, "data_sampling": {
+        "enabled": True, "curriculum_learning": {"enabled": True, "data_cluster_path": f"{root}/clusters_{kind}",
+                                                 "curriculum_metrics": {"seqlen": metric}}}}
+
+
+def _analyze_lengths(root):
+    DatasetAnalyzer([torch.tensor([n]) for n in _SAMPLER_LENS], batch_size=8, metric_names=["seqlen"],
+                    metric_functions=[lambda b: b[:, 0].clone()], metric_types=["single_value_per_sample"],
+                    metric_dtypes=[torch.int64], save_path=f"{root}/an").run_map_reduce()
+
+
+@pytest.mark.parametrize("kind", ["value", "percentile"])
+def test_curriculum_sampler_draws_deepspeeds_batches(tmp_path, kind):
+    from shardwise.data.curriculum_sampler import CurriculumSampler
+    from shardwise.data.efficiency import data_efficiency_settings
+
+    _analyze_lengths(tmp_path)
+    sampler = CurriculumSampler(data_efficiency_settings(_sampling_config(tmp_path, kind)), len(_SAMPLER_LENS), 2, 0,
+                                1, None, 2, 0)
+    batches = []
+    for i, batch in enumerate(sampler):
+        batches.append([int(x) for x in batch])
+        if i == 13:
+            break
+    expected, difficulty = _DS_BATCHES[kind]
+    assert batches == expected and sampler.current_difficulties == {"seqlen": difficulty}
+    if kind == "value":  # every sample drawn was allowed by the difficulty of its global batch
+        schedule = CurriculumSchedule(_sampling_config(tmp_path, kind)["data_sampling"]["curriculum_learning"]
+                                      ["curriculum_metrics"]["seqlen"])
+        for step, pair in enumerate(zip(batches[::2], batches[1::2]), start=1):
+            allowed = schedule.update_difficulty(step)
+            assert all(_SAMPLER_LENS[i] <= allowed for micro in pair for i in micro)
+
+
+def test_engine_loader_samples_by_difficulty_and_post_processes(tmp_path):
+    import shardwise
+
+    _analyze_lengths(tmp_path)
+    seen = []
+
+    def post(batch, state):
+        seen.append(dict(state["current_difficulties"]))
+        return batch
+
+    engine, _, loader, _ = shardwise.initialize(
+        model=torch.nn.Linear(1, 1), training_data=[torch.tensor([float(i)]) for i in range(40)],
+        config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "data_efficiency": _sampling_config(tmp_path, "value")})
+    assert engine.curriculum_learning_enabled() and loader is engine.training_dataloader
+    engine.set_data_post_process_func(post)
+    got = []
+    for i, batch in enumerate(loader):
+        got.append(batch.reshape(-1).long().tolist())
+        if i == 13:
+            break
+    # the first global batch is curriculum step 1: floor(3 + 10 / 6) = 4
+    assert got == _DS_BATCHES["value"][0] and seen[0] == {"seqlen": 4} and seen[-1] == {"seqlen": 13}
+
+
 def test_data_efficiency_config_refuses_what_is_not_implemented_by_name():
     from shardwise.config import ConfigError, load_config
 
     on = {"enabled": True}
-    for block, path in (({"data_sampling": {"curriculum_learning": on}}, "data_sampling.curriculum_learning"),
-                        ({"data_sampling": {"dynamic_batching": on}}, "data_sampling.dynamic_batching"),
+    for block, path in (({"data_sampling": {"dynamic_batching": on}}, "data_sampling.dynamic_batching"),
                         ({"data_routing": {"random_ltd": {**on, "layer_token_lr_schedule": on}}},
                          "data_routing.random_ltd.layer_token_lr_schedule")):
         with pytest.raises(ConfigError, match=f"not implemented yet: data_efficiency.{path}"):

@@ -63,9 +63,9 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     **{f"expert_parallel.{key}": (lambda c, f=set_: c.expert_parallel.enabled and f(c.expert_parallel))
        for key, set_ in EXPERT_PARALLEL_NOT_IMPLEMENTED.items()},
     "hybrid_engine.inference_tp_size": lambda c: c.hybrid_engine.enabled and c.hybrid_engine.inference_tp_size > 1,
-    # data_efficiency.data_routing.random_ltd is implemented (shardwise.runtime.data_efficiency)
+    # data_efficiency's random_ltd and curriculum_learning are implemented (shardwise.runtime.data_efficiency)
     **{path: _data_efficiency_on(path) for path in (
-        "data_efficiency.data_sampling.curriculum_learning", "data_efficiency.data_sampling.dynamic_batching",
+        "data_efficiency.data_sampling.dynamic_batching",
         "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule")},
     "compression_training": lambda c: _switched_on(c.compression_training),
     "nebula": lambda c: _switched_on(c.nebula),
@@ -83,10 +83,9 @@ REMOVED: dict[str, tuple[Callable[["ShardwiseConfig"], bool], str]] = {
     "progressive_layer_drop": (lambda c: _switched_on(c.progressive_layer_drop),
                                "nothing replaces it; delete the block"),
     "curriculum_learning": (lambda c: _switched_on(c.curriculum_learning),
-                            "DeepSpeed's replacement is data_efficiency.data_sampling.curriculum_learning (its data "
-                            "sampler is not implemented in shardwise); the schedule itself is "
-                            "shardwise.data.curriculum.CurriculumSchedule (DeepSpeed's CurriculumScheduler), "
-                            "built from the block by the training script"),
+                            "DeepSpeed's replacement is data_efficiency.data_sampling.curriculum_learning; scripts "
+                            "that truncate batches themselves build DeepSpeed's CurriculumScheduler "
+                            "(shardwise.data.curriculum.CurriculumSchedule) from the block"),
 }
 
 

@@ -9,11 +9,11 @@
       "data_sampling": {"curriculum_learning": {...}, "dynamic_batching": {...}}
     }
 
-``data_routing.random_ltd`` is honoured by the engine (``shardwise.runtime.data_efficiency``): layers
-wrapped with ``TokenDropLayer`` (DeepSpeed's ``convert_to_random_ltd``) keep the scheduled number of
-tokens. ``data_sampling.curriculum_learning`` (the engine's curriculum data sampler) and
-``data_sampling.dynamic_batching`` are not implemented and refused by name; the curriculum schedule,
-the data analyzer and the indexed dataset they build on are in ``shardwise.data``.
+The engine honours (``shardwise.runtime.data_efficiency``) ``data_routing.random_ltd`` (layers wrapped with
+``TokenDropLayer``, DeepSpeed's ``convert_to_random_ltd``, keep the scheduled number of tokens) and
+``data_sampling.curriculum_learning`` (its training loader draws batches by difficulty:
+``shardwise.data.curriculum_sampler``). ``data_sampling.dynamic_batching`` is not implemented and refused
+by name.
 
 As in DeepSpeed, a sub-feature is on when its own ``enabled`` is true, whatever the outer blocks say.
 """
@@ -60,8 +60,6 @@ def unimplemented_data_efficiency(block: dict[str, Any] | None) -> list[str]:
     random-LTD keys (``data_efficiency.data_routing.random_ltd.<key>``)."""
     s = data_efficiency_settings(block)
     problems = []
-    if s["data_sampling"]["curriculum_learning"]["enabled"]:
-        problems.append("data_efficiency.data_sampling.curriculum_learning")
     if s["data_sampling"]["dynamic_batching"]["enabled"]:
         problems.append("data_efficiency.data_sampling.dynamic_batching")
     ltd = s["data_routing"]["random_ltd"]

@@ -73,6 +73,35 @@ class DataEfficiencyMixin:
                              "config")
         attach_schedule(self.module, self.random_ltd_config(), self.random_ltd_scheduler)
 
+    # -- curriculum data sampling ------------------------------------------------------------------
+    def _curriculum_dataloader(self, dataset, batch_size, collate_fn, pin_memory):
+        """``deepspeed_io``'s loader when ``data_sampling.curriculum_learning`` is enabled."""
+        from shardwise import comm
+        from shardwise.data.curriculum_sampler import CurriculumDataLoader, CurriculumSampler
+
+        world = comm.get_world_size() if comm.is_initialized() else 1
+        if self.dp_world_size != world:
+            raise ValueError("data_efficiency.data_sampling.curriculum_learning: curriculum data sampling with "
+                             f"model, pipeline or sequence parallelism (data-parallel size {self.dp_world_size} of "
+                             f"{world} ranks) is not supported")
+        sampler = CurriculumSampler(self.data_efficiency_config(), len(dataset), batch_size,
+                                    self.grid.get_data_parallel_rank(), self.dp_world_size, self.dp_group,
+                                    self.gradient_accumulation_steps(), self.global_rank,
+                                    drop_last=self.config.dataloader_drop_last)
+        return CurriculumDataLoader(dataset, sampler, batch_size, collate_fn=collate_fn, pin_memory=pin_memory,
+                                    num_workers=self.data_sampling_config()["num_workers"],
+                                    drop_last=self.config.dataloader_drop_last)
+
+    def set_data_post_process_func(self, post_process_func) -> None:
+        """Under curriculum sampling, call ``post_process_func(batch, sampler_state)`` on every training batch."""
+        if getattr(self.training_dataloader, "post_process_func", "absent") != "absent":
+            self.training_dataloader.post_process_func = post_process_func
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict) -> None:
+        """``{metric: fn(step) -> difficulty}`` for the metrics with ``schedule_type: "custom"``."""
+        if self.training_dataloader is not None and self.curriculum_learning_enabled():
+            self.training_dataloader.data_sampler.set_custom_curriculum_learning_schedule(schedule_func_dict)
+
     def _data_efficiency_before_forward(self) -> None:
         if self.random_ltd_enabled() and self.module.training:
             self.random_ltd_scheduler.update_seq(self.global_steps)

@@ -247,6 +247,9 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
     def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=False, data_sampler=None,
                      collate_fn=None, num_local_io_workers=None):
         """A DataLoader giving this data-parallel rank its share of ``dataset``."""
+        if data_sampler is None and route in (None, "train") and self.curriculum_learning_enabled():
+            return self._curriculum_dataloader(dataset, batch_size or self.train_micro_batch_size_per_gpu(),
+                                               collate_fn, pin_memory)
         if data_sampler is not None:
             return torch.utils.data.DataLoader(
                 dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
