@@ -30,7 +30,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from shardwise import comm
-from shardwise.tensor_parallel.random import (CudaRNGStatesTracker, get_cuda_rng_tracker,  # noqa: F401
+from shardwise.tensor_parallel.random import (_CUDA_RNG_STATE_TRACKER, _MODEL_PARALLEL_RNG_TRACKER_NAME,  # noqa: F401
+                                              CudaRNGStatesTracker, _set_cuda_rng_state, get_cuda_rng_tracker,
                                               model_parallel_cuda_manual_seed, model_parallel_reconfigure_tp_seed)
 
 __all__ = ["checkpoint", "non_reentrant_checkpoint", "configure", "configure_from", "is_configured", "reset",

@@ -606,8 +606,12 @@ NOT_YET = [  # (config snippet, key path that must be named)
      "activation_checkpointing.contiguous_memory_optimization"),
     ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage"),
     ({"hybrid_engine": {"enabled": True, "inference_tp_size": 2}}, "hybrid_engine.inference_tp_size"),
+    # data_efficiency's random-LTD and curriculum sampling are implemented; dynamic batching is not
+    ({"data_efficiency": {"enabled": True, "data_sampling": {"dynamic_batching": {"enabled": True}}}},
+     "data_efficiency.data_sampling.dynamic_batching"),
 ] + [({name: {"enabled": True}}, name) for name in OTHER_BLOCKS
-     if name not in ("sparse_attention", "compile", "expert_parallel", "hybrid_engine", *REMOVED_BLOCKS)]
+     if name not in ("sparse_attention", "compile", "expert_parallel", "hybrid_engine", "data_efficiency",
+                     *REMOVED_BLOCKS)]
 
 
 @pytest.mark.parametrize("config,path", NOT_YET)

@@ -43,6 +43,7 @@ from shardwise.comm.comm import (
     scatter,
     send,
 )
+from shardwise.comm.backend import TorchBackend
 from shardwise.comm.compressed import compressed_all_reduce
 from shardwise.comm.ops import CollectiveError, CollectiveTimeoutError
 from shardwise.comm.device import get_accelerator_device, default_backend
@@ -64,6 +65,7 @@ __all__ = [
     "scatter",
     "send",
     "CollectiveError",
+    "TorchBackend",
     "CollectiveTimeoutError",
     "ReduceOp",
     "Work",

@@ -27,6 +27,14 @@ HINTS: dict[str, str] = {
 }
 
 
+def _data_efficiency_on(path: str) -> Callable[["ShardwiseConfig"], bool]:
+    def is_on(c: "ShardwiseConfig") -> bool:
+        from shardwise.data.efficiency import unimplemented_data_efficiency
+
+        return path in unimplemented_data_efficiency(c.data_efficiency)
+    return is_on
+
+
 def _switched_on(block: dict[str, Any]) -> bool:
     """A free-form block counts as on when ``enabled`` is true, or, lacking ``enabled``, when it is non-empty."""
     return bool(block.get("enabled")) if "enabled" in block else bool(block)
@@ -55,7 +63,10 @@ NOT_IMPLEMENTED: dict[str, Callable[["ShardwiseConfig"], bool]] = {
     **{f"expert_parallel.{key}": (lambda c, f=set_: c.expert_parallel.enabled and f(c.expert_parallel))
        for key, set_ in EXPERT_PARALLEL_NOT_IMPLEMENTED.items()},
     "hybrid_engine.inference_tp_size": lambda c: c.hybrid_engine.enabled and c.hybrid_engine.inference_tp_size > 1,
-    "data_efficiency": lambda c: _switched_on(c.data_efficiency),
+    # data_efficiency's random_ltd and curriculum_learning are implemented (shardwise.runtime.data_efficiency)
+    **{path: _data_efficiency_on(path) for path in (
+        "data_efficiency.data_sampling.dynamic_batching",
+        "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule")},
     "compression_training": lambda c: _switched_on(c.compression_training),
     "nebula": lambda c: _switched_on(c.nebula),
 }
@@ -72,8 +83,9 @@ REMOVED: dict[str, tuple[Callable[["ShardwiseConfig"], bool], str]] = {
     "progressive_layer_drop": (lambda c: _switched_on(c.progressive_layer_drop),
                                "nothing replaces it; delete the block"),
     "curriculum_learning": (lambda c: _switched_on(c.curriculum_learning),
-                            "DeepSpeed's replacement is data_efficiency.data_sampling.curriculum_learning "
-                            "(not implemented in shardwise yet)"),
+                            "DeepSpeed's replacement is data_efficiency.data_sampling.curriculum_learning; scripts "
+                            "that truncate batches themselves build DeepSpeed's CurriculumScheduler "
+                            "(shardwise.data.curriculum.CurriculumSchedule) from the block"),
 }
 
 
@@ -86,7 +98,7 @@ def removed_features(cfg: "ShardwiseConfig") -> list[str]:
 def _shown(cfg: "ShardwiseConfig", path: str) -> str:
     value: Any = cfg
     for part in path.split("."):
-        value = getattr(value, part)
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part)
     if isinstance(value, (int, float, str)) and not isinstance(value, bool):
         return f" (= {describe_value(value)})"
     return ""

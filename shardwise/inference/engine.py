@@ -56,15 +56,24 @@ _KNOWN = set(IGNORED) | set(_REFUSED_UNLESS_DEFAULT) | {
     "checkpoint_config", "ckpt_config", "enabled"}
 
 
+def _plain(value):
+    """A config object (DeepSpeed's pydantic ``DeepSpeedInferenceConfig``, ``DeepSpeedTPConfig``, ...) as the
+    dict of the fields it was given; anything else as it is."""
+    dump = getattr(value, "model_dump", None)
+    return dump(exclude_unset=True) if callable(dump) else value
+
+
 def _load(config) -> dict[str, Any]:
     if config is None:
         return {}
+    config = _plain(config)
     if isinstance(config, dict):
-        return dict(config)
+        return {key: _plain(value) for key, value in config.items()}
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
             return json.load(f)
-    raise TypeError(f"init_inference(config=...) takes a dict or a path to a JSON file, got {type(config).__name__}")
+    raise TypeError(f"init_inference(config=...) takes a dict, a DeepSpeedInferenceConfig or a path to a JSON file, "
+                    f"got {type(config).__name__}")
 
 
 def _switched_on(block) -> bool:
@@ -78,7 +87,7 @@ def _switched_on(block) -> bool:
 def inference_config(config=None, **kwargs) -> dict[str, Any]:
     """Validate the merged config (kwargs win, as in DeepSpeed) into ``{"tp_size", "dtype", "mpu", "tp_group"}``."""
     raw = _load(config)
-    raw.update(kwargs)
+    raw.update({key: _plain(value) for key, value in kwargs.items()})
     problems = []
     for key in raw:
         if key not in _KNOWN:

@@ -23,6 +23,7 @@ from shardwise.moe.utils import has_moe_layers, is_moe_param
 from shardwise.monitor.observer import StepObserver
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime import autocast as torch_autocast
+from shardwise.runtime.data_efficiency import DataEfficiencyMixin
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.engine_compat import EngineCompatMixin, check_forced_cpu_optimizer
 from shardwise.runtime.module_dtypes import cast_buffers, cast_parameters, keep_in_fp32_pattern
@@ -49,7 +50,7 @@ _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 _TIMERS = ["forward", "backward", "backward_allreduce", "step"]
 
 
-class Engine(EngineCompatMixin, torch.nn.Module):
+class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
     """What ``shardwise.initialize`` returns; DeepSpeed's ``DeepSpeedEngine`` API."""
 
     def __init__(
@@ -246,6 +247,9 @@ class Engine(EngineCompatMixin, torch.nn.Module):
     def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=False, data_sampler=None,
                      collate_fn=None, num_local_io_workers=None):
         """A DataLoader giving this data-parallel rank its share of ``dataset``."""
+        if data_sampler is None and route in (None, "train") and self.curriculum_learning_enabled():
+            return self._curriculum_dataloader(dataset, batch_size or self.train_micro_batch_size_per_gpu(),
+                                               collate_fn, pin_memory)
         if data_sampler is not None:
             return torch.utils.data.DataLoader(
                 dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
@@ -308,6 +312,7 @@ class Engine(EngineCompatMixin, torch.nn.Module):
     # -- training step ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self.observer.before_forward(self.global_steps)
+        self._data_efficiency_before_forward()  # random-LTD: the kept-token count of this step
         self.tput_timer.start()
         self.timers.start("forward")
         if self.precision.auto_cast:

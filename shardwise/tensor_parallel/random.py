@@ -86,6 +86,13 @@ class CudaRNGStatesTracker:
 
 RNGStatesTracker = CudaRNGStatesTracker
 _TRACKER = CudaRNGStatesTracker()
+_CUDA_RNG_STATE_TRACKER = _TRACKER  # DeepSpeed's and Megatron's name for the one tracker
+
+
+def _set_cuda_rng_state(new_state: torch.Tensor, device=-1) -> None:
+    """Make ``new_state`` the current generator state: the accelerator's (CUDA's once it is in use),
+    the CPU generator's otherwise (DeepSpeed's helper; ``device`` is accepted for its signature)."""
+    _set_state(new_state)
 
 
 def get_cuda_rng_tracker() -> CudaRNGStatesTracker:

@@ -1,12 +1,15 @@
-"""``deepspeed.runtime.utils``: shardwise.runtime.utils (``see_memory_usage``, ``set_random_seed``), the
-layer-partitioning helpers of shardwise's pipeline, and DeepSpeed's small formatting helper."""
+"""``deepspeed.runtime.utils``: shardwise.runtime.utils (``see_memory_usage``, ``set_random_seed``,
+``move_to_device``), the layer-partitioning helpers of shardwise's pipeline, ``PartitionedTensor``
+(shardwise.utils.partitioned_tensor) and DeepSpeed's small formatting helper."""
 
 import torch
 
-from shardwise.pipe.partition import partition_balanced, partition_uniform  # noqa: F401
+from shardwise.pipe.partition import partition_uniform  # noqa: F401
 from shardwise.runtime.utils import *  # noqa: F401,F403
-from shardwise.runtime.utils import see_memory_usage, set_random_seed  # noqa: F401
+from shardwise.runtime.utils import move_to_device, prefix_sum_inc, see_memory_usage, set_random_seed  # noqa: F401
+from shardwise.runtime.utils import partition_min_spread as partition_balanced  # noqa: F401
 from shardwise.tensor_parallel.layers import is_tensor_parallel
+from shardwise.utils.partitioned_tensor import PartitionedTensor  # noqa: F401
 
 
 def is_model_parallel_parameter(p) -> bool:
@@ -127,4 +130,4 @@ class CheckOverflow:
         return self._agree(self.has_overflow_serial(params), moe=moe, world=self.zero_reduce_scatter)
 
 
-__all__ = ["CheckOverflow", "clip_grad_norm_", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
+__all__ = ["CheckOverflow", "clip_grad_norm_", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "move_to_device", "PartitionedTensor", "prefix_sum_inc", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
