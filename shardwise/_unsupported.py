@@ -14,8 +14,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "inference.v2": "DeepSpeed-FastGen (inference v2, ragged batching kernels) is not implemented; "
                     "use shardwise.init_inference (AutoTP) or `shardwise serve`",
     "inference.quantization": "DeepSpeed-Inference quantisation is not implemented",
-    "inference.config": "DeepSpeedInferenceConfig is not provided: shardwise.init_inference takes the same keys "
-                        "as a dict or keyword arguments",
     "module_inject.replace_module": "kernel injection (replace_transformer_layer) is not implemented; AutoTP "
                                     "is shardwise.tensor_parallel.autotp",
     "module_inject.containers": "kernel injection policies are not implemented",
@@ -37,12 +35,10 @@ NOT_SUPPORTED: dict[str, str] = {
     "runtime.checkpoint_engine": "checkpoints are written by shardwise.checkpoint (safetensors + manifest)",
     "monitor.monitor": "MonitorMaster is internal: the engine builds the monitors from the config",
     "runtime.domino": "Domino tensor-parallel overlap is not implemented",
-    "runtime.data_pipeline": "curriculum learning / data efficiency is not implemented",
     "runtime.fp16": "DeepSpeed's fp16 optimizer wrappers are internal; use the config's fp16 block",
     "runtime.zero.stage3": "ZeRO-3's internals differ; use shardwise.runtime.zero (GatheredParameters, Init)",
     "runtime.zero.stage_1_and_2": "ZeRO-1/2's internals differ; the engine builds them from the config",
     "runtime.zero.tiling": "TiledLinear is not implemented",
-    "ops.transformer": "DeepSpeed's fused transformer kernels are not implemented",
     "ops.sparse_attention.bert_sparse_self_attention": "BertSparseSelfAttention is not provided; use "
                                                        "shardwise.ops.sparse_attention.SparseSelfAttention",
     "ops.sparse_attention.sparse_attention_utils": "SparseAttentionUtils (Hugging Face model surgery) is not provided",
@@ -60,12 +56,6 @@ NOT_SUPPORTED: dict[str, str] = {
 }
 
 NOT_SUPPORTED_ATTRS: dict[str, str] = {
-    "DeepSpeedInferenceConfig": "the inference config class is not provided: init_inference takes the same "
-                                "keys as a dict or keyword arguments",
-    "default_inference_config": "the inference config class is not provided: init_inference takes the same "
-                                "keys as a dict or keyword arguments",
-    "DeepSpeedTransformerLayer": NOT_SUPPORTED["ops.transformer"],
-    "DeepSpeedTransformerConfig": NOT_SUPPORTED["ops.transformer"],
     "replace_transformer_layer": NOT_SUPPORTED["module_inject.replace_module"],
     "revert_transformer_layer": NOT_SUPPORTED["module_inject.replace_module"],
     "DeepSpeedConfig": "DeepSpeedConfig is in the compat package (deepspeed.runtime.config); shardwise.config.load_config "

@@ -136,13 +136,13 @@ def test_unsupported_paths_say_so():
     with pytest.raises(ModuleNotFoundError, match=r"deepspeed\.runtime\.domino\) is not supported"):
         importlib.import_module("shardwise.runtime.domino")
     with pytest.raises(ImportError, match="deepspeed.inference.* not supported"):
-        exec("from shardwise.inference.config import DeepSpeedInferenceConfig", {})
+        exec("from shardwise.inference.quantization import quantization", {})
     with pytest.raises(ImportError, match=r"deepspeed\.inference\.v2\) is not supported"):
         importlib.import_module("shardwise.inference.v2")
-    with pytest.raises(AttributeError, match=r"deepspeed\.DeepSpeedTransformerLayer\) is not supported"):
+    with pytest.raises(AttributeError, match=r"deepspeed\.replace_transformer_layer\) is not supported"):
         import shardwise
 
-        shardwise.DeepSpeedTransformerLayer  # noqa: B018
+        shardwise.replace_transformer_layer  # noqa: B018
     with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
         shardwise.no_such_thing  # noqa: B018
     # a real module is never shadowed by the table
