@@ -141,7 +141,8 @@ class ChatModel:
         if streamer is not None:
             streamer.finish(text)
         reason = "stop" if stopped else "cancelled" if cancel is not None and cancel.is_set() else "length"
-        return Answer(text=text, prompt_tokens=len(prompt_ids), completion_tokens=len(new), finish_reason=reason)
+        return Answer(text=text, prompt_tokens=len(prompt_ids), completion_tokens=len(new), finish_reason=reason,
+                      token_ids=new)
 
 
 class _TextDeltas:
