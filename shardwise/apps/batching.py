@@ -353,7 +353,7 @@ class _PagedBackend:
         self.jobs = [j for j in self.jobs if id(j) not in ids]
 
     def stats(self) -> dict:
-        return {"layout": "paged", **self.kv.stats([j._seq for j in self.jobs if j._seq is not None])}
+        return {"layout": "paged", **self.kv.stats()}
 
 
 # ------------------------------------------------------------------ the engine

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -143,6 +144,8 @@ class PagedKV:
             raise ValueError(f"kv_cache_bytes {max_bytes} holds no block of the KV cache: one block of {block_size} "
                              f"tokens takes {self.bytes_per_block} bytes ({self.bytes_per_token} per token)")
         self.pool = BlockPool(num_blocks, block_size)
+        self.live: dict[int, Sequence] = {}  # admitted sequences not yet released, by id
+        self._live_lock = threading.Lock()  # stats() is read from other threads
         slots = num_blocks * block_size
         shape = (slots, self.kv_heads, self.head_dim)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
@@ -179,6 +182,8 @@ class PagedKV:
         seq.tokens = list(prompt[:len(hits) * bs])
         seq.cached = len(seq.tokens)
         pool.reserved += need - len(hits)
+        with self._live_lock:
+            self.live[id(seq)] = seq
         return seq
 
     def slots_for(self, seq: Sequence, new_tokens: list[int]) -> list[int]:
@@ -206,6 +211,8 @@ class PagedKV:
             pool.register(seq.blocks[i], key)
 
     def release(self, seq: Sequence) -> None:
+        with self._live_lock:
+            self.live.pop(id(seq), None)
         self.pool.reserved -= seq.reserve - len(seq.blocks)
         for block in seq.blocks:
             self.pool.release(block)
@@ -217,8 +224,10 @@ class PagedKV:
         slots = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)
         return slots[:len(seq.tokens)]
 
-    def stats(self, active: list[Sequence]) -> dict:
+    def stats(self) -> dict:
         pool = self.pool
+        with self._live_lock:
+            active = list(self.live.values())
         used = pool.num_blocks - len(pool.free) - len(pool.lru)
         return {"blocks_total": pool.num_blocks, "blocks_used": used, "blocks_cached": len(pool.lru),
                 "blocks_free": len(pool.free), "block_size": self.block_size,
