@@ -264,6 +264,7 @@ def test_an_adapter_answers_as_its_merged_model_and_mixed_batches_as_alone(chat,
     from shardwise.apps.generation import ChatModel
 
     merged = {name: ChatModel.load(path) for name, path in adapters.items()}  # peft merge_and_unload
+    prompts = prompts[:4]
     e = engine(adapters=adapters, kv_block_size=4)
     assert e.adapters == ["qv", "mlp"]
     expected = {None: [chat.generate(p, limits()).token_ids for p in prompts]}

@@ -476,6 +476,8 @@ class BatchedGenerator:
             self._closed = True
             self._wake.notify()
         self._thread.join(timeout=30)
+        if self._lora is not None:
+            self._lora.remove()  # the base model is as it was loaded
 
     def _use_adapters(self, token_adapters: torch.Tensor):
         import contextlib
