@@ -44,8 +44,11 @@ def parse_model_arg(arg: str) -> tuple[str, object]:
             if key not in known or not value:
                 raise ValueError(f"--model {arg}: '{item}' is not KEY=VALUE of a GPTConfig field "
                                  f"({', '.join(known)})")
-            values[key] = float(value) if key == "dropout" else (value.lower() in ("1", "true")
-                                                                  if key == "sequence_parallel" else int(value))
+            try:
+                values[key] = float(value) if key == "dropout" else (value.lower() in ("1", "true")
+                                                                      if key == "sequence_parallel" else int(value))
+            except ValueError:
+                raise ValueError(f"--model {arg}: '{item}' is not KEY=VALUE with a number") from None
         return "gpt", GPTConfig(**values)
     path = arg
     if os.path.isdir(path):
@@ -58,10 +61,16 @@ def parse_model_arg(arg: str) -> tuple[str, object]:
         raise ValueError("--model with a Hugging Face config needs transformers (pip install transformers)") from exc
     with open(path) as f:
         try:
-            json.load(f)
+            data = json.load(f)
         except json.JSONDecodeError as exc:
             raise ValueError(f"--model {arg}: {path} is not JSON ({exc})") from None
-    return "hf", AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)))
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"--model {arg}: {path} has no model_type (a Hugging Face config.json names its family, "
+                         "e.g. \"model_type\": \"llama\")")
+    try:
+        return "hf", AutoConfig.for_model(data.pop("model_type"), **data)  # no hub, no download
+    except ValueError as exc:
+        raise ValueError(f"--model {arg}: {exc}") from None
 
 
 def hf_shape(config, seq_len: int | None) -> ModelShape:

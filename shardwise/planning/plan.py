@@ -194,7 +194,7 @@ class StageModel:
     module: torch.nn.Module  # the stage's modules (ZeRO-3 cuts them into units)
 
 
-def build_stages(kind: str, model_cfg, *, grid, dims, partition_method: str) -> tuple[list[StageModel], int]:
+def build_stages(kind: str, model_cfg, *, grid, dims, partition_method: str, cfg=None) -> tuple[list[StageModel], int]:
     """Each pipeline stage's parameters on the meta device, and the whole model's parameter count."""
     if kind == "gpt":
         from shardwise.models.gpt import GPT, GPTBlock, gpt_pipeline_module
@@ -228,7 +228,7 @@ def build_stages(kind: str, model_cfg, *, grid, dims, partition_method: str) -> 
     model = build_hf_meta(model_cfg)
     whole = sum(p.numel() for p in model.parameters())
     if dims.expert > 1:
-        _place_experts(model, dims.expert)
+        _place_experts(model, cfg, dims)
     if dims.tensor > 1:
         from shardwise.tensor_parallel.autotp import AutoTP, check_head_counts
 
@@ -242,21 +242,20 @@ def _whole(module, tp: int) -> int:
     return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in module.parameters())
 
 
-def _place_experts(model, ep: int) -> None:
-    """AutoEP's check (experts must divide by ep_size) and its placement: each rank keeps num_experts / ep
-    of every MoE block's experts. The planner replaces nothing: it marks the expert parameters and
-    keeps 1/ep of their count (``_expert_share``)."""
-    text = model.config.get_text_config()
-    experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
-                  or getattr(text, "n_routed_experts", None) or 0)
-    if experts == 0:
-        raise PlanError(f"expert_parallel.autoep_size {ep}: {type(model).__name__} has no MoE layers")
-    if experts % ep:
-        raise PlanError(f"expert_parallel.autoep_size {ep}: the {experts} experts of {type(model).__name__} "
-                        f"are not divisible by it (divisors: {[d for d in range(1, experts + 1) if experts % d == 0]})")
-    for name, p in model.named_parameters():
-        if ".experts." in name:
-            p._plan_expert_share = ep
+def _place_experts(model, cfg, dims) -> None:
+    """AutoEP's own size checks (``moe/autoep/replace.py``: ep must divide the data axis and every MoE
+    block's experts), then its placement: each rank keeps num_experts / ep of every block's experts. The
+    planner replaces nothing: it keeps 1/ep of the count of each expert parameter (``_numel``)."""
+    from shardwise.moe.autoep.replace import check_sizes
+
+    blocks = check_sizes(model, cfg.expert_parallel, data_size=dims.data * dims.sequence)
+    if not blocks:
+        raise PlanError(f"expert_parallel.autoep_size {dims.expert}: AutoEP finds no MoE block in "
+                        f"{type(model).__name__}")
+    for _, module, _ in blocks:
+        for name, p in module.named_parameters():
+            if "experts" in name:
+                p._plan_expert_share = dims.expert
 
 
 # -- ZeRO arithmetic (the strategies' own layout) ----------------------------------------------------------
@@ -488,7 +487,8 @@ def make_plan(*, world: int, gpus_per_node: int, model: str, config, gpu_memory:
             grid, dims = build_grid(cfg, world=world, pipe=pipe, kind=kind)
         group_seconds = time.perf_counter() - t
         batch = cfg.resolve_batch_sizes(dims.data)
-        stages, whole = build_stages(kind, model_cfg, grid=grid, dims=dims, partition_method=partition_method)
+        stages, whole = build_stages(kind, model_cfg, grid=grid, dims=dims, partition_method=partition_method,
+                                     cfg=cfg)
         topo = grid.topology
         chosen = _choose_ranks(ranks, world, topo, dims, gpus_per_node)
         ckpt = activation_checkpointing if activation_checkpointing is not None else \
