@@ -236,7 +236,7 @@ def main() -> int:
     tol = 5e-3 if args.dtype == torch.bfloat16 else 1e-5
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # (torch 2.11 refuses a device without an index)
     if args.mfu:
         return mfu_check(args, device, sync)
     from model import GPTConfig
