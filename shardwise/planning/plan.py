@@ -228,7 +228,7 @@ def build_stages(kind: str, model_cfg, *, grid, dims, partition_method: str, cfg
     model = build_hf_meta(model_cfg)
     whole = sum(p.numel() for p in model.parameters())
     if dims.expert > 1:
-        _place_experts(model, cfg, dims)
+        _place_experts(model, cfg, dims, grid)
     if dims.tensor > 1:
         from shardwise.tensor_parallel.autotp import AutoTP, check_head_counts
 
@@ -242,20 +242,18 @@ def _whole(module, tp: int) -> int:
     return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in module.parameters())
 
 
-def _place_experts(model, cfg, dims) -> None:
+def _place_experts(model, cfg, dims, grid) -> None:
     """AutoEP's own size checks (``moe/autoep/replace.py``: ep must divide the data axis and every MoE
-    block's experts), then its placement: each rank keeps num_experts / ep of every block's experts. The
-    planner replaces nothing: it keeps 1/ep of the count of each expert parameter (``_numel``)."""
-    from shardwise.moe.autoep.replace import check_sizes
+    block's experts) and its own replacement: each rank's blocks keep num_experts / ep experts, whose
+    parameters are marked as expert parameters of the ``ep_size_<ep>`` groups (created here)."""
+    from shardwise.moe.autoep.replace import apply_autoep, check_sizes
 
     blocks = check_sizes(model, cfg.expert_parallel, data_size=dims.data * dims.sequence)
     if not blocks:
         raise PlanError(f"expert_parallel.autoep_size {dims.expert}: AutoEP finds no MoE block in "
                         f"{type(model).__name__}")
-    for _, module, _ in blocks:
-        for name, p in module.named_parameters():
-            if "experts" in name:
-                p._plan_expert_share = dims.expert
+    with grid.active():
+        apply_autoep(model, cfg.expert_parallel)
 
 
 # -- ZeRO arithmetic (the strategies' own layout) ----------------------------------------------------------
@@ -264,9 +262,13 @@ def _itemsize(dtype) -> int:
 
 
 def _numel(p) -> int:
-    n = p.numel()
-    share = getattr(p, "_plan_expert_share", 1)
-    return n // share
+    return p.numel()
+
+
+def _is_expert(p) -> bool:
+    from shardwise.moe.utils import is_moe_param
+
+    return is_moe_param(p)
 
 
 @dataclass
@@ -282,23 +284,48 @@ class Layout:
 
 
 def zero_layout(named_params, *, stage: int, n: int, rank: int, precision, zc, state_bytes: int,
-                gas: int, module=None) -> Layout:
+                gas: int, module=None, ep: int = 1) -> Layout:
     """Bytes of params, grads, fp32 masters and optimizer states on data-parallel rank ``rank`` of ``n``,
-    and the bytes its ZeRO stage sends per step of ``gas`` micro-batches (the comms logger's sizes)."""
+    and the bytes its ZeRO stage sends per step of ``gas`` micro-batches (the comms logger's sizes).
+
+    With expert parallelism (``ep`` > 1) the expert parameters are partitioned over their expert-data
+    group (``n / ep`` ranks; data rank ``d`` is its ``d // ep``-th, ``utils/groups.py``'s layout): at
+    stages 1-2 a strategy of their own (``moe/parallel.py``'s split), at stage 3 their own chunks."""
+    experts = [(nm, p) for nm, p in named_params if _is_expert(p)] if ep > 1 else []
+    if experts and stage in (1, 2):
+        dense = [(nm, p) for nm, p in named_params if not _is_expert(p)]
+        kw = dict(stage=stage, precision=precision, zc=zc, state_bytes=state_bytes, gas=gas, module=module)
+        a = _zero_part(dense, n=n, rank=rank, tag="dense", **kw)
+        b = _zero_part(experts, n=n // ep, rank=rank // ep, tag="experts", **kw)
+        ops = dict(a.ops)
+        for op, v in b.ops.items():
+            ops[op] = ops.get(op, 0) + v
+        return Layout(a.params + b.params, a.grads + b.grads, a.master + b.master, a.optimizer + b.optimizer,
+                      a.offloaded + b.offloaded, ops)
+    return _zero_part(named_params, stage=stage, n=n, rank=rank, precision=precision, zc=zc,
+                      state_bytes=state_bytes, gas=gas, module=module, tag="all", ep=ep)
+
+
+def _zero_part(named_params, *, stage: int, n: int, rank: int, precision, zc, state_bytes: int, gas: int,
+               module=None, tag: str = "all", ep: int = 1) -> Layout:
     b = _itemsize(precision.param_dtype)
     acc = _itemsize(precision.grad_accum_dtype or precision.param_dtype)
     trainable = [(nm, p) for nm, p in named_params if p.requires_grad]
-    numels = _cached(module, ("numels",), lambda: {id(p): _numel(p) for _, p in named_params}) \
+    numels = _cached(module, ("numels",), lambda: {id(p): _numel(p) for p in module.parameters()}) \
         if module is not None else {id(p): _numel(p) for _, p in named_params}
     offload_opt = _offload(zc.offload_optimizer)
     master_on = precision.master_weights or offload_opt != "none"
     if stage == 3:
-        chunks = [(numels[id(p)], -(-numels[id(p)] // n), p.requires_grad) for _, p in named_params]
-        shard = sum(c for _, c, _ in chunks)
+        def world_of(p):  # an expert parameter is sharded over its expert-data group
+            return n // ep if ep > 1 and _is_expert(p) else n
+
+        chunks = [(numels[id(p)], -(-numels[id(p)] // world_of(p)), p.requires_grad, rank // (n // world_of(p)))
+                  for _, p in named_params]
+        shard = sum(c for _, c, _, _ in chunks)
         owned = 0
-        for numel, c, trains in chunks:  # this rank's piece of each parameter (the last ones are short)
+        for numel, c, trains, r in chunks:  # this rank's piece of each parameter (the last ones are short)
             if trains:
-                start = min(rank * c, numel)
+                start = min(r * c, numel)
                 piece = min(start + c, numel) - start
                 owned += piece if piece > 1 else 0
         params, grads = shard * b, shard * acc
@@ -312,7 +339,7 @@ def zero_layout(named_params, *, stage: int, n: int, rank: int, precision, zc, s
         return Layout(params, grads, master, optimizer, offloaded, dict(ops))
     return _flat_layout(named_params, trainable, numels, stage=stage, n=n, rank=rank, zc=zc, b=b, acc=acc,
                         master_on=master_on, precision=precision, offload_opt=offload_opt,
-                        state_bytes=state_bytes, gas=gas, module=module)
+                        state_bytes=state_bytes, gas=gas, module=module, tag=tag)
 
 
 def _stage3_ops(module, numels, n, zc, gas, b, acc) -> dict:
@@ -339,7 +366,7 @@ def _stage3_ops(module, numels, n, zc, gas, b, acc) -> dict:
 
 
 def _flat_layout(named_params, trainable, numels, *, stage, n, rank, zc, b, acc, master_on, precision, offload_opt,
-                 state_bytes, gas, module=None) -> Layout:
+                 state_bytes, gas, module=None, tag="all") -> Layout:
     from shardwise.zero.flat import group_by_dtype
     from shardwise.zero.stage12 import Stage2Strategy
 
@@ -357,7 +384,7 @@ def _flat_layout(named_params, trainable, numels, *, stage, n, rank, zc, b, acc,
     def cut():  # the strategy's own layout: reversed trainable parameters, one flat group per dtype
         return group_by_dtype(list(reversed(trainable)), world_size=world, bucket_elements=bucket) if trainable else []
 
-    groups = _cached(module, ("flat", world, bucket), cut) if module is not None else cut()
+    groups = _cached(module, ("flat", tag, world, bucket), cut) if module is not None else cut()
     padded = sum(g.padded_numel for g in groups)
     part = sum(g.partition_numel for g in groups)
     owned = 0
@@ -509,7 +536,8 @@ def make_plan(*, world: int, gpus_per_node: int, model: str, config, gpu_memory:
             key = (s, dp_rank)
             if key not in layouts:
                 layouts[key] = zero_layout(st.named_params, stage=stage, n=n, rank=dp_rank, precision=precision,
-                                           zc=zc, state_bytes=state_bytes, gas=gas, module=st.module)
+                                           zc=zc, state_bytes=state_bytes, gas=gas, module=st.module,
+                                           ep=dims.expert)
             lay = layouts[key]
             act = activation_bytes(shape, micro_batch=micro, layers=st.layers, tp=dims.tensor, sp=dims.sequence,
                                    bytes_per_value=b, checkpointing=ckpt, first=st.first, last=st.last)
