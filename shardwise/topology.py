@@ -119,6 +119,9 @@ class ProcessTopology:
 
     def filter_match(self, **coord: int) -> list[int]:
         """The ranks whose coordinates match every ``axis=value`` given, in rank order."""
+        unknown = [a for a in coord if a not in self.axes]
+        if unknown:
+            raise ValueError(f"filter_match: no axis {unknown[0]!r} in topology {dict(zip(self.axes, self.dims))}")
         free = [a for a in self.axes if a not in coord]
         return sorted(self.get_rank(**coord, **dict(zip(free, values)))
                       for values in product(*[range(self.get_dim(a)) for a in free]))

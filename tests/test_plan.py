@@ -241,3 +241,32 @@ def test_cli_error_is_one_line(tmp_path, capsys):
               _write(tmp_path, _config(1, 1))])
     assert exc.value.code == 2
     assert "shardwise plan: error: --model gpt:hidden=x: 'hidden=x' is not KEY=VALUE with a number" in capsys.readouterr().err
+
+
+def test_model_parallel_groups_are_every_rank_of_a_data_coordinate():
+    """The grid's model-parallel groups (built per data/sequence coordinate from the topology, not by scanning
+    the world) hold exactly the ranks a scan finds, in the same order of creation."""
+    import torch.distributed as dist
+
+    from shardwise.parallel_dims import ParallelDims
+    from shardwise.planning import fake_world
+    from shardwise.topology import ParallelGrid, ProcessTopology
+
+    dims = ParallelDims(data=3, pipe=2, tensor=2, sequence=2)
+    topo = ProcessTopology.from_dims(dims)
+    made = []
+    with fake_world(dims.world_size):
+        real = dist.new_group
+        dist.new_group = lambda ranks=None, **kw: (made.append(list(ranks)), real(ranks, **kw))[1]
+        try:
+            grid = ParallelGrid(topo)
+        finally:
+            dist.new_group = real
+        assert sorted(dist.get_process_group_ranks(grid.get_model_parallel_group())) == [0, 1, 12, 13]
+    scan = [[r for r in range(topo.world_size) if topo.get_coord(r).data == d and topo.get_coord(r).sequence == s]
+            for d in range(3) for s in range(2)]
+    assert all(group in made for group in scan)
+    assert [g for g in made if g in scan] == scan  # created in the same order on every rank
+    assert topo.filter_match(data=1, sequence=0) == scan[2]
+    with pytest.raises(ValueError, match="no axis 'expert'"):
+        topo.filter_match(expert=0)
