@@ -115,7 +115,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from shardwise.planning.report import add_plan_arguments
+    from shardwise.planning.options import add_plan_arguments
 
     parser = sub.add_parser(
         "plan", allow_abbrev=False, help="lay out a run of W ranks in one process and report what each rank "
