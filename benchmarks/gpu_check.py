@@ -142,6 +142,78 @@ def peak_tflops(args, device) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
+MFU_LLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
+MFU_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def mfu_check(args, device, sync) -> int:
+    """The MFU the engine logs (``steps_per_print``), next to one computed here from scratch: a Llama-shaped
+    model (transformers, SDPA attention) in bf16 at ZeRO-0 on one device; our count of FLOPs per token is
+    6 x (every parameter but the input embedding) + 12 x layers x hidden x sequence, over the median step time
+    measured with device synchronisation, over the peak the engine uses."""
+    import logging
+
+    import shardwise
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from shardwise.monitor.mfu import device_name, peak_flops
+
+    tiny = device.type != "cuda"
+    shape = MFU_TINY if tiny else MFU_LLAMA
+    seq, micro, steps, every = (32, 2, 6, 2) if tiny else (2048, 8, 30, 10)
+    cfg = LlamaConfig(**shape, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(device)
+    ds = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": every, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 0}}
+    if args.peak_tflops:
+        ds["peak_tflops"] = args.peak_tflops
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: lines.append(rec.getMessage())
+    logging.getLogger("shardwise").addHandler(handler)
+    engine, *_ = shardwise.initialize(model=model, config=ds)
+    g = torch.Generator().manual_seed(1)
+    times = []
+    for _ in range(steps):
+        ids = torch.randint(cfg.vocab_size, (micro, seq), generator=g).to(device)
+        sync()
+        t0 = time.perf_counter()
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    logging.getLogger("shardwise").removeHandler(handler)
+    logged = [ln for ln in lines if ln.startswith("step=")]
+    t = statistics.median(times[every:])
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    fpt = 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq
+    peak, source = peak_flops(device_name(engine.device), "bf16", override_tflops=args.peak_tflops)
+    ours = micro * seq / t * fpt / peak if peak else None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"\nMFU check: {name}, Llama-shaped {n / 1e6:.0f}M parameters in matmuls, bf16, {micro} x {seq} tokens "
+          f"per step, peak {source}")
+    print(f"engine log: {logged[-1] if logged else '(no steps_per_print line)'}")
+    print(f"independent: median step {t * 1e3:.1f} ms, tokens/s {micro * seq / t:,.0f}, "
+          f"MFU {f'{ours:.1%}' if ours is not None else 'n/a (no peak)'}")
+    print("reference points: torchtitan Llama-3.1-8B on H100, 33-39% MFU; Megatron-Core, 47%")
+    if not logged or "tokens/sec=" not in logged[-1]:
+        print("gpu_check: the engine logged no tokens/sec")
+        return 1
+    if ours is not None:
+        if "MFU=" not in logged[-1]:
+            print("gpu_check: the engine logged no MFU")
+            return 1
+        engine_mfu = float(logged[-1].split("MFU=")[1].split("%")[0]) / 100
+        if abs(engine_mfu - ours) > 0.15 * ours:
+            print(f"gpu_check: logged MFU {engine_mfu:.1%} and independent {ours:.1%} differ by more than 15%")
+            return 1
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -151,6 +223,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense peak of the device in the dtype")
     ap.add_argument("--runs", nargs="+", default=[r[0] for r in RUNS], help="labels of the engine runs to do")
+    ap.add_argument("--mfu", action="store_true", help="instead: the MFU the engine logs vs an independent count")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -166,6 +239,8 @@ def main() -> int:
         if device.index is None:  # "cuda" alone: the current device
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
+    if args.mfu:
+        return mfu_check(args, device, sync)
     from model import GPTConfig
 
     tokens = SIZES[args.size][1] * GPTConfig(**SIZES[args.size][0]).block_size

@@ -114,6 +114,26 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=handle)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from shardwise.planning.options import add_plan_arguments
+
+    parser = sub.add_parser(
+        "plan", allow_abbrev=False, help="lay out a run of W ranks in one process and report what each rank "
+        "holds and sends",
+        description="Build the process groups of every rank (torch's fake backend), the model on the meta "
+        "device and each rank's ZeRO partition with the engine's own code, then print per rank: parameters, "
+        "model-state bytes, an activation estimate, communication bytes per step by axis, pipeline balance "
+        "and the checkpoint layout. See docs/planning.md.")
+    add_plan_arguments(parser)
+
+    def handle(ns: argparse.Namespace) -> int:
+        from shardwise.planning import report
+
+        return report.run(ns)
+
+    parser.set_defaults(handler=handle)
+
+
 def _add_autotune(sub: argparse._SubParsersAction) -> None:
     from shardwise.launcher.options import add_run_arguments
 
@@ -212,7 +232,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_run, _add_doctor, _add_finetune, _add_serve,
-                                                                   _add_estimate, _add_autotune, _add_plot,
+                                                                   _add_estimate, _add_plan, _add_autotune, _add_plot,
                                                                    _add_consolidate, _add_convert]
 
 

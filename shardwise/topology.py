@@ -119,7 +119,12 @@ class ProcessTopology:
 
     def filter_match(self, **coord: int) -> list[int]:
         """The ranks whose coordinates match every ``axis=value`` given, in rank order."""
-        return [r for r in range(self.world_size) if all(self.get_coord(r)[a] == v for a, v in coord.items())]
+        unknown = [a for a in coord if a not in self.axes]
+        if unknown:
+            raise ValueError(f"filter_match: no axis {unknown[0]!r} in topology {dict(zip(self.axes, self.dims))}")
+        free = [a for a in self.axes if a not in coord]
+        return sorted(self.get_rank(**coord, **dict(zip(free, values)))
+                      for values in product(*[range(self.get_dim(a)) for a in free]))
 
     def get_rank_repr(self, rank: int, omit_axes=("data", "pipe"), inner_sep: str = "_", outer_sep: str = "-") -> str:
         """``rank``'s coordinates as text, e.g. ``model_01`` (DeepSpeed's checkpoint file names)."""
@@ -249,9 +254,11 @@ class ParallelGrid(_Activatable):
             return None  # the whole world
         mine = None
         topo = self.topology
+        others = [a for a in topo.axes if a not in ("data", "sequence")]
         for d, s in product(range(self.size("data")), range(self.size("sequence"))):
-            ranks = [r for r in range(topo.world_size)
-                     if topo.get_coord(r).get("data", 0) == d and topo.get_coord(r).get("sequence", 0) == s]
+            fixed = {a: v for a, v in (("data", d), ("sequence", s)) if a in topo.axes}
+            ranks = sorted(topo.get_rank(**fixed, **dict(zip(others, free)))  # O(group size), not O(world)
+                           for free in product(*[range(topo.get_dim(a)) for a in others]))
             g = comm.new_group(ranks)
             if self.rank in ranks:
                 mine = g

@@ -89,6 +89,8 @@ class ShardwiseConfig(ConfigModel):
     gradient_accumulation_steps: PositiveInt | None = None
     steps_per_print: StepsPerPrint | None = None
     wall_clock_breakdown: bool = False
+    # ours: the accelerator's peak TFLOP/s for the MFU figure in the logs (default: a table by device name)
+    peak_tflops: Float | None = Field(None, gt=0)
     memory_breakdown: bool = False
     dump_state: bool = False
 

@@ -59,9 +59,12 @@ class StepObserver:
                                "run 'shardwise autotune ...' to tune")
         self._step_begin: float | None = None
         self._last_end: float | None = None
+        self.meter = _throughput_meter(state)  # tokens/s and MFU (monitor/mfu.py)
 
     # -- hooks -----------------------------------------------------------------------------
-    def before_forward(self, global_steps: int) -> None:
+    def before_forward(self, global_steps: int, args=(), kwargs=None) -> None:
+        if self.meter is not None:
+            self.meter.observe(args, kwargs or {})
         if self._step_begin is None:
             self._step_begin = time.perf_counter()
         fp = self.state.config.flops_profiler
@@ -73,12 +76,24 @@ class StepObserver:
         begin = self._last_end if self._last_end is not None else (self._step_begin or now)
         step_time = now - begin
         self._last_end = now
+        if self.meter is not None:
+            self.meter.step_done()
         if self.flops is not None and self.flops.started:
             self._report_flops(report.global_steps)
         if self.monitor.enabled:
             self._write_step_events(report, step_time)
         if self.trial is not None:
             self.trial.after_step()
+
+    def rates(self, key: str) -> dict:
+        """tokens/s and MFU since the last call with ``key`` ({} without a meter); the reason MFU is
+        missing is logged once."""
+        if self.meter is None:
+            return {}
+        r = self.meter.rates(key)
+        if self.state.global_rank == 0:
+            self.meter.say_once(r.get("why"))
+        return r
 
     # -- pieces ----------------------------------------------------------------------------
     def _report_flops(self, global_steps: int) -> None:
@@ -116,6 +131,11 @@ class StepObserver:
         if step_time > 0:
             events.append(("Train/Samples/samples_per_sec", r.batch_size / step_time, x))
             events.append(("Train/Samples/step_time_ms", 1000.0 * step_time, x))
+        rates = self.meter.rates("monitor") if self.meter is not None else {}
+        if rates.get("tokens_per_sec") is not None:
+            events.append(("Train/Samples/tokens_per_sec", rates["tokens_per_sec"], x))
+        if rates.get("mfu") is not None:
+            events.append(("Train/Samples/mfu", rates["mfu"], x))
         if r.timings is not None:
             last = dict(r.timings)
             if "backward" in last:
@@ -123,3 +143,22 @@ class StepObserver:
             events.extend((f"Train/Samples/{tag}", 1000.0 * last[name], x)
                           for name, tag in _TIMER_TAGS.items() if name in last)
         self.monitor.write_events(events)
+
+
+def _throughput_meter(state: TrainingState):
+    """The step's token counter and MFU arithmetic for this run (None if the model cannot be measured)."""
+    from shardwise.monitor import mfu
+
+    try:
+        grid = state.grid
+        tensor = getattr(grid, "get_tensor_model_parallel_world_size", lambda: 1)()
+        sequence = getattr(grid, "get_sequence_parallel_world_size", lambda: 1)()
+        flops = mfu.model_flops(state.module, tensor_size=tensor)
+        peak, source = mfu.peak_flops(mfu.device_name(state.device),
+                                      mfu.training_dtype_name(state.precision.param_dtype),
+                                      override_tflops=getattr(state.config, "peak_tflops", None))
+        return mfu.ThroughputMeter(flops, replicas=state.dp_world_size, world=comm.get_world_size(), peak=peak,
+                                   peak_source=source, sequence_parallel=sequence)
+    except Exception as exc:  # noqa: BLE001 - the figures are optional; training must not stop for them
+        logger.debug("tokens/s and MFU disabled: %s", exc)
+        return None

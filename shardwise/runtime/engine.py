@@ -20,6 +20,7 @@ import torch
 from shardwise import checkpointing, comm
 from shardwise.moe import parallel as moe_parallel
 from shardwise.moe.utils import has_moe_layers, is_moe_param
+from shardwise.monitor.mfu import format_rates
 from shardwise.monitor.observer import StepObserver
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime import autocast as torch_autocast
@@ -311,7 +312,7 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
 
     # -- training step ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        self.observer.before_forward(self.global_steps)
+        self.observer.before_forward(self.global_steps, args, kwargs)
         self._data_efficiency_before_forward()  # random-LTD: the kept-token count of this step
         self.tput_timer.start()
         self.timers.start("forward")
@@ -400,7 +401,8 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
             grad_norm=self._grad_norm, batch_size=self.train_batch_size(),
             timings=dict(self.timers.last_step) if self.timers.enabled else None))
         if self._progress is not None:
-            self._progress.update(step=self.global_steps, loss=loss, lr=self.get_lr()[0], samples=self.train_batch_size())
+            self._progress.update(step=self.global_steps, loss=loss, lr=self.get_lr()[0], samples=self.train_batch_size(),
+                                  rates=self.observer.rates("progress"))
         spp = self.config.steps_per_print
         if spp and self.global_steps % spp == 0:
             self._print_interval(spp, loss)
@@ -409,12 +411,14 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
         now = time.perf_counter()
         rate = steps * self.train_batch_size() / max(now - self._interval_start, 1e-9)
         self._interval_start = now
+        rates = self.observer.rates("print")  # tokens/s and MFU (shardwise/monitor/mfu.py)
         if self.global_rank == 0:
             scale = f", loss_scale={self.loss_scaler.loss_scale:g}" if self.loss_scaler is not None else ""
             loss_txt = f"{loss:.6f}" if loss is not None else "n/a"
             logger.info(
-                "step=%d, skipped=%d, lr=%s, loss=%s, samples/sec=%.2f%s",
-                self.global_steps, self.skipped_steps, [f"{x:.4g}" for x in self.get_lr()], loss_txt, rate, scale,
+                "step=%d, skipped=%d, lr=%s, loss=%s, samples/sec=%.2f%s%s",
+                self.global_steps, self.skipped_steps, [f"{x:.4g}" for x in self.get_lr()], loss_txt, rate,
+                format_rates(rates), scale,
             )
             if self.timers.enabled:
                 logger.info("time: %s", self.timers.summary(_TIMERS, steps=steps))

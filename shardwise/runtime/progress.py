@@ -19,7 +19,7 @@ class _LineWriter:
 
 
 class ProgressBar:
-    """Shows step, loss, lr and samples/s; a no-op on every rank but global rank 0."""
+    """Shows step, loss, lr, samples/s, tokens/s and MFU; a no-op on every rank but global rank 0."""
 
     def __init__(self, *, total: int | None, enabled: bool, desc: str = "train") -> None:
         self._bar = None
@@ -29,17 +29,22 @@ class ProgressBar:
             if sys.stderr.isatty():
                 self._bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
             else:
-                self._bar = tqdm(total=total, desc=desc, unit="step", file=_LineWriter(), ncols=100,
+                self._bar = tqdm(total=total, desc=desc, unit="step", file=_LineWriter(), ncols=160,
                                  mininterval=3.0, ascii=True)
         self._last = time.perf_counter()
 
-    def update(self, *, step: int, loss: float | None, lr: float, samples: int) -> None:
+    def update(self, *, step: int, loss: float | None, lr: float, samples: int, rates: dict | None = None) -> None:
+        """``rates``: ``tokens_per_sec`` and ``mfu`` (a fraction) when known (shardwise/monitor/mfu.py)."""
         if self._bar is None:
             return
         now = time.perf_counter()
         rate = samples / max(now - self._last, 1e-9)
         self._last = now
         post = {"loss": f"{loss:.4f}" if loss is not None else "n/a", "lr": f"{lr:.3g}", "samples/s": f"{rate:.1f}"}
+        if rates and rates.get("tokens_per_sec") is not None:
+            post["tokens/s"] = f"{rates['tokens_per_sec']:.0f}"
+        if rates and rates.get("mfu") is not None:
+            post["MFU"] = f"{100 * rates['mfu']:.1f}%"
         self._bar.set_postfix(post, refresh=False)
         self._bar.update(1)
 

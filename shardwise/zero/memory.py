@@ -89,7 +89,8 @@ def measure(strategy, optimizer, *, precision: str, weight_bytes: int, tensor_si
     if optimizer is not None:
         for state in optimizer.state.values():
             states += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
-    trainable = [p for g in strategy.groups for p in g.params if p.requires_grad]
+    parts_of = getattr(strategy, "strategies", None) or [strategy]  # MoE: the dense and the expert strategies
+    trainable = [p for part in parts_of for g in part.groups for p in g.params if p.requires_grad]
     psi = sum(full_numel(p) for p in trainable)
     model_psi = sum(full_numel(p) * (tensor_size if getattr(p, "tensor_model_parallel", False) else 1)
                     for p in trainable)

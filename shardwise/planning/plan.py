@@ -1,0 +1,663 @@
+"""``make_plan``: a run of W ranks laid out, cut and costed in one process, with the engine's own code.
+
+The world is torch's fake process-group backend (``FakeStore`` + backend ``"fake"``): this process is
+rank 0 of W and every collective returns at once. On it the plan
+
+* builds the ``ParallelDims`` and the grid through ``runtime/plan.py``'s ``plan_grid`` (or, for
+  pipeline stages, the ``PipelineModule``'s topology), so every process group of every rank is created
+  as the engine creates them, and a layout the engine refuses is refused with the engine's message;
+* builds the model on the meta device: the reference GPT from its own tensor-parallel layers under the
+  grid (a ``PipelineModule`` for pipeline stages, whose ``parts`` are the engine's partition), a Hugging
+  Face model through ``transformers`` with AutoTP's own module replacement;
+* lays each rank's parameters out with the ZeRO stage's own flat-buffer arithmetic
+  (``zero/flat.py``'s ``FlatGroup`` and bucket sizes at stages 1-2, per-parameter chunks at stage 3),
+  which gives the bytes ``engine.memory_breakdown()`` reports and the messages the comms logger counts.
+
+Figures are per rank: ranks of the same pipeline stage differ only in the padding of their ZeRO
+partition, and the plan computes each rank it is asked for (``ranks``: all of them, or a sample).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shardwise.planning.model import ModelShape, build_hf_meta, gpt_shape, hf_shape, parse_model_arg
+
+GIB = 1024 ** 3
+AXES = ("data", "tensor", "pipe", "sequence", "expert")
+_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "deepspeedcpuadam": 8, "lamb": 8,
+                "fusedlamb": 8, "lion": 4, "adagrad": 4, "rmsprop": 4, "muon": 4}
+
+
+class PlanError(ValueError):
+    """A layout that cannot run (the engine's message), or a rank over ``--gpu_memory``."""
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    coord: dict
+    node: int
+    parameters: int  # this rank's piece of the model (its stage, its tensor shard; experts local)
+    params_bytes: int
+    grads_bytes: int
+    master_bytes: int
+    optimizer_bytes: int
+    offloaded_bytes: int  # of the above, what offload keeps in host memory (or on NVMe)
+    activation_bytes_per_micro_batch: int
+    activation_bytes_peak: int  # micro-batches in flight on this stage (1F1B) x per micro-batch
+    comm_bytes: dict  # axis -> bytes per step (comms-logger convention: the whole message)
+    comm_ops: dict  # op -> bytes per step
+    wire_bytes: dict  # axis -> bytes this rank's links carry per step (nccl-tests bus factors)
+
+    @property
+    def model_states_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        return self.model_states_bytes - self.offloaded_bytes + self.activation_bytes_peak
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(model_states_bytes=self.model_states_bytes, device_bytes=self.device_bytes)
+        return d
+
+
+@dataclass
+class Plan:
+    world: int
+    gpus_per_node: int
+    dims: object  # ParallelDims
+    shape: ModelShape
+    parameters: int
+    ranks: list[RankPlan]
+    pipeline: dict
+    checkpoint: dict
+    batch: dict
+    precision: str
+    group_count: int
+    group_seconds: float
+    seconds: float = 0.0
+    gpu_memory: int | None = None
+    over_limit: list[int] = field(default_factory=list)
+
+    def largest(self, key) -> RankPlan:
+        return max(self.ranks, key=key)
+
+    def as_dict(self) -> dict:
+        states = self.largest(lambda r: r.model_states_bytes)
+        acts = self.largest(lambda r: r.activation_bytes_peak)
+        busiest = self.largest(lambda r: sum(r.comm_bytes.values()))
+        return {
+            "world": self.world, "gpus_per_node": self.gpus_per_node, "nodes": -(-self.world // self.gpus_per_node),
+            "layout": {a: getattr(self.dims, a) for a in AXES} | {"zero_stage": self.dims.zero_stage},
+            "model": self.shape.__dict__, "precision": self.precision, "batch": self.batch,
+            "parameters": self.parameters,
+            "model_states_bytes_per_rank": states.model_states_bytes,
+            "model_states_rank": states.rank,
+            "activation_bytes_per_rank": acts.activation_bytes_peak,
+            "activation_bytes_per_micro_batch": acts.activation_bytes_per_micro_batch,
+            "comm_bytes_per_step_per_rank": dict(busiest.comm_bytes),
+            "wire_bytes_per_step_per_rank": dict(busiest.wire_bytes),
+            "pipeline": self.pipeline, "checkpoint": self.checkpoint,
+            "process_groups": self.group_count, "group_creation_seconds": self.group_seconds,
+            "gpu_memory": self.gpu_memory, "over_limit": self.over_limit,
+            "ranks": [r.as_dict() for r in self.ranks],
+            "seconds": self.seconds,
+        }
+
+
+# -- the fake world --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fake_world(world: int):
+    """This process as rank 0 of ``world`` over torch's fake backend; the group destroyed on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardwise import comm
+
+    if dist.is_initialized():
+        raise PlanError("a plan runs in a process of its own: torch.distributed is already initialised here")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        comm.destroy_process_group()
+
+
+class _GroupCounter:
+    """Counts ``torch.distributed.new_group`` calls (every group of every rank is created on each rank)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        import torch.distributed as dist
+
+        real = dist.new_group
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+
+        dist.new_group = counted
+        try:
+            yield self
+        finally:
+            dist.new_group = real
+
+
+# -- layout -------------------------------------------------------------------------------------------
+def build_grid(cfg, *, world: int, pipe: int, kind: str):
+    """``(grid, dims)`` as ``initialize`` makes them (collective: creates every group)."""
+    from shardwise.parallel_dims import ParallelDims
+    from shardwise.runtime import plan as engine_plan
+    from shardwise.topology import ParallelGrid, ProcessTopology
+
+    features = engine_plan.config_features(cfg)
+    tp = max(1, cfg.tensor_parallel.autotp_size)
+    sp = max(1, cfg.sequence_parallel_size)
+    if pipe > 1:
+        if kind != "gpt":
+            raise PlanError("--pipe needs a PipelineModule: pipeline stages are planned for the reference GPT "
+                            "(--model gpt:...); a Hugging Face model trains with data, tensor, sequence and "
+                            "expert parallelism")
+        if sp > 1:
+            raise PlanError("--pipe with sequence_parallel_size > 1 is not planned")
+        topology = ProcessTopology.for_world(world, pipe=pipe, model=tp)  # its error: sizes not dividing
+        grid = ParallelGrid(topology)
+        dims = engine_plan._requested(grid.dims, tensor=tp, sequence=sp, features=features).validate(world)
+        return grid, dims
+    if sp > 1:  # the groups register_with_transformers makes: (data, sequence) or (pipe, data, sequence, model)
+        if world % (sp * tp):
+            raise PlanError(f"sequence_parallel_size {sp} x tensor_parallel.autotp_size {tp} does not divide the "
+                            f"world size {world}")
+        dims = ParallelDims(data=world // (sp * tp), tensor=tp, sequence=sp, **features).validate(world)
+        return ParallelGrid.from_dims(dims), dims
+    return engine_plan.plan_grid(cfg)
+
+
+# -- the model, per pipeline stage ------------------------------------------------------------------------
+@dataclass
+class StageModel:
+    named_params: list  # [(name, meta Parameter)] in the order the engine sees them
+    layers: int  # transformer blocks on this stage
+    first: bool
+    last: bool
+    module: torch.nn.Module  # the stage's modules (ZeRO-3 cuts them into units)
+
+
+def build_stages(kind: str, model_cfg, *, grid, dims, partition_method: str, cfg=None) -> tuple[list[StageModel], int]:
+    """Each pipeline stage's parameters on the meta device, and the whole model's parameter count."""
+    if kind == "gpt":
+        from shardwise.models.gpt import GPT, GPTBlock, gpt_pipeline_module
+
+        if dims.pipe == 1:
+            with grid.active(), torch.device("meta"):
+                model = GPT(model_cfg)
+            blocks = sum(isinstance(m, GPTBlock) for m in model.modules())
+            return [StageModel(list(model.named_parameters()), blocks, True, True, model)], _whole(model, dims.tensor)
+        from shardwise.pipe.module import LayerSpec, PipelineError
+
+        with grid.active(), torch.device("meta"):
+            try:
+                pm = gpt_pipeline_module(model_cfg, topology=grid.topology, partition_method=partition_method)
+            except PipelineError as exc:
+                raise PlanError(str(exc)) from None
+            stages, whole = [], 0
+            for s in range(dims.pipe):
+                lo, hi = pm.parts[s], pm.parts[s + 1]
+                mods = torch.nn.ModuleDict()
+                blocks = 0
+                for idx in range(lo, hi):
+                    spec = pm._layer_specs[idx]
+                    layer = spec.build() if isinstance(spec, LayerSpec) else spec
+                    if isinstance(layer, torch.nn.Module):
+                        mods[str(idx)] = layer
+                        blocks += isinstance(layer, GPTBlock)
+                stages.append(StageModel(list(mods.named_parameters()), blocks, s == 0, s == dims.pipe - 1, mods))
+                whole += _whole(mods, dims.tensor)
+        return stages, whole
+    model = build_hf_meta(model_cfg)
+    whole = sum(p.numel() for p in model.parameters())
+    if dims.expert > 1:
+        _place_experts(model, cfg, dims, grid)
+    if dims.tensor > 1:
+        from shardwise.tensor_parallel.autotp import AutoTP, check_head_counts
+
+        check_head_counts(model, dims.tensor)  # the engine's error for heads not divisible by the tensor size
+        AutoTP(model, grid.get_tensor_model_parallel_group(), tp_size=dims.tensor, tp_rank=0)._replace_module(model)
+    layers = int(model.config.get_text_config().num_hidden_layers)
+    return [StageModel(list(model.named_parameters()), layers, True, True, model)], whole
+
+
+def _whole(module, tp: int) -> int:
+    return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in module.parameters())
+
+
+def _place_experts(model, cfg, dims, grid) -> None:
+    """AutoEP's own size checks (``moe/autoep/replace.py``: ep must divide the data axis and every MoE
+    block's experts) and its own replacement: each rank's blocks keep num_experts / ep experts, whose
+    parameters are marked as expert parameters of the ``ep_size_<ep>`` groups (created here)."""
+    from shardwise.moe.autoep.replace import apply_autoep, check_sizes
+
+    blocks = check_sizes(model, cfg.expert_parallel, data_size=dims.data * dims.sequence)
+    if not blocks:
+        raise PlanError(f"expert_parallel.autoep_size {dims.expert}: AutoEP finds no MoE block in "
+                        f"{type(model).__name__}")
+    with grid.active():
+        apply_autoep(model, cfg.expert_parallel)
+
+
+# -- ZeRO arithmetic (the strategies' own layout) ----------------------------------------------------------
+def _itemsize(dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _numel(p) -> int:
+    return p.numel()
+
+
+def _is_expert(p) -> bool:
+    from shardwise.moe.utils import is_moe_param
+
+    return is_moe_param(p)
+
+
+@dataclass
+class Layout:
+    """This rank's model states and the data-axis messages of one step."""
+
+    params: int
+    grads: int
+    master: int
+    optimizer: int
+    offloaded: int
+    ops: dict  # op -> bytes per step on the data axis
+
+
+def zero_layout(named_params, *, stage: int, n: int, rank: int, precision, zc, state_bytes: int,
+                gas: int, module=None, ep: int = 1) -> Layout:
+    """Bytes of params, grads, fp32 masters and optimizer states on data-parallel rank ``rank`` of ``n``,
+    and the bytes its ZeRO stage sends per step of ``gas`` micro-batches (the comms logger's sizes).
+
+    With expert parallelism (``ep`` > 1) the expert parameters are partitioned over their expert-data
+    group (``n / ep`` ranks; data rank ``d`` is its ``d // ep``-th, ``utils/groups.py``'s layout): at
+    stages 1-2 a strategy of their own (``moe/parallel.py``'s split), at stage 3 their own chunks."""
+    experts = [(nm, p) for nm, p in named_params if _is_expert(p)] if ep > 1 else []
+    if experts and stage in (1, 2):
+        dense = [(nm, p) for nm, p in named_params if not _is_expert(p)]
+        kw = dict(stage=stage, precision=precision, zc=zc, state_bytes=state_bytes, gas=gas, module=module)
+        a = _zero_part(dense, n=n, rank=rank, tag="dense", **kw)
+        b = _zero_part(experts, n=n // ep, rank=rank // ep, tag="experts", **kw)
+        ops = dict(a.ops)
+        for op, v in b.ops.items():
+            ops[op] = ops.get(op, 0) + v
+        return Layout(a.params + b.params, a.grads + b.grads, a.master + b.master, a.optimizer + b.optimizer,
+                      a.offloaded + b.offloaded, ops)
+    return _zero_part(named_params, stage=stage, n=n, rank=rank, precision=precision, zc=zc,
+                      state_bytes=state_bytes, gas=gas, module=module, tag="all", ep=ep)
+
+
+def _zero_part(named_params, *, stage: int, n: int, rank: int, precision, zc, state_bytes: int, gas: int,
+               module=None, tag: str = "all", ep: int = 1) -> Layout:
+    b = _itemsize(precision.param_dtype)
+    acc = _itemsize(precision.grad_accum_dtype or precision.param_dtype)
+    trainable = [(nm, p) for nm, p in named_params if p.requires_grad]
+    numels = _cached(module, ("numels",), lambda: {id(p): _numel(p) for p in module.parameters()}) \
+        if module is not None else {id(p): _numel(p) for _, p in named_params}
+    offload_opt = _offload(zc.offload_optimizer)
+    master_on = precision.master_weights or offload_opt != "none"
+    if stage == 3:
+        def world_of(p):  # an expert parameter is sharded over its expert-data group
+            return n // ep if ep > 1 and _is_expert(p) else n
+
+        chunks = [(numels[id(p)], -(-numels[id(p)] // world_of(p)), p.requires_grad, rank // (n // world_of(p)))
+                  for _, p in named_params]
+        shard = sum(c for _, c, _, _ in chunks)
+        owned = 0
+        for numel, c, trains, r in chunks:  # this rank's piece of each parameter (the last ones are short)
+            if trains:
+                start = min(r * c, numel)
+                piece = min(start + c, numel) - start
+                owned += piece if piece > 1 else 0
+        params, grads = shard * b, shard * acc
+        master = shard * 4 if (master_on or _offload(zc.offload_param) != "none") else 0
+        optimizer = owned * state_bytes
+        offloaded = (master + optimizer if offload_opt != "none" else 0) + \
+                    (params if _offload(zc.offload_param) != "none" else 0)
+        ops = {}
+        if n > 1 and module is not None:
+            ops = _cached(module, ("z3ops", n, gas, b, acc), lambda: _stage3_ops(module, numels, n, zc, gas, b, acc))
+        return Layout(params, grads, master, optimizer, offloaded, dict(ops))
+    return _flat_layout(named_params, trainable, numels, stage=stage, n=n, rank=rank, zc=zc, b=b, acc=acc,
+                        master_on=master_on, precision=precision, offload_opt=offload_opt,
+                        state_bytes=state_bytes, gas=gas, module=module, tag=tag)
+
+
+def _stage3_ops(module, numels, n, zc, gas, b, acc) -> dict:
+    """Stage 3's messages per step: each unit all-gathered whole (padded), its gradients reduce-scattered."""
+    ops: dict = {}
+
+    def add(op, nbytes):
+        ops[op] = ops.get(op, 0) + nbytes
+
+    units = stage3_units(module, int(zc.stage3_prefetch_bucket_size))
+    threshold = int(zc.stage3_param_persistence_threshold)
+    for unit in units:
+        full = sum(-(-numels[id(p)] // n) * n for p in unit)
+        persistent = all(numels[id(p)] <= threshold for p in unit)
+        # a unit holding the whole model, or a persistent one (every parameter at most
+        # stage3_param_persistence_threshold), stays gathered from forward to backward: once per
+        # micro-batch; the others are gathered for forward and again for backward
+        times = gas if (persistent or len(units) == 1) else 2 * gas
+        add("all_gather_into_tensor", times * full * b)
+        if any(p.requires_grad for p in unit):
+            add("reduce_scatter_tensor", gas * sum(-(-numels[id(p)] // n) * n for p in unit
+                                                   if p.requires_grad) * acc)
+    return ops
+
+
+def _flat_layout(named_params, trainable, numels, *, stage, n, rank, zc, b, acc, master_on, precision, offload_opt,
+                 state_bytes, gas, module=None, tag="all") -> Layout:
+    from shardwise.zero.flat import group_by_dtype
+    from shardwise.zero.stage12 import Stage2Strategy
+
+    frozen = sum(numels[id(p)] for _, p in named_params if not p.requires_grad) * b
+    ops: dict = {}
+
+    def add(op, nbytes):
+        ops[op] = ops.get(op, 0) + nbytes
+
+    world = n if stage in (1, 2) else 1
+    bucket = int(zc.reduce_bucket_size)
+    if stage == 2 and "reduce_bucket_size" not in zc.model_fields_set:
+        total = sum(numels[id(p)] for _, p in trainable)
+        bucket = min(bucket, max(Stage2Strategy.min_bucket_elements, -(-total // Stage2Strategy.min_buckets)))
+    def cut():  # the strategy's own layout: reversed trainable parameters, one flat group per dtype
+        return group_by_dtype(list(reversed(trainable)), world_size=world, bucket_elements=bucket) if trainable else []
+
+    groups = _cached(module, ("flat", tag, world, bucket), cut) if module is not None else cut()
+    padded = sum(g.padded_numel for g in groups)
+    part = sum(g.partition_numel for g in groups)
+    owned = 0
+    for g in groups:
+        for a, c in g.rank_chunks(rank if stage else 0):
+            owned += sum(f.param_end - f.param_start for f in g.fragments(a, c) if f.param_end - f.param_start > 1)
+    params = padded * b + frozen
+    if stage == 0:
+        grads, master = padded * acc, (padded * 4 if precision.master_weights else 0)
+        optimizer = owned * state_bytes
+        offloaded = 0
+        if n > 1:
+            for g in groups:
+                for s, e in g.buckets:
+                    add("all_reduce", (e - s) * acc)
+        return Layout(params, grads, master, optimizer, offloaded, ops)
+    grads = padded * acc if stage == 1 else part * acc
+    master = part * 4 if master_on else 0
+    optimizer = owned * state_bytes
+    offloaded = master + optimizer if offload_opt != "none" else 0
+    if n > 1:
+        times = gas if stage == 2 else 1
+        for g in groups:
+            for s, e in g.buckets:
+                add("reduce_scatter_tensor", times * (e - s) * acc)
+                add("all_gather_into_tensor", (e - s) * b)
+    return Layout(params, grads, master, optimizer, offloaded, ops)
+
+
+def stage3_units(module: torch.nn.Module, unit_elements: int) -> list[list]:
+    """The parameter lists of ZeRO-3's gather units, cut as ``zero/stage3.py``'s ``_build_units`` cuts them
+    (a module whose subtree fits ``stage3_prefetch_bucket_size`` elements is one unit; a bigger one or a
+    container keeps its direct parameters and its children are cut the same way)."""
+    owner: set = set()
+    units: list = []
+
+    def fresh(params):
+        out = []
+        for p in params:
+            if id(p) not in owner:
+                owner.add(id(p))
+                out.append(p)
+        return out
+
+    def visit(m):
+        subtree = [p for p in m.parameters() if id(p) not in owner]
+        container = isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        fits = sum(_numel(p) for p in subtree) <= unit_elements and not container
+        if fits or not any(True for _ in m.children()):
+            part = fresh(subtree)
+            if part:
+                units.append(part)
+            return
+        part = fresh(p for p in m._parameters.values() if p is not None)
+        if part:
+            units.append(part)
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+    return units
+
+
+def _cached(module, key, compute):
+    """Per-module memo (a stage's modules are walked once, not once per rank)."""
+    memo = module.__dict__.setdefault("_plan_memo", {})
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def _offload(block) -> str:
+    return getattr(block, "device", "none") if block is not None else "none"
+
+
+def optimizer_state_bytes(cfg) -> int:
+    if cfg.optimizer is None:
+        return 0
+    kind = cfg.optimizer.type.lower()
+    if kind == "sgd":
+        return 4 if (cfg.optimizer.params or {}).get("momentum", 0) else 0
+    return _STATE_BYTES.get(kind, 8)
+
+
+# -- activations ----------------------------------------------------------------------------------------
+def activation_bytes(shape: ModelShape, *, micro_batch: int, layers: int, tp: int, sp: int, bytes_per_value: int,
+                     checkpointing: bool, first: bool, last: bool) -> int:
+    """Korthikanti et al. (2022) per layer, ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes in 16-bit (scaled for
+    fp32), with the sequence cut over ``sp`` ranks; full checkpointing keeps each layer's input
+    (``2*s*b*h``) plus one layer being recomputed. The last stage adds its logits (fp32 for the loss)."""
+    s, b, h, a = shape.seq_len // max(sp, 1), micro_batch, shape.hidden, shape.heads
+    scale = bytes_per_value / 2
+    per_layer = s * b * h * (10 + 24 / tp + 5 * a * shape.seq_len / (h * tp)) * scale
+    if checkpointing:
+        total = layers * 2 * s * b * h * scale + (per_layer if layers else 0)
+    else:
+        total = layers * per_layer
+    if last:
+        total += s * b * (shape.vocab // tp) * 4
+    if first:
+        total += s * b * h * bytes_per_value
+    return int(total)
+
+
+# -- the plan --------------------------------------------------------------------------------------------------
+def make_plan(*, world: int, gpus_per_node: int, model: str, config, gpu_memory: int | None = None,
+              ranks: list[int] | None = None, pipe: int = 1, seq_len: int | None = None,
+              activation_checkpointing: bool | None = None, partition_method: str = "parameters") -> Plan:
+    """Lay out, cut and cost a run of ``world`` ranks (see the module docstring). ``ranks``: the ranks to
+    report (default: all up to 4,096, else one rank per pipeline stage and node boundary)."""
+    from shardwise.config import load_config
+    from shardwise.precision import PrecisionPolicy
+
+    start = time.perf_counter()
+    if world < 1 or gpus_per_node < 1:
+        raise PlanError(f"--world and --gpus_per_node must be >= 1, got {world} and {gpus_per_node}")
+    if world % gpus_per_node:
+        raise PlanError(f"--world {world} is not a whole number of nodes of --gpus_per_node {gpus_per_node}")
+    cfg = load_config(config)
+    kind, model_cfg = parse_model_arg(model)
+    shape = gpt_shape(model_cfg, seq_len) if kind == "gpt" else hf_shape(model_cfg, seq_len)
+    precision = PrecisionPolicy.from_config(cfg)
+    counter = _GroupCounter()
+    with fake_world(world):
+        t = time.perf_counter()
+        with counter.counting():
+            grid, dims = build_grid(cfg, world=world, pipe=pipe, kind=kind)
+        group_seconds = time.perf_counter() - t
+        batch = cfg.resolve_batch_sizes(dims.data)
+        stages, whole = build_stages(kind, model_cfg, grid=grid, dims=dims, partition_method=partition_method,
+                                     cfg=cfg)
+        topo = grid.topology
+        chosen = _choose_ranks(ranks, world, topo, dims, gpus_per_node)
+        ckpt = activation_checkpointing if activation_checkpointing is not None else \
+            bool(cfg.activation_checkpointing is not None and "activation_checkpointing" in cfg.model_fields_set)
+        state_bytes = optimizer_state_bytes(cfg)
+        zc = cfg.zero_optimization
+        gas, micro = batch.gradient_accumulation_steps, batch.train_micro_batch_size_per_gpu
+        n = dims.data * dims.sequence
+        stage = int(zc.stage)
+        b = _itemsize(precision.param_dtype)
+        layouts: dict = {}
+        rank_plans = []
+        for r in chosen:
+            coord = topo.get_coord(r)
+            s = coord.get("pipe", 0)
+            dp_rank = coord.get("data", 0) * dims.sequence + coord.get("sequence", 0)
+            st = stages[s]
+            key = (s, dp_rank)
+            if key not in layouts:
+                layouts[key] = zero_layout(st.named_params, stage=stage, n=n, rank=dp_rank, precision=precision,
+                                           zc=zc, state_bytes=state_bytes, gas=gas, module=st.module,
+                                           ep=dims.expert)
+            lay = layouts[key]
+            act = activation_bytes(shape, micro_batch=micro, layers=st.layers, tp=dims.tensor, sp=dims.sequence,
+                                   bytes_per_value=b, checkpointing=ckpt, first=st.first, last=st.last)
+            in_flight = min(dims.pipe - s, gas) if dims.pipe > 1 else 1
+            comm_bytes, comm_ops, wire = _comm(lay, shape=shape, dims=dims, stage_model=st, micro=micro, gas=gas,
+                                               b=b, zero_stage=stage)
+            rank_plans.append(RankPlan(
+                rank=r, coord={a: coord.get(a, 0) for a in topo.axes}, node=r // gpus_per_node,
+                parameters=_cached(st.module, ("parameters",), lambda: sum(_numel(p) for _, p in st.named_params)),
+                params_bytes=lay.params,
+                grads_bytes=lay.grads, master_bytes=lay.master, optimizer_bytes=lay.optimizer,
+                offloaded_bytes=lay.offloaded, activation_bytes_per_micro_batch=act,
+                activation_bytes_peak=act * in_flight, comm_bytes=comm_bytes, comm_ops=comm_ops, wire_bytes=wire))
+    pipeline = _pipeline_report(stages, dims, gas)
+    plan = Plan(world=world, gpus_per_node=gpus_per_node, dims=dims, shape=shape, parameters=whole, ranks=rank_plans,
+                pipeline=pipeline, checkpoint=_checkpoint_report(rank_plans, stages, dims, whole, b, world, stage,
+                                                                  precision),
+                batch=batch._asdict(), precision={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+                    precision.param_dtype, "fp32"), group_count=counter.count, group_seconds=group_seconds,
+                gpu_memory=gpu_memory)
+    if gpu_memory:
+        plan.over_limit = [r.rank for r in rank_plans if r.device_bytes > gpu_memory]
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _choose_ranks(ranks, world, topo, dims, gpus_per_node) -> list[int]:
+    if ranks:
+        bad = [r for r in ranks if not 0 <= r < world]
+        if bad:
+            raise PlanError(f"--ranks {bad}: ranks run from 0 to {world - 1}")
+        return sorted(set(ranks))
+    if world <= 4096:
+        return list(range(world))
+    # a sample: the first and last rank of every pipeline stage, and of the first and last node
+    picked = {0, world - 1, gpus_per_node - 1, world - gpus_per_node}
+    for s in range(dims.pipe):
+        members = topo.get_axis_list("pipe", s) if "pipe" in topo.axes else list(range(world))
+        picked.update((members[0], members[-1]))
+    return sorted(r for r in picked if 0 <= r < world)
+
+
+def _comm(lay: Layout, *, shape, dims, stage_model, micro, gas, b, zero_stage):
+    """Bytes per step by axis (comms-logger message sizes) and by op, and what the links carry."""
+    from shardwise.comm.logger import bus_factor
+
+    ops = {("data", op): v for op, v in lay.ops.items()}
+    n = dims.data * dims.sequence
+    # the clipped step's one all-reduce of the squared gradient norm (train_step.norm_scope)
+    if dims.pipe * dims.tensor > 1:
+        ops[("tensor" if dims.pipe == 1 else "pipe", "all_reduce")] = 4
+    elif zero_stage > 0 and n > 1:
+        ops[("data", "all_reduce")] = ops.get(("data", "all_reduce"), 0) + 4
+    s_local = shape.seq_len // dims.sequence
+    act = micro * s_local * shape.hidden * b
+    if dims.tensor > 1:  # each column-parallel layer's input gradient, each row-parallel output, the embedding
+        per_mb = _cached(stage_model.module, ("tp",), lambda: tensor_parallel_reductions(stage_model.module)) * act
+        if stage_model.last and shape.kind == "gpt":  # vocab-parallel cross entropy: max, sum of exps, target logit (fp32 [b, s])
+            per_mb += 3 * micro * s_local * 4
+        ops[("tensor", "all_reduce")] = ops.get(("tensor", "all_reduce"), 0) + gas * per_mb
+    if dims.pipe > 1:  # pipe/engine.py: the batch-loading agreement (one fp32 flag per rank of the world)
+        # and the loss of each micro-batch averaged over the replicas, both over the world
+        ops[("pipe", "all_reduce")] = ops.get(("pipe", "all_reduce"), 0) + 4 * dims.world_size + 4 * gas
+    if dims.pipe > 1:  # activations forward, their gradients back, per micro-batch (point to point)
+        p2p = gas * act * ((0 if stage_model.last else 1) + (0 if stage_model.first else 1))
+        ops[("pipe", "send_recv")] = ops.get(("pipe", "send_recv"), 0) + p2p
+    if dims.sequence > 1:  # Ulysses: q, k, v and the output all-to-all forward, again backward
+        ops[("sequence", "all_to_all")] = gas * stage_model.layers * 8 * act
+    if dims.expert > 1 and shape.num_experts:  # dispatch and combine, forward and backward
+        k = max(shape.experts_per_token, 1)
+        ops[("expert", "all_to_all")] = gas * stage_model.layers * 4 * act * k
+    by_axis = {a: 0 for a in AXES}
+    by_op: dict = {}
+    wire = {a: 0 for a in AXES}
+    size = {"data": n, "tensor": dims.tensor, "pipe": dims.pipe, "sequence": dims.sequence, "expert": dims.expert}
+    for (axis, op), v in ops.items():
+        by_axis[axis] += v
+        by_op[op] = by_op.get(op, 0) + v
+        wire[axis] += int(v * (1.0 if op in ("send_recv", "all_to_all") else bus_factor(op, max(size[axis], 2))))
+    return by_axis, by_op, wire
+
+
+def tensor_parallel_reductions(module) -> int:
+    """All-reduces of one activation per micro-batch on the tensor axis: forward, a row-parallel layer's
+    output and a vocab-parallel embedding's; backward, a column-parallel layer's input gradient."""
+    from shardwise.tensor_parallel.autotp_layers import LinearAllreduce, LinearLayer
+    from shardwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    count = 0
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, LinearLayer)):
+            count += 1
+        elif isinstance(m, (RowParallelLinear, LinearAllreduce, VocabParallelEmbedding)):
+            count += 1
+    return count
+
+
+def _pipeline_report(stages, dims, gas) -> dict:
+    params = [sum(_numel(p) for _, p in st.named_params) for st in stages]
+    layers = [st.layers for st in stages]
+    mean = sum(params) / len(params)
+    p, m = dims.pipe, gas
+    return {"stages": dims.pipe, "layers_per_stage": layers, "parameters_per_stage": params,
+            "imbalance": (max(params) / mean) if mean else 1.0, "micro_batches": m,
+            "bubble_fraction": (p - 1) / (m + p - 1) if p > 1 else 0.0}
+
+
+def _checkpoint_report(rank_plans, stages, dims, whole, b, world, stage, precision) -> dict:
+    """The native layout (checkpoint/engine_io.py): the whole model once, fp32 masters and optimizer state
+    per owning rank, RNG state per rank."""
+    per_rank = {r.rank: r for r in rank_plans}
+    sample = len(per_rank) < world
+    owners = world if stage > 0 else dims.pipe * dims.tensor  # stage 0: data rank 0 of each model piece
+    mean = lambda key: sum(key(r) for r in rank_plans) / len(rank_plans)  # noqa: E731
+    master = int(mean(lambda r: r.master_bytes) * owners) if precision.master_weights else 0
+    optim = int(mean(lambda r: r.optimizer_bytes) * owners)
+    files = {"manifest.json": 1, "model.safetensors": 1, "extra.safetensors": 1,
+             "rank<r>.safetensors": world, "rank<r>.json": world, "optim_rank<r>.safetensors": owners}
+    if precision.master_weights:
+        files["master_rank<r>.safetensors"] = owners
+    return {"files": sum(files.values()), "by_name": files, "model_bytes": whole * b, "master_bytes": master,
+            "optimizer_bytes": optim, "total_bytes": whole * b + master + optim,
+            "estimated_from_sample": sample}
