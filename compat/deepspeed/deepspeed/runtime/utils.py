@@ -1,6 +1,8 @@
 """``deepspeed.runtime.utils``: shardwise.runtime.utils (``see_memory_usage``, ``set_random_seed``), the
 layer-partitioning helpers of shardwise's pipeline, and DeepSpeed's small formatting helper."""
 
+import math
+
 import torch
 
 from shardwise.pipe.partition import partition_balanced, partition_uniform  # noqa: F401
@@ -12,6 +14,78 @@ from shardwise.tensor_parallel.layers import is_tensor_parallel
 def is_model_parallel_parameter(p) -> bool:
     """True for a tensor-sharded parameter (``tensor_model_parallel``, or Megatron's older ``model_parallel``)."""
     return bool(getattr(p, "model_parallel", False)) or is_tensor_parallel(p)
+
+
+class PartitionedTensor:
+    """One flat slice of ``tensor`` per rank of ``group`` (split as ``partition_uniform`` splits it); ``full()``
+    gathers the whole tensor back. ``to_meta()`` / ``from_meta()`` carry the shape and split in a long tensor
+    so the slice can be sent to a peer of the same group (the pipeline engine's activation partitioning).
+    The meta layout is DeepSpeed's: ``[ndim, *shape, num_parts, rank, *partition]``."""
+
+    def __init__(self, tensor, group, partition_meta=None):
+        from shardwise import comm
+
+        self.group = group
+        self.num_parts = comm.get_world_size(group=group)
+        self.rank = comm.get_rank(group=group)
+        self.orig_size = list(tensor.size())
+        self.orig_device = tensor.device
+        self.partition = partition_uniform(num_items=tensor.numel(), num_parts=self.num_parts)
+        start, end = self.partition[self.rank], self.partition[self.rank + 1]
+        self.local_data = tensor.detach().contiguous().view(-1)[start:end].clone()
+        self.even_split = tensor.numel() % self.num_parts == 0
+
+    @classmethod
+    def from_meta(cls, meta, local_part, group, device=None):
+        if meta.dtype != torch.long:
+            raise TypeError(f"PartitionedTensor.from_meta: meta must be a torch.long tensor (got {meta.dtype})")
+        obj = cls.__new__(cls)
+        values = meta.tolist()
+        ndim = values[0]
+        obj.orig_size = values[1:1 + ndim]
+        num_parts, rank, partition = values[1 + ndim], values[2 + ndim], values[3 + ndim:]
+        from shardwise import comm
+
+        obj.group = group
+        obj.num_parts = comm.get_world_size(group=group)
+        obj.rank = comm.get_rank(group=group)
+        if (num_parts, rank) != (obj.num_parts, obj.rank):
+            raise ValueError(f"PartitionedTensor.from_meta: meta is for rank {rank} of {num_parts}, this process is "
+                             f"rank {obj.rank} of {obj.num_parts} in the group")
+        obj.partition = partition
+        obj.local_data = local_part.detach()
+        obj.orig_device = torch.device(device) if device is not None else local_part.device
+        obj.even_split = math.prod(obj.orig_size) % obj.num_parts == 0
+        return obj
+
+    def full(self, device=None):
+        from shardwise import comm
+
+        device = self.orig_device if device is None else device
+        flat = torch.zeros(math.prod(self.orig_size), dtype=self.local_data.dtype, device=device)
+        if self.even_split:
+            comm.all_gather_into_tensor(flat, self.local_data.to(device), group=self.group)
+        else:
+            for part in range(self.num_parts):
+                piece = flat[self.partition[part]:self.partition[part + 1]]
+                if part == self.rank:
+                    piece.copy_(self.local_data)
+                comm.broadcast(piece, comm.get_global_rank(self.group, part) if self.group is not None else part,
+                               group=self.group)
+        return flat.view(self.orig_size).clone().detach()
+
+    def to_meta(self):
+        meta = [len(self.orig_size), *self.orig_size, self.num_parts, self.rank, *self.partition]
+        return torch.tensor(meta, dtype=torch.long, device=self.orig_device)
+
+    def data(self):
+        return self.local_data
+
+    def local_size(self):
+        return self.local_data.size()
+
+    def full_size(self):
+        return self.orig_size
 
 
 def call_to_str(base: str, *args, **kwargs) -> str:
@@ -127,4 +201,4 @@ class CheckOverflow:
         return self._agree(self.has_overflow_serial(params), moe=moe, world=self.zero_reduce_scatter)
 
 
-__all__ = ["CheckOverflow", "clip_grad_norm_", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
+__all__ = ["CheckOverflow", "PartitionedTensor", "clip_grad_norm_", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]

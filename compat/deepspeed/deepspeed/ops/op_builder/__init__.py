@@ -10,6 +10,20 @@ class OpBuilder:
     # the deepspeed.ops class that does this op's work in shardwise, or None when nothing does
     provided_by: str | None = None
 
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.NAME
+
+    @staticmethod
+    def is_rocm_pytorch() -> bool:
+        """Whether torch is a ROCm build (``torch.version.hip``), as DeepSpeed's builders ask."""
+        import torch
+
+        return getattr(torch.version, "hip", None) is not None
+
+    @staticmethod
+    def is_sycl_enabled() -> bool:
+        return False  # no SYCL compiler is ever used: nothing is compiled
+
     def is_compatible(self, verbose: bool = False) -> bool:
         return self.provided_by is not None
 
