@@ -34,6 +34,7 @@ try:
     __version__ = _metadata.version("deepspeed")
 except _metadata.PackageNotFoundError:  # imported from a source tree rather than installed
     __version__ = f"{DEEPSPEED_API_VERSION}+shardwise.{_shardwise.__version__}"
+version = __version__  # DeepSpeed's top-level `version` is its version string
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPSPEED_API_VERSION.split("."))
 __git_hash__ = None
 __git_branch__ = None

@@ -360,8 +360,8 @@ def _resolve(module: str, name: str, d: dict):
         if (m, n) == (module, name) or "." in n:
             continue
         real = _real_attr(m, n)
-        if real is not None:
-            return real
+        if real is not None and (kind == "module") == isinstance(real, types.ModuleType):
+            return real  # (a package's submodule attribute can shadow a class of the same name: not that)
     obj = _make(home[0], home[1], d)
     _made[key] = obj
     return obj
