@@ -16,7 +16,8 @@ with their kind. The compat finder (``deepspeed/__init__.py``) uses it so that
   2. a submodule or a re-imported DeepSpeed module (``dist`` is ``deepspeed.comm``): that module;
   3. a plain constant: DeepSpeed's value (``ADAM_OPTIMIZER == "adam"``);
   4. an exception class: a real exception class of that name (raising and catching it work);
-     an enum: a real enum with DeepSpeed's members and values;
+     an enum: a real enum with DeepSpeed's members and values; a name ``_answers.ANSWERS`` implements
+     (small functions of shardwise's own modules, availability questions answered False);
   5. anything else, which shardwise has no counterpart for (kernel injection, the fused CUDA kernels,
      FastGen, GDS, the op builders' compiled modules, ...): an object that imports fine and raises
      :class:`NotSupportedByShardwise` -- ``"<name> is not supported by shardwise: <why / what to use>"`` --
@@ -353,6 +354,11 @@ def _resolve(module: str, name: str, d: dict):
     if kind == "constant" and "value" in d:
         return _value(d)
     key = _key(module, name, d)
+    home = tuple(key.split(":", 1))
+    from ._answers import ANSWERS
+
+    if home in ANSWERS or (module, name) in ANSWERS:
+        return ANSWERS.get(home) or ANSWERS[(module, name)]
     if key in _made:
         return _made[key]
     home = tuple(key.split(":", 1))

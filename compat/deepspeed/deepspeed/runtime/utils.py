@@ -16,6 +16,14 @@ def is_model_parallel_parameter(p) -> bool:
     return bool(getattr(p, "model_parallel", False)) or is_tensor_parallel(p)
 
 
+def prefix_sum_inc(weights):
+    """Inclusive prefix sum: ``prefix_sum_inc([3, 4, 5]) == [3, 7, 12]``."""
+    out = list(weights)
+    for i in range(1, len(out)):
+        out[i] += out[i - 1]
+    return out
+
+
 class PartitionedTensor:
     """One flat slice of ``tensor`` per rank of ``group`` (split as ``partition_uniform`` splits it); ``full()``
     gathers the whole tensor back. ``to_meta()`` / ``from_meta()`` carry the shape and split in a long tensor
@@ -201,4 +209,4 @@ class CheckOverflow:
         return self._agree(self.has_overflow_serial(params), moe=moe, world=self.zero_reduce_scatter)
 
 
-__all__ = ["CheckOverflow", "PartitionedTensor", "clip_grad_norm_", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
+__all__ = ["CheckOverflow", "PartitionedTensor", "prefix_sum_inc", "clip_grad_norm_", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
