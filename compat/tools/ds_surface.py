@@ -199,7 +199,8 @@ def main(argv):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     warnings.filterwarnings("ignore")
     import deepspeed
-    import torch
+
+    torch = sys.modules.get("torch")  # DeepSpeed imports it; recorded for the record only
 
     names = _module_names(deepspeed)
     modules, failed = _import_all(names)
@@ -234,7 +235,7 @@ def main(argv):
         entry["names"] = described
         out[modname] = entry
     data = {"deepspeed_version": deepspeed.__version__, "python": sys.version.split()[0],
-            "torch": torch.__version__, "accelerator": os.environ["DS_ACCELERATOR"],
+            "torch": getattr(torch, "__version__", None), "accelerator": os.environ["DS_ACCELERATOR"],
             "modules": out, "failed": dict(sorted(failed.items()))}
     with open(argv[1], "w") as f:
         f.write("{\n")
