@@ -166,8 +166,13 @@ def _describe(modname, name, obj, foreign, holders):
             return None
         d = {"kind": "class" if inspect.isclass(obj) else "function"}
         qual = getattr(obj, "__qualname__", name)
-        if "<" not in qual and (owner, qual) != (modname, name):
-            d["origin"] = f"{owner}:{qual}"
+        if "<" not in qual:
+            if (owner, qual) != (modname, name):
+                d["origin"] = f"{owner}:{qual}"
+        else:  # made by a decorator or factory (timed_op's log_wrapper): link the paths that hold it instead
+            first = holders.setdefault(id(obj), (modname, name))
+            if first != (modname, name):
+                d["same"] = f"{first[0]}:{first[1]}"
         if inspect.isclass(obj):
             if issubclass(obj, BaseException):
                 d["exception"] = True

@@ -357,8 +357,9 @@ def _resolve(module: str, name: str, d: dict):
     home = tuple(key.split(":", 1))
     from ._answers import ANSWERS
 
-    if home in ANSWERS or (module, name) in ANSWERS:
-        return ANSWERS.get(home) or ANSWERS[(module, name)]
+    for slot in [home, (module, name), *_groups().get(key, [])]:
+        if slot in ANSWERS:
+            return ANSWERS[slot]
     if key in _made:
         return _made[key]
     home = tuple(key.split(":", 1))
