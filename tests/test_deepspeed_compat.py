@@ -488,8 +488,11 @@ from deepspeed.moe.layer import MoE
 from deepspeed.utils import groups as ds_groups
 assert MoE is sys.modules["shardwise.moe.layer"].MoE and deepspeed.moe.utils.is_moe_param
 assert ds_groups._get_expert_parallel_group_dict is sys.modules["shardwise.utils.groups"]._get_expert_parallel_group_dict
-with pytest.raises(ModuleNotFoundError, match="deepspeed.runtime.domino is not supported"):
-    import deepspeed.runtime.domino
+import deepspeed.runtime.domino  # DeepSpeed's module tree imports whole; what shardwise lacks raises when used
+with pytest.raises(NotImplementedError, match="deepspeed.runtime.domino.transformer.DominoModule is not supported"):
+    deepspeed.runtime.domino.transformer.DominoModule()
+with pytest.raises(ModuleNotFoundError, match="deepspeed.runtime.no_such_module"):
+    import deepspeed.runtime.no_such_module
 # the launcher module: hostfile and filter helpers; main() raises ValueError like DeepSpeed's
 from deepspeed.launcher import runner
 assert runner._parse_hostfile(["a slots=2", "", "b slots=1"]) == {"a": 2, "b": 1}

@@ -74,9 +74,10 @@ out = {
     "lr_schedules": "WarmupLR" in deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES,
     "init": deepspeed.zero.Init is shardwise.zero.Init,
 }
-try:
-    import deepspeed.runtime.domino
-except ModuleNotFoundError as exc:
+import deepspeed.runtime.domino.transformer as domino  # DeepSpeed's tree imports whole; its unsupported names
+try:                                                  # raise when used
+    domino.DominoTransformer()
+except NotImplementedError as exc:
     out["domino"] = str(exc)
 import contextlib, io
 from shardwise.cli import main
@@ -94,7 +95,7 @@ def test_compat_package_is_deepspeed_for_hf_and_maps_every_path(venv, tmp_path, 
     assert got["flag"] is True and got["hf"] and got["accelerate"]
     assert got["same_engine"] and got["same_module"] and got["same_adam"] and got["init"] and got["lr_schedules"]
     assert got["spec_kept"] == "deepspeed.runtime.engine"  # the compat module (DeepSpeed's private engine helpers)
-    assert "deepspeed.runtime.domino is not supported by shardwise" in got["domino"]
+    assert "deepspeed.runtime.domino.transformer.DominoTransformer is not supported by shardwise: Domino" in got["domino"]
 
     assert "deepspeed: shardwise's compatibility package 0.19.8+shardwise." in got["doctor"]
 

@@ -4,7 +4,7 @@ import torch
 
 import shardwise
 
-version = shardwise.__version__
+version = f"0.19.8+shardwise.{shardwise.__version__}"  # DeepSpeed's API level, then what it is (as __version__)
 git_hash = None
 git_branch = None
 installed_ops: dict[str, bool] = {}  # no op is compiled

@@ -6,6 +6,8 @@ accelerate's ``accelerate launch --use_deepspeed`` reads ``DEEPSPEED_ENVIRONMENT
 """
 from __future__ import annotations
 
+import base64
+import json
 from collections import OrderedDict
 
 from shardwise.launcher import hostfile as _hostfile
@@ -13,6 +15,12 @@ from shardwise.launcher.environment import ENV_FILE_NAMES
 
 DEEPSPEED_ENVIRONMENT_NAME = ENV_FILE_NAMES[0]  # ".deepspeed_env"
 DLTS_HOSTFILE = "/job/hostfile"
+
+
+def encode_world_info(world_info) -> str:
+    """DeepSpeed's launcher's ``--world_info`` argument: ``{host: [slots]}`` as JSON in URL-safe base64.
+    (``shardwise run`` hands its node agents its own value, the ``(host, slots)`` pairs in order.)"""
+    return base64.urlsafe_b64encode(json.dumps(world_info).encode("utf-8")).decode("utf-8")
 
 
 def _parse_hostfile(hostfile_lines) -> OrderedDict:

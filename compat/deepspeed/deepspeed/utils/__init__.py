@@ -1,8 +1,13 @@
-"""``deepspeed.utils``: shardwise.utils' names; ``numa`` and ``torch`` are this package's modules, the other
-submodules are shardwise's (``deepspeed.utils.groups`` is ``shardwise.utils.groups``)."""
+"""``deepspeed.utils``: shardwise.utils' names; ``numa``, ``torch`` and ``z3_leaf_module`` are this package's
+modules, the other submodules are shardwise's (``deepspeed.utils.groups`` is ``shardwise.utils.groups``)."""
 import shardwise.utils as _utils
 from shardwise.utils import *  # noqa: F401,F403
 
 
 def __getattr__(name: str):
     return getattr(_utils, name)
+
+# DeepSpeed's utils/__init__ binds z3_leaf_module to the function after importing the submodule of that name
+from . import z3_leaf_module as _z3_leaf_module_file  # noqa: E402,F401
+from .z3_leaf_module import (set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,  # noqa: E402,F401
+                             z3_leaf_module)

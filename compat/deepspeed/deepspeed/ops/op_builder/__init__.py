@@ -10,6 +10,20 @@ class OpBuilder:
     # the deepspeed.ops class that does this op's work in shardwise, or None when nothing does
     provided_by: str | None = None
 
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.NAME
+
+    @staticmethod
+    def is_rocm_pytorch() -> bool:
+        """Whether torch is a ROCm build (``torch.version.hip``), as DeepSpeed's builders ask."""
+        import torch
+
+        return getattr(torch.version, "hip", None) is not None
+
+    @staticmethod
+    def is_sycl_enabled() -> bool:
+        return False  # no SYCL compiler is ever used: nothing is compiled
+
     def is_compatible(self, verbose: bool = False) -> bool:
         return self.provided_by is not None
 
@@ -36,6 +50,25 @@ FusedLambBuilder = _builder("FusedLambBuilder", "fused_lamb", "deepspeed.ops.lam
 AsyncIOBuilder = _builder("AsyncIOBuilder", "async_io", None)
 QuantizerBuilder = _builder("QuantizerBuilder", "quantizer", None)
 TransformerBuilder = _builder("TransformerBuilder", "transformer", None)
+# the rest of DeepSpeed's builders (NAME as in DeepSpeed's CUDA builders): nothing provides their ops here
+CCLCommBuilder = _builder("CCLCommBuilder", "deepspeed_ccl_comm", None)
+ShareMemCommBuilder = _builder("ShareMemCommBuilder", "deepspeed_shm_comm", None)
+DeepCompileBuilder = _builder("DeepCompileBuilder", "dc", None)
+EvoformerAttnBuilder = _builder("EvoformerAttnBuilder", "evoformer_attn", None)
+FPQuantizerBuilder = _builder("FPQuantizerBuilder", "fp_quantizer", None)
+FlashAttentionBuilder = _builder("FlashAttentionBuilder", "flash_attn", None)
+GDSBuilder = _builder("GDSBuilder", "gds", None)
+InferenceBuilder = _builder("InferenceBuilder", "transformer_inference", None)
+InferenceCoreBuilder = _builder("InferenceCoreBuilder", "inference_core_ops", None)
+InferenceCutlassBuilder = _builder("InferenceCutlassBuilder", "cutlass_ops", None)
+NotImplementedBuilder = _builder("NotImplementedBuilder", "deepspeed_not_implemented", None)
+PinMemoryBuilder = _builder("PinMemoryBuilder", "pin_memory", None)
+RaggedOpsBuilder = _builder("RaggedOpsBuilder", "ragged_device_ops", None)
+RaggedUtilsBuilder = _builder("RaggedUtilsBuilder", "ragged_ops", None)
+RandomLTDBuilder = _builder("RandomLTDBuilder", "random_ltd", None)
+SpatialInferenceBuilder = _builder("SpatialInferenceBuilder", "spatial_inference", None)
+StochasticTransformerBuilder = _builder("StochasticTransformerBuilder", "stochastic_transformer", None)
+UtilsBuilder = _builder("UtilsBuilder", "utils", None)
 
 ALL_OPS = {b.NAME: b() for b in (CPUAdamBuilder, FusedAdamBuilder, CPUAdagradBuilder, CPULionBuilder,
                                  FusedLionBuilder, FusedLambBuilder, AsyncIOBuilder, QuantizerBuilder,
