@@ -74,7 +74,7 @@ def model_dir(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("serve-log") / "server.log")
     with running_server(model_dir, "--max_concurrency", "2", "--max_queue", "16", "--max_new_tokens",
-                        str(NEW_TOKENS), log_path=log) as url:
+                        str(NEW_TOKENS), "--served_model_name", "tiny", log_path=log) as url:
         yield url
 
 
