@@ -211,6 +211,23 @@ def test_lora_adapter_and_merged_model_are_saved_and_served(ws, variants):
                                GenerationLimits(max_new_tokens=5, temperature=0.0, top_p=1.0))
         assert answer.completion_tokens >= 1
 
+    # the adapter as written, served per request over the base model, scores as the merged model does
+    from shardwise.apps.batching import BatchedGenerator
+
+    base_chat, merged_chat = ChatModel.load(ws["model"]), ChatModel.load(str(out))
+    ids = merged_chat.prompt_ids([{"role": "user", "content": "是。"}]) + [5, 9, 14]
+    engine = BatchedGenerator(base_chat, adapters={"ft": str(out / "adapter")})
+    try:
+        served = [t.logprob for t in engine.score(ids, adapter="ft").result(60)[1:]]
+        plain = [t.logprob for t in engine.score(ids).result(60)[1:]]
+    finally:
+        engine.close()
+    with torch.no_grad():
+        lp = torch.log_softmax(merged_chat.model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
+    expected = lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    assert served == pytest.approx(expected, abs=1e-4)
+    assert plain != pytest.approx(expected, abs=1e-4)  # the adapter is what makes the difference
+
 
 def test_trained_folder_is_served(trained, tmp_path):
     with running_server(str(trained), "--max_new_tokens", "16", log_path=str(tmp_path / "serve.log")) as url:

@@ -7,16 +7,26 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
 from shardwise.data.chat import ChatEncoder, Message
 
-__all__ = ["ChatModel", "Answer", "GenerationLimits", "MIN_TEMPERATURE"]
+__all__ = ["ChatModel", "Answer", "GenerationLimits", "MIN_TEMPERATURE", "TokenLogprob"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TokenLogprob:
+    """One token with its log-probability under the model (the log-softmax of its raw logits, before
+    temperature and penalties) and the ``top`` most likely tokens at that place as ``(id, logprob)``,
+    most likely first. ``logprob`` is None for the first token of a scored prompt (nothing precedes it)."""
+    token: int
+    logprob: float | None
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -24,7 +34,10 @@ class Answer:
     text: str
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: str  # "stop" (EOS) or "length" (hit the token limit) or "cancelled"
+    finish_reason: str  # "stop" (EOS or a stop string), "length" (hit the token limit) or "cancelled"
+    token_ids: list[int] = field(default_factory=list)  # every generated token, a stop string's included
+    logprobs: list[TokenLogprob] | None = None  # one per generated token when the request asked for them
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 MIN_TEMPERATURE = 1e-3  # below this, sampling is greedy: logits / T would overflow for T near 0
@@ -32,9 +45,21 @@ MIN_TEMPERATURE = 1e-3  # below this, sampling is greedy: logits / T would overf
 
 @dataclass(frozen=True)
 class GenerationLimits:
+    """How one request is decoded.
+
+    ``stop``: strings that end the answer when generated (finish "stop"; the answer stops before the
+    first of them). ``presence_penalty`` / ``frequency_penalty`` (OpenAI semantics, in [-2, 2]): each
+    token's logit is lowered by ``frequency_penalty`` times the number of times it was generated so
+    far, plus ``presence_penalty`` if it was generated at all. ``seed``: sampling draws from a
+    generator of its own seeded with it, so a request gets the same samples whatever it is batched with.
+    """
     max_new_tokens: int
     temperature: float
     top_p: float
+    stop: Sequence[str] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -116,7 +141,8 @@ class ChatModel:
         if streamer is not None:
             streamer.finish(text)
         reason = "stop" if stopped else "cancelled" if cancel is not None and cancel.is_set() else "length"
-        return Answer(text=text, prompt_tokens=len(prompt_ids), completion_tokens=len(new), finish_reason=reason)
+        return Answer(text=text, prompt_tokens=len(prompt_ids), completion_tokens=len(new), finish_reason=reason,
+                      token_ids=new)
 
 
 class _TextDeltas:
