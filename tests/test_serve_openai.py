@@ -59,7 +59,7 @@ def server(dirs):
     log = str(dirs["root"] / "server.log")
     with running_server(dirs["base"], "--served_model_name", "tiny", "--lora_modules", f"a={dirs['a']}",
                         f"b={dirs['b']}", "--max_batch_size", "8", "--max_queue", "24", "--max_new_tokens", "64",
-                        log_path=log, timeout=300) as url:
+                        log_path=log) as url:
         yield url
 
 
