@@ -117,14 +117,26 @@ def test_logprobs_and_scores_are_the_models_log_softmax(chat, prompts, engine):
 
 def test_stop_strings_end_the_answer_before_them_also_when_streamed(chat, prompts, engine):
     e = engine()
-    full = e.submit(prompts[4], limits()).result(60)
-    stop = full.text[3:5]  # a piece from the middle of the greedy answer
-    cut = full.text.find(stop)
+    full = e.submit(prompts[2], limits()).result(60)
+    decode = lambda ids: chat.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    texts = [decode(full.token_ids[:k]) for k in range(len(full.token_ids) + 1)]
+    # a stop string that begins with one token's whole text and ends inside the next token's:
+    # streamed without holding text back, that first token's text would be sent
+    k = next(k for k in range(1, len(texts) - 2) if "\ufffd" not in texts[k + 2] and
+             len(texts[k + 1]) > len(texts[k]) and len(texts[k + 2]) > len(texts[k + 1]) and
+             texts[k + 2].find(texts[k + 2][len(texts[k]):len(texts[k + 1]) + 1]) == len(texts[k]))
+    stop = texts[k + 2][len(texts[k]):len(texts[k + 1]) + 1]
     pieces = []
-    answer = e.submit(prompts[4], limits(stop=["never generated", stop]), on_text=pieces.append).result(60)
-    assert answer.finish_reason == "stop" and answer.text == full.text[:cut]
+    answer = e.submit(prompts[2], limits(stop=["never generated", stop]), on_text=pieces.append).result(60)
+    assert answer.finish_reason == "stop" and answer.text == texts[k]
     assert "".join(pieces) == answer.text and all(stop not in p for p in pieces)
-    assert answer.token_ids == full.token_ids[:len(answer.token_ids)] and len(answer.token_ids) < NEW
+    assert answer.token_ids == full.token_ids[:k + 2]
+
+    # text held back because it might begin a stop string is sent once it cannot
+    tail = full.text[-1] + "\u2603never"
+    pieces = []
+    answer = e.submit(prompts[2], limits(stop=[tail]), on_text=pieces.append).result(60)
+    assert answer.text == full.text and "".join(pieces) == full.text and answer.finish_reason == full.finish_reason
 
 
 def test_presence_and_frequency_penalties_follow_openai(chat, prompts, engine):

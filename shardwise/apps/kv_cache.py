@@ -148,8 +148,10 @@ class PagedKV:
         self._live_lock = threading.Lock()  # stats() is read from other threads
         slots = num_blocks * block_size
         shape = (slots, self.kv_heads, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        # Never-written slots are never read (padding in a decoding step points at a written slot),
+        # so the pools need no zeroing: on a CPU their pages are only touched as blocks are used.
+        self.k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
 
     # ---- admission and bookkeeping ------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -256,6 +258,7 @@ class PagedKV:
             index = torch.zeros((len(decode_rows), width), dtype=torch.long)
             mask = torch.zeros((len(decode_rows), width), dtype=torch.bool)
             for row, ctx in enumerate(decode_ctx):
+                index[row] = ctx[0]  # padding reads a written slot (masked out), never uninitialised memory
                 index[row, :len(ctx)] = ctx
                 mask[row, :len(ctx)] = True
             plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=self.device)
