@@ -10,11 +10,6 @@ model's own log-softmax, an adapter's answers with its merged model.
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import math
-import os
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -236,6 +231,7 @@ def test_completion_streaming_with_usage(client):
         assert texts[ch.index] == ch.text and finish[ch.index] == ch.finish_reason
         assert lps[ch.index] == pytest.approx(ch.logprobs.token_logprobs, abs=1e-6)
     assert len(chunks) > 8  # the text came in pieces
+
 
 
 # ------------------------------------------------------------------------------------------- chat
