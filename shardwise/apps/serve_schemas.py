@@ -188,7 +188,6 @@ class TokenizeRequest(BaseModel):
     prompt: Optional[Text] = None
     messages: Optional[list[OpenAIMessage]] = None
     add_special_tokens: StrictBool = True
-    add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
