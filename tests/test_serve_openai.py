@@ -273,7 +273,7 @@ def test_chat_n_seed_logprobs_and_streaming(client, ref):
 
 def test_adapters_equal_their_merged_models_and_batch_together(client, ref):
     tok = ref["tok"]
-    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:3]]
     expected = {name: [greedy(ref, name, ids) for ids in prompts] for name in ("tiny", "a", "b")}
     assert expected["a"] != expected["tiny"] and expected["b"] != expected["a"]  # the adapters change the answers
 
