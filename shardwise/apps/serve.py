@@ -610,7 +610,7 @@ def _byte_level(token: str | None) -> bytes | None:
 
 
 def _completion_logprobs(entries, token_text, offset: int = 0) -> dict:
-    """OpenAI's completions logprobs of ``entries`` (``TokenLogprob``\ s): ``tokens``,
+    """OpenAI's completions logprobs of ``entries`` (``TokenLogprob`` items): ``tokens``,
     ``token_logprobs``, ``top_logprobs`` (a dict per token of the top alternatives and the token
     itself; None where the logprob is None: the first prompt token) and ``text_offset`` (where each
     token starts in the choice's text, counting from ``offset``)."""
