@@ -131,6 +131,7 @@ def test_stop_strings_end_the_answer_before_them_also_when_streamed(chat, prompt
     assert answer.finish_reason == "stop" and answer.text == texts[k]
     assert "".join(pieces) == answer.text and all(stop not in p for p in pieces)
     assert answer.token_ids == full.token_ids[:k + 2]
+    assert e.submit(prompts[2], limits(stop=stop)).result(60).text == answer.text  # one string, as OpenAI allows
 
     # text held back because it might begin a stop string is sent once it cannot
     tail = full.text[-1] + "\u2603never"

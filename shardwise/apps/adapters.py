@@ -41,7 +41,8 @@ def _read_config(name: str, path: str) -> dict:
         raise ValueError(f"adapter {name!r}: {config_file} is not valid JSON ({exc})") from None
     kind = config.get("peft_type", "LORA")
     if str(kind).upper() != "LORA":
-        raise ValueError(f"adapter {name!r}: {config_file} is a {kind} adapter; only LoRA adapters are served per request")
+        raise ValueError(f"adapter {name!r}: {config_file} is a {kind} adapter; only LoRA adapters are served "
+                         "per request")
     for key, why in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D targets)")):
         if config.get(key):
             raise ValueError(f"adapter {name!r}: {config_file} uses {why}, which per-request serving does not "
@@ -107,7 +108,8 @@ class LoraAdapters:
             raise ValueError(f"adapter {name!r}: {path} holds no LoRA weights")
         for module_name, ab in sorted(pairs.items()):
             if set(ab) != {"A", "B"}:
-                raise ValueError(f"adapter {name!r}: {path} has lora_A without lora_B (or the reverse) for {module_name}")
+                raise ValueError(f"adapter {name!r}: {path} has lora_A without lora_B (or the reverse) for "
+                                 f"{module_name}")
             try:
                 module = model.get_submodule(module_name)
             except AttributeError:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import inspect
 import logging
 import threading
@@ -416,6 +417,8 @@ class BatchedGenerator:
             raise ValueError(f"logprobs must be 0 or more, got {logprobs}")
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
+        if isinstance(limits.stop, str):  # OpenAI's API takes one stop string or a list
+            limits = dataclasses.replace(limits, stop=(limits.stop,))
         seed = limits.seed if seed is None else seed
         job = Job(list(prompt_ids), limits, on_text=on_text, timeout=timeout, adapter=adapter, logprobs=logprobs,
                   seed=seed)

@@ -241,30 +241,31 @@ class PagedKV:
     # ---- one forward pass ----------------------------------------------------------
     def plan(self, seqs: list[Sequence], new: list[list[int]]) -> "_Plan":
         """Write slots and attention layout for appending ``new[i]`` to ``seqs[i]``."""
-        write, prefill, decode_rows, decode_ctx = [], [], [], []
+        write, prefill, decode_rows, decode_seqs = [], [], [], []
         start = 0
         for seq, tokens in zip(seqs, new):
             write.extend(self.slots_for(seq, tokens))
-            ctx = self.context_slots(seq)
             if len(tokens) == 1:
                 decode_rows.append(start)
-                decode_ctx.append(ctx)
+                decode_seqs.append(seq)
             else:
-                prefill.append((start, len(tokens), ctx))
+                prefill.append((start, len(tokens), self.context_slots(seq).to(self.device)))
             start += len(tokens)
         plan = _Plan(self, torch.tensor(write, dtype=torch.long, device=self.device), prefill)
         if decode_rows:
-            width = max(len(c) for c in decode_ctx)
-            index = torch.zeros((len(decode_rows), width), dtype=torch.long)
-            mask = torch.zeros((len(decode_rows), width), dtype=torch.bool)
-            for row, ctx in enumerate(decode_ctx):
-                index[row] = ctx[0]  # padding reads a written slot (masked out), never uninitialised memory
-                index[row, :len(ctx)] = ctx
-                mask[row, :len(ctx)] = True
+            # every decoding sequence's slots at once; padding reads the sequence's first slot
+            # (masked out), never uninitialised memory, whose NaNs would survive a zero weight
+            bs = self.block_size
+            width = max(len(s.blocks) for s in decode_seqs)
+            table = torch.tensor([s.blocks + s.blocks[:1] * (width - len(s.blocks)) for s in decode_seqs],
+                                 dtype=torch.long, device=self.device)
+            index = (table[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(len(decode_seqs), -1)
+            lengths = torch.tensor([len(s.tokens) for s in decode_seqs], device=self.device)
+            mask = torch.arange(index.shape[1], device=self.device)[None] < lengths[:, None]
+            index = torch.where(mask, index, index[:, :1])  # the unwritten end of a last block too
             plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=self.device)
-            plan.decode_index = index.to(self.device)
-            plan.decode_mask = mask[:, None, None, :].to(self.device)
-        plan.prefill = [(s, n, ctx.to(self.device)) for s, n, ctx in prefill]
+            plan.decode_index = index
+            plan.decode_mask = mask[:, None, None, :]
         return plan
 
 
