@@ -33,7 +33,7 @@ PROMPTS = ["你好", "什么事。", "不需要。", "Hello", "Where is my parce
 
 
 @contextlib.contextmanager
-def running_server(model_dir: str, *extra: str, log_path: str, timeout: float = 90.0):
+def running_server(model_dir: str, *extra: str, log_path: str, timeout: float = 300.0):
     """Start ``shardwise serve`` on a free port; yield its URL once /health answers; stop it."""
     port = free_port()
     log = open(log_path, "w")
@@ -74,7 +74,7 @@ def model_dir(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("serve-log") / "server.log")
     with running_server(model_dir, "--max_concurrency", "2", "--max_queue", "16", "--max_new_tokens",
-                        str(NEW_TOKENS), log_path=log) as url:
+                        str(NEW_TOKENS), "--served_model_name", "tiny", log_path=log) as url:
         yield url
 
 
@@ -292,6 +292,11 @@ def test_api_key_and_request_timeout(model_dir):
             out["wrong"] = await client.post("/v1/chat/completions", json=body,
                                              headers={"Authorization": "Bearer nope"})
             out["health"] = await client.get("/health")
+            out["models"] = await client.get("/v1/models")
+            out["metrics"] = await client.get("/metrics")
+            out["completions"] = await client.post("/v1/completions", json={"prompt": "x"})
+            out["tokenize"] = await client.post("/tokenize", json={"prompt": "x"})
+            out["models_ok"] = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
             out["right"] = await client.post("/v1/chat/completions", json=body,
                                              headers={"Authorization": "Bearer s3cret"})
         async with _in_process(hurried) as client:
@@ -299,7 +304,8 @@ def test_api_key_and_request_timeout(model_dir):
         return out
 
     out = asyncio.run(scenario())
-    for key in ("none", "wrong", "health"):
+    assert out["models_ok"].status_code == 200 and out["models_ok"].json()["data"][0]["object"] == "model"
+    for key in ("none", "wrong", "health", "models", "metrics", "completions", "tokenize"):
         assert out[key].status_code == 401, (key, out[key].text)
         assert out[key].headers["www-authenticate"] == "Bearer"
         assert "Authorization: Bearer" in out[key].json()["error"]["message"]

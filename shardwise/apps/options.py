@@ -150,5 +150,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--api_key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every request (401 otherwise); also read "
                         "from $SHARDWISE_API_KEY. Set it whenever --host is not 127.0.0.1")
+    parser.add_argument("--served_model_name", default=None, metavar="NAME",
+                        help="the base model's name in the OpenAI API (the 'model' field, GET /v1/models); "
+                        "default: the --model folder's name")
+    parser.add_argument("--lora_modules", nargs="+", default=[], metavar="NAME=DIR",
+                        help="LoRA adapter folders (as shardwise finetune --lora_r writes them) served over the "
+                        "base model; a request picks one by its 'model' field, and requests for different "
+                        "adapters and the base are batched together")
+    parser.add_argument("--kv_cache", default="paged", choices=["paged", "padded"],
+                        help="KV cache layout: paged blocks with prefix caching, or per-request caches "
+                        "left-padded and stacked (default %(default)s)")
+    parser.add_argument("--kv_cache_bytes", type=int, default=None, metavar="N",
+                        help="memory for the paged KV cache; requests wait when it is full (default: room for "
+                        "--max_batch_size sequences of the model's whole context)")
+    parser.add_argument("--kv_block_size", type=int, default=16, metavar="TOKENS",
+                        help="tokens per block of the paged KV cache (default %(default)s)")
     parser.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
