@@ -222,7 +222,7 @@ class _GatherBeforeBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.coordinator.fetch_for_backward(ctx.units)
+        ctx.coordinator.fetch_before_backward(ctx.units)
         zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.touched]
         return (None, None, None, *grads, *zeros)
 
@@ -423,6 +423,14 @@ class ParamCoordinator:
             if (u.gathered and not u.persistent and u.users == 0 and u.backward_uses == 0
                     and self.grads_complete(u)):
                 u.release()
+
+    def fetch_before_backward(self, units: list[Unit]) -> None:
+        """The gradient of a module call's outputs arrived: gather the units its backward can still use (a
+        frozen unit whose uses have all had their backward, or that only calls whose inputs need no gradient
+        used, is not needed: the embedding of a model whose inputs are made to require grad)."""
+        needed = [u for u in units if u.persistent or u.backward_uses > 0 or not self.grads_complete(u)]
+        if needed:
+            self.fetch_for_backward(needed)
 
     def fetch_for_backward(self, units: list[Unit]) -> None:
         self.fetch(units)
