@@ -1,7 +1,7 @@
 """The fine-tuning matrix: the set-ups people run (a Hugging Face causal LM, full fine-tuning or LoRA through
 peft, gradient checkpointing, ZeRO 0-3, CPU offload, gradient accumulation), each trained on 2 ranks and
 compared with one process training the same model on the whole batch (fp32: losses to rtol 1e-6, the
-trained parameters to 1e-6).
+trained parameters to 1e-4 absolute after 2 AdamW steps of lr 1e-2).
 
     python tests/finetune_matrix.py --list [FILTER ...]     # the cells (all, or those whose name has every FILTER)
     python tests/finetune_matrix.py [--suite] [FILTER ...]  # run them (plain-loop cells in one 2-rank group,
@@ -48,7 +48,7 @@ TRAINER_SCRIPT = HERE / "scripts" / "finetune_matrix_trainer.py"
 
 HIDDEN, VOCAB, SEQ, MICRO, STEPS, LR = 32, 96, 8, 2, 2, 1e-2
 RTOL = 1e-6  # losses, relative
-PARAM_TOL = 1e-5  # trained parameters, absolute and relative (Adam divides by the root of tiny second moments)
+PARAM_TOL = 1e-4  # trained parameters, absolute (lr 1e-2; Adam divides by the root of tiny second moments)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 APIS = ("loop", "trainer")
@@ -229,6 +229,14 @@ def run_loop_cell(cell: Cell, rank: int, world: int) -> dict:
 
     model = build_model(cell)
     engine, *_ = shardwise.initialize(model=model, config=ds_config(cell))
+    late = []  # at ZeRO-3: units gathered when backward reaches the embeddings' output (its very end)
+    if cell.stage == 3 and cell.unit != "big":
+        def record(grad):
+            late.extend(u.names[0] for u in engine.strategy.units if u.gathered and not u.persistent
+                        and not any("embed_tokens" in n or "layers.0." in n for n in u.names))
+
+        model.get_input_embeddings().register_forward_hook(
+            lambda m, i, o: o.register_hook(record) if o.requires_grad else None)
     try:
         losses = []
         for step in data(cell, world):
@@ -243,15 +251,19 @@ def run_loop_cell(cell: Cell, rank: int, world: int) -> dict:
             dist.all_reduce(total)
             losses.append(total.item() / (world * cell.gas))
         out = {"losses": losses, "params": _trained(engine), "memory": _partitioned_state(engine)}
+        out["memory"]["late"] = late
     finally:
         checkpointing.reset()
     ref_losses, ref_params = reference(cell, world)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
     assert set(out["params"]) == set(ref_params), sorted(set(out["params"]) ^ set(ref_params))
     for n, v in ref_params.items():
-        torch.testing.assert_close(out["params"][n], v, rtol=PARAM_TOL, atol=PARAM_TOL, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(out["params"][n], v, rtol=0, atol=PARAM_TOL, msg=lambda m: f"{n}: {m}")
     assert max((v - build_reference_init(cell)[n]).abs().max().item() for n, v in out["params"].items()) > 1e-4
     if cell.stage == 3:
+        # Released during backward once used (frozen ones and recomputed ones too), the last layer's first:
+        # only the first layer and the embeddings may still be gathered when backward reaches them.
+        assert late == [], late
         assert out["memory"]["gathered"] == [], out["memory"]  # back to the partitioned state after the step
         assert out["memory"]["full_data"] == [], out["memory"]
     return {"losses": losses, "memory": out["memory"]}
@@ -345,7 +357,7 @@ def check_trainer_cell(cell: Cell, runs: dict) -> None:
                                msg=lambda m: f"{cell.name}: {m}")
     assert set(got["params"]) == set(ref["params"]), cell.name
     for n, v in ref["params"].items():
-        torch.testing.assert_close(torch.tensor(got["params"][n]), torch.tensor(v), rtol=PARAM_TOL, atol=PARAM_TOL,
+        torch.testing.assert_close(torch.tensor(got["params"][n]), torch.tensor(v), rtol=0, atol=PARAM_TOL,
                                    msg=lambda m: f"{cell.name} {n}: {m}")
 
 

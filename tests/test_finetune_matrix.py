@@ -6,7 +6,7 @@ the whole cartesian matrix as a script, and which subset runs here):
   ZeRO-3 unit sizes (transformers' "auto", tiny, larger than the model), with and without CPU offload and
   gradient accumulation, on models with as many key/value heads as query heads, grouped ones, and tied
   embeddings; every cell changes the loss in place (``loss *= world``, as the Trainer does), matches one
-  process's losses to rtol 1e-6 and its trained parameters to 1e-5, and at ZeRO-3 ends every step with
+  process's losses to rtol 1e-6 and its trained parameters to 1e-4, and at ZeRO-3 ends every step with
   every unit released;
 * the Hugging Face ``Trainer`` through the compatibility package with configs as fine-tuning frameworks
   ship them ("auto" sizes filled by transformers, CPU offload), against the same Trainer in one process.
