@@ -235,8 +235,11 @@ def run_loop_cell(cell: Cell, rank: int, world: int) -> dict:
             late.extend(u.names[0] for u in engine.strategy.units if u.gathered and not u.persistent
                         and not any("embed_tokens" in n or "layers.0." in n for n in u.names))
 
-        model.get_input_embeddings().register_forward_hook(
-            lambda m, i, o: o.register_hook(record) if o.requires_grad else None)
+        def hook(module, args, output):
+            if output.requires_grad:
+                output.register_hook(record)
+
+        model.get_input_embeddings().register_forward_hook(hook)
     try:
         losses = []
         for step in data(cell, world):

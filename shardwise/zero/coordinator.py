@@ -14,8 +14,9 @@ In backward a unit is released once nothing in this backward can still use it:
   a call whose graph is dropped unrun, as the recompute graph of a non-reentrant
   checkpoint is, stops counting when it is freed), frozen parameters included:
   a frozen weight is used to compute its input's gradient;
-* every trainable parameter of the unit has its gradient (``grads_complete``),
-  the last use of a call whose inputs need no gradient;
+* every trainable parameter of the unit, and of the units of the subtrees of the
+  modules using it, has its gradient (``grads_complete``): the end of the backward
+  of a call whose inputs need no gradient;
 * no forward of a module using it is running (a checkpoint's recompute).
 A forward that runs inside backward (a checkpoint's recompute) releases its units
 by the same rule on exit, not by the forward's, so what the recompute gathered for
@@ -285,9 +286,34 @@ class ParamCoordinator:
         self._handles: dict[torch.nn.Module, tuple] = {}
         self._nested: dict[int, list[bool]] = {}  # id(module) -> per active call: ran inside its units' user?
         self._held = False
-        self.grads_complete = lambda unit: True  # (stage3.py: whether every trainable parameter has its gradient)
+        self.unit_grads_complete = lambda unit: True  # (stage3.py: whether its trainable parameters have theirs)
+        self._depends: dict[int, list[Unit]] = {}
+        self._find_depends()
         for module in module_units:
             self._hook(module)
+
+    def _find_depends(self) -> None:
+        """For each unit, the units whose gradients end the backward of the calls using it: those of the
+        using modules' whole subtrees (a parent's frozen parameter may be needed for the gradient of a
+        child's trainable one: ``child(x * self.scale)``)."""
+        depends: dict[int, dict[int, Unit]] = {}
+        for m, units in self.module_units.items():
+            below = {u.index: u for c in m.modules() for u in self.module_units.get(c, ())}
+            for u in units:
+                depends.setdefault(u.index, {}).update(below)
+        self._depends = {i: list(d.values()) for i, d in depends.items()}
+        self._dependents: dict[int, list[Unit]] = {}
+        for i, d in self._depends.items():
+            for u in d:
+                self._dependents.setdefault(u.index, []).append(self.units[i])
+
+    def grads_arrived(self, unit: Unit) -> None:
+        """``unit``'s trainable parameters all have their gradient: release what waited for them."""
+        self.release_done(self._dependents.get(unit.index, [unit]))
+
+    def grads_complete(self, unit: Unit) -> bool:
+        """Whether every trainable parameter the backward of a call using ``unit`` leads to has its gradient."""
+        return all(self.unit_grads_complete(u) for u in self._depends.get(unit.index, (unit,)))
 
     def _hook(self, module: torch.nn.Module) -> None:
         # (always_call: a forward that raises, or a non-reentrant checkpoint's recompute stopped early once
@@ -307,6 +333,7 @@ class ParamCoordinator:
         if units:
             self.module_units[root] = units
             self._hook(root)
+        self._find_depends()
 
     # -- gathering ------------------------------------------------------------------------
     def fetch(self, units: list[Unit]) -> None:
@@ -425,9 +452,10 @@ class ParamCoordinator:
                 u.release()
 
     def fetch_before_backward(self, units: list[Unit]) -> None:
-        """The gradient of a module call's outputs arrived: gather the units its backward can still use (a
-        frozen unit whose uses have all had their backward, or that only calls whose inputs need no gradient
-        used, is not needed: the embedding of a model whose inputs are made to require grad)."""
+        """The gradient of a module call's outputs arrived: gather the units its backward can still use. A
+        unit none of whose uses is left (all had their backward, or needed none: their inputs need no
+        gradient) and none of whose dependent gradients is still to come is not needed: the frozen
+        embeddings of a model whose embedding output is made to require grad."""
         needed = [u for u in units if u.persistent or u.backward_uses > 0 or not self.grads_complete(u)]
         if needed:
             self.fetch_for_backward(needed)

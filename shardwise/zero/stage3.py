@@ -70,7 +70,7 @@ class UnitGradients(PartitionGrads):
         self.partitions = [torch.zeros(u.shard_numel, dtype=accum_dtype or u.dtype, device=u.device) for u in units]
         self._trainable = {u.index: sum(p.requires_grad for p in u.params) for u in units}
         self._accepted = dict.fromkeys(self._trainable, 0)
-        self.on_complete = None  # called with [unit] when its last trainable gradient of the backward came
+        self.on_complete = None  # called with a unit when its last trainable gradient of the backward came
 
     def complete(self, u: Unit) -> bool:
         """Whether every trainable parameter of ``u`` has its gradient of this backward (frozen units: yes)."""
@@ -104,7 +104,7 @@ class UnitGradients(PartitionGrads):
         p.grad = None
         self._accepted[u.index] += 1
         if self.on_complete is not None and self.complete(u):
-            self.on_complete([u])  # released if no other use of the unit is left in this backward
+            self.on_complete(u)  # released (with what waited for it) if no use of it is left in this backward
 
     def reduced(self, b: Bucket, own: torch.Tensor) -> None:
         u = self.layout.unit_of_bucket[b.position]
@@ -211,8 +211,8 @@ class Stage3Strategy(ZeroStrategy):
             max_live_elements=int(zc.stage3_max_live_parameters) if zc is not None else 10**9,
             reuse_distance=int(zc.stage3_max_reuse_distance) if zc is not None else 10**9,
         )
-        self.coordinator.grads_complete = self.gradients.complete
-        self.gradients.on_complete = self.coordinator.release_done
+        self.coordinator.unit_grads_complete = self.gradients.complete
+        self.gradients.on_complete = self.coordinator.grads_arrived
         self.parameter_offload = param_offload_view.attach(module, self.coordinator, optimizer)
         if optimizer is not None:
             AveragedGradients.attach(optimizer, self.gradients)
