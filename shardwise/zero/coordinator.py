@@ -11,9 +11,10 @@ In backward a unit is released once nothing in this backward can still use it:
 * every module call that used it with inputs needing a gradient has had its
   backward (its inputs go through ``_ReleaseAfterBackward``, which counts the
   call in ``Unit.backward_uses`` until the gradient of those inputs is computed;
-  a call whose graph is dropped unrun, as the recompute graph of a non-reentrant
-  checkpoint is, stops counting when it is freed), frozen parameters included:
-  a frozen weight is used to compute its input's gradient;
+  a call whose graph is dropped unrun stops counting when it is freed; the
+  recompute of a non-reentrant checkpoint, whose graph is never run, counts
+  nothing), frozen parameters included: a frozen weight is used to compute its
+  input's gradient;
 * every trainable parameter of the unit, and of the units of the subtrees of the
   modules using it, has its gradient (``grads_complete``): the end of the backward
   of a call whose inputs need no gradient;
@@ -403,7 +404,10 @@ class ParamCoordinator:
                     if not u.exposed:
                         u.keep_holders_valid()
                         u.exposed = True
-        if torch.is_grad_enabled():  # (nested calls too: backward may reach their inputs after the root's last use)
+        # (nested calls too: backward may reach their inputs after the root's last use; not in the recompute of
+        # a non-reentrant checkpoint: its graph is only read for saved tensors, the forward's graph is the one
+        # backward runs, and its uses were counted in the forward)
+        if torch.is_grad_enabled() and not _in_discarded_recompute():
             return _wrap_inputs(args, kwargs, lambda ts: _ReleaseAfterBackward.apply(self, _Use(units), *ts))
         return None
 
@@ -529,6 +533,15 @@ def _storage_holders(t: torch.Tensor) -> int:
 def _in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (a checkpoint recomputing a forward)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _in_discarded_recompute() -> bool:
+    """Whether this forward is torch's non-reentrant checkpoint recomputing a region inside backward (the
+    saved-tensor hooks on top are its ``_recomputation_hook``'s): the graph it records is never run."""
+    if not _in_backward():
+        return False
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_recomputation_hook.")
 
 
 def _wrap_inputs(args: tuple, kwargs: dict, apply):
