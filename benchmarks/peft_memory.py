@@ -1,8 +1,8 @@
 """Live tensor bytes per rank of LoRA (peft) against full fine-tuning at ZeRO stages 0-3.
 
-    python benchmarks/peft_memory.py [--procs 2] [--steps 3] [--layers 4] [--hidden 256] [--ckpt nonreentrant]
+    python benchmarks/peft_memory.py [--procs 2] [--steps 2] [--layers 2] [--hidden 128] [--ckpt nonreentrant]
 
-A Llama built locally (4 layers, width 256, 4 query heads and 2 key/value heads, vocabulary 2048: 3.67M
+A Llama built locally (2 layers, width 128, 4 query heads and 2 key/value heads, vocabulary 1024: 0.56M
 parameters), fp32, AdamW, activation checkpointing (non-reentrant by default), ZeRO-3 unit sizes as
 transformers fills "auto"; LoRA r=8 on every attention and MLP projection (peft). Each (tuning, stage)
 runs in its own fresh set of gloo processes. Measured as in benchmarks/zero_memory.py: the largest sum of
@@ -85,10 +85,10 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--tunings", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     ap.add_argument("--procs", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--ckpt", default="nonreentrant", choices=["none", "reentrant", "nonreentrant"])
     args = ap.parse_args()
     rows = []
