@@ -91,24 +91,25 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--ckpt", default="nonreentrant", choices=["none", "reentrant", "nonreentrant"])
     args = ap.parse_args()
-    rows = []
+    mib = 2**20
+    header = False
     for tuning in args.tunings:
         for stage in args.stages:
             with tempfile.TemporaryDirectory() as out:
                 mp.start_processes(_worker, args=(args.procs, _free_port(), tuning, stage, args, out),
                                    nprocs=args.procs, start_method="spawn")
                 got = [open(os.path.join(out, str(r))).read().split() for r in range(args.procs)]
-            rows.append((tuning, stage, int(got[0][0]), int(got[0][1]), [int(x[2]) for x in got],
-                         [int(x[3]) for x in got]))
-    mib = 2**20
-    print(f"Llama {args.layers} layers, width {args.hidden}, 2 key/value heads: {rows[0][2] / 1e6:.2f}M parameters, "
-          f"fp32 AdamW, checkpointing {args.ckpt}, {args.procs} gloo ranks, torch {torch.__version__}")
-    print("| tuning | trainable | stage | at the step, per rank (MiB) | peak in backward, per rank (MiB) |")
-    print("|---|---|---|---|---|")
-    for tuning, stage, psi, trainable, peaks, steps in rows:
-        print(f"| {tuning} | {trainable / 1e6:.2f}M | {stage} | {' / '.join(f'{p / mib:.2f}' for p in steps)} | "
-              f"{' / '.join(f'{p / mib:.2f}' for p in peaks)} |")
-
+            psi, trainable = int(got[0][0]), int(got[0][1])
+            peaks, steps = [int(x[2]) for x in got], [int(x[3]) for x in got]
+            if not header:
+                print(f"Llama {args.layers} layers, width {args.hidden}, 2 key/value heads: {psi / 1e6:.2f}M "
+                      f"parameters, fp32 AdamW, checkpointing {args.ckpt}, {args.procs} gloo ranks, "
+                      f"torch {torch.__version__}")
+                print("| tuning | trainable | stage | at the step, per rank (MiB) | peak in backward, per rank (MiB) |")
+                print("|---|---|---|---|---|", flush=True)
+                header = True
+            print(f"| {tuning} | {trainable / 1e6:.3f}M | {stage} | {' / '.join(f'{p / mib:.2f}' for p in steps)} | "
+                  f"{' / '.join(f'{p / mib:.2f}' for p in peaks)} |", flush=True)
 
 if __name__ == "__main__":
     main()
