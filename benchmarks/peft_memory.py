@@ -47,7 +47,8 @@ def _worker(rank: int, world: int, port: int, tuning: str, stage: int, args, out
                                          max_position_embeddings=64, use_cache=False))
     psi = sum(p.numel() for p in model.parameters())
     if args.ckpt != "none":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": args.ckpt == "reentrant"})
+        reentrant = args.ckpt == "reentrant"
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     if tuning == "lora":
         from peft import LoraConfig, get_peft_model
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -120,7 +119,8 @@ def suite_cells() -> list[Cell]:
         for k, tuning in enumerate(TUNINGS):
             ckpt = CKPTS[(stage + k) % 4]
             offload = stage > 0 and (stage + k) % 2 == 1
-            cells.append(Cell("loop", tuning, ckpt, stage, offload, 1 + (stage + k) % 2, SHAPES[(stage + 2 * k) % 3], "-"))
+            gas, shape = 1 + (stage + k) % 2, SHAPES[(stage + 2 * k) % 3]
+            cells.append(Cell("loop", tuning, ckpt, stage, offload, gas, shape, "-"))
     cells += trainer_suite_cells()
     return cells
 
@@ -146,7 +146,8 @@ def build_model(cell: Cell):
                          max_position_embeddings=32, tie_word_embeddings=cell.shape == "tied", use_cache=False)
     model = LlamaForCausalLM(config)
     if cell.ckpt in ("reentrant", "nonreentrant"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": cell.ckpt == "reentrant"})
+        reentrant = cell.ckpt == "reentrant"
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     elif cell.ckpt == "swckpt":
         from shardwise import checkpointing
 
