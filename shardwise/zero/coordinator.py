@@ -18,6 +18,7 @@ allocates a new buffer).
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -227,10 +228,17 @@ class ParamCoordinator:
         self._held = False
         for module in module_units:
             self._hook(module)
+        # The model's hooks hold the coordinator weakly (a kept model keeps no strategy alive); they go with it.
+        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
 
     def _hook(self, module: torch.nn.Module) -> None:
-        self._handles[module] = (module.register_forward_pre_hook(self._pre_forward),
-                                 module.register_forward_hook(self._post_forward))
+        self._handles[module] = (module.register_forward_pre_hook(_weak_call(self._pre_forward)),
+                                 module.register_forward_hook(_weak_call(self._post_forward)))
+
+    def close(self) -> None:
+        """Take every hook off the model and release what is gathered (``engine.destroy()``)."""
+        self.release_all()
+        self._finalizer()
 
     def gather_as_one(self, root: torch.nn.Module) -> None:
         """Gather everything ``root``'s subtree needs in ``root``'s hooks, and none inside it (a compiled
@@ -397,6 +405,24 @@ class ParamCoordinator:
                 u.finish_gather()
             if u.gathered:
                 u.release()
+
+
+def _weak_call(method):
+    """``method`` (bound) as a hook that holds its object weakly; a no-op once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        return bound(*args) if bound is not None else None
+
+    return hook
+
+
+def _remove_handles(handles: dict) -> None:
+    for pair in handles.values():
+        for handle in pair:
+            handle.remove()
+    handles.clear()
 
 
 def user_gathered(p: torch.nn.Parameter) -> bool:
