@@ -133,6 +133,12 @@ class EngineLifecycleMixin:
             return
         if device is OffloadDeviceEnum.nvme:
             raise OffloadStatesError("NVMe offload is not supported for offloading states.")
+        opt_block = self.config.zero_optimization.offload_optimizer
+        if opt_block is not None and opt_block.device != "none":  # (as DeepSpeed: these live off the device already)
+            away = {OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states}
+            if stage == 3:
+                away.add(OffloadStateTypeEnum.lp_grads)
+            include = [s for s in include if s not in away]
         offload = self.__dict__.setdefault("_state_offload", StateOffload())
         offload.offload(self, include, pin_memory=pin_memory, non_blocking=non_blocking)
 
