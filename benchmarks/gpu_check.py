@@ -272,8 +272,8 @@ def main() -> int:
             torch.cuda.empty_cache()
         r = offload_states_run(args, device, sync, stage=stage)
         freed = r["before"] - r["offloaded"]
-        ok = (abs(freed - r["formula"]) <= 0.1 * r["formula"] and abs(r["reloaded"] - r["before"]) <= 0.01 * r["formula"]
-              and r["loss"] == r["loss"])
+        ok = (abs(freed - r["formula"]) <= 0.1 * r["formula"]
+              and abs(r["reloaded"] - r["before"]) <= 0.01 * r["formula"] and r["loss"] == r["loss"])
         failed += [] if ok else [label]
         mb = 1e6
         print(f"| {label} | {r['before'] / mb:.1f} | {r['offloaded'] / mb:.1f} | {freed / mb:.1f} | "

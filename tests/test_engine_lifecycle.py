@@ -11,7 +11,6 @@ import gc
 import os
 import weakref
 
-import pytest
 import torch
 
 from distributed import run_distributed, run_subtests

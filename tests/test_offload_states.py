@@ -128,9 +128,9 @@ def _openrlhf_calls(case: dict, rank: int, world: int):
     _micro(engine, 0, rank)
     _micro(engine, 1, rank)
     assert engine.config["zero_optimization"]["offload_optimizer"]["device"] != "cpu"
-    engine.optimizer.offload_states(include=[OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.contiguous_grad_buffer,
-                                             OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_grads],
-                                    device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=True)
+    states = [OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.contiguous_grad_buffer,
+              OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_grads]
+    engine.optimizer.offload_states(include=states, device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=True)
     engine.empty_partition_cache()
     with torch.no_grad():  # generation-like forward: the weights are still here
         engine(torch.zeros(2, HIDDEN))

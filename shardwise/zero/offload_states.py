@@ -25,12 +25,9 @@ CPU by ``offload_optimizer`` keeps its states where they are); on a CPU engine e
 
 from __future__ import annotations
 
-import logging
 from enum import Enum
 
 import torch
-
-logger = logging.getLogger("shardwise")
 
 __all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum", "OffloadStatesError", "StateOffload", "get_state_devices"]
 
