@@ -46,7 +46,9 @@ def test_block_matches_the_hugging_face_block(kind):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     (want * torch.arange(16.0)).sum().backward()
     (got * torch.arange(16.0)).sum().backward()
-    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-6, atol=1e-7)
+    # (the input gradient sums each token's expert contributions in another order than the model's loop:
+    # one element in 240 can differ by a few float32 ulps of the largest gradients, about 4e-7 here)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(mine.gate.weight.grad, block.gate.weight.grad, rtol=1e-6, atol=1e-7)
     gate_up = torch.stack([torch.cat([e.weights()[0].grad, e.weights()[1].grad]) for e in mine.experts])
     # (a weight's gradient sums its rows in another order than the model's loop: float rounding only)
