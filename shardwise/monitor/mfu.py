@@ -129,11 +129,11 @@ def _attention_shape(module: torch.nn.Module) -> tuple[int, int, int]:
         hidden = getattr(cfg, "hidden_size", None)
         if layers and heads and hidden:
             return int(layers), int(heads), int(getattr(cfg, "head_dim", None) or hidden // heads)
-    from shardwise.models.gpt import GPTConfig
-
+    # the reference GPT (shardwise.models.gpt) keeps its shape in ``cfg``; read by attribute, since the
+    # monitors sit below the models in the import order
     for m in module.modules():
         c = getattr(m, "cfg", None)
-        if isinstance(c, GPTConfig):
+        if all(isinstance(getattr(c, k, None), int) for k in ("n_layers", "n_heads", "hidden")):
             return c.n_layers, c.n_heads, c.hidden // c.n_heads
     return 0, 0, 0
 
