@@ -16,6 +16,16 @@ import torch
 
 from distributed import run_distributed, run_subtests
 
+
+@pytest.fixture(autouse=True)
+def _no_process_group_in_this_process():
+    """A plan needs the process to itself (it makes the fake backend the default group); earlier tests that
+    ran an engine in the pytest process (a world of one) may have left theirs."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
 HERE = os.path.dirname(__file__)
 TINY_LLAMA = os.path.join(HERE, "fixtures", "plan", "tiny_llama.json")
 GPT = "gpt:vocab_size=32,seq_len=8,hidden=16,n_layers=2,n_heads=2"
