@@ -1,10 +1,17 @@
 """``deepspeed.runtime.zero.offload_config``: the offload sub-blocks of ``zero_optimization``."""
 from __future__ import annotations
 
+from enum import Enum
+
 from shardwise.config.zero import OffloadOptimizerConfig, OffloadParamConfig
-from shardwise.zero.offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
 
 from ..._config_view import ConfigView
+
+
+class OffloadDeviceEnum(str, Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
 
 
 class DeepSpeedZeroOffloadParamConfig(ConfigView):
@@ -22,5 +29,4 @@ class DeepSpeedZeroOffloadOptimizerConfig(ConfigView):
         return self.pipeline_read or self.pipeline_write
 
 
-__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum",
-           "OffloadStateTypeEnum"]
+__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum"]
