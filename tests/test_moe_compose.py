@@ -235,7 +235,9 @@ def test_autoep_under_sequence_parallelism_matches_one_process():
                 got = torch.stack([state[f"{prefix}.{e}.down_proj.weight"] for e in experts])
             else:
                 got = state[name]
-            torch.testing.assert_close(got, want_p, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+            # (parameters after the steps: one element can differ by a few float32 ulps, 2-5e-7 seen, from the
+            # order the sequence-parallel attention and the dispatch sum in; the losses are checked at rtol 1e-6)
+            torch.testing.assert_close(got, want_p, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 # -- tensor parallelism: the tokens are the same on both tensor ranks, each runs half of the slots ------------
