@@ -39,12 +39,17 @@ def initialize(
     collate_fn=None,
     config=None,
     config_params=None,
+    *,
+    engine_classes=None,
 ):
     """Wrap ``model`` for distributed training.
 
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` exactly like
     ``deepspeed.initialize``.  The config comes from ``config`` (a path or a dict),
     ``config_params`` (a dict, DeepSpeed's older name), or ``args.deepspeed_config``.
+    ``engine_classes``: subclasses to build instead of shardwise's, keyed ``"engine"`` (``Engine``),
+    ``"pipeline"`` (``PipelineEngine``) and ``"hybrid"`` (``HybridEngine``); the ``deepspeed``
+    compatibility package passes its ``DeepSpeedEngine`` family.
     """
     from shardwise.config import load_config
     from shardwise.runtime.engine import Engine
@@ -82,7 +87,8 @@ def initialize(
     if isinstance(model, PipelineModule):
         from shardwise.pipe.engine import PipelineEngine
 
-        engine = PipelineEngine(model=model, config=cfg, dims=dims, optimizer=optimizer,
+        pipeline_class = _engine_class(engine_classes, "pipeline", PipelineEngine)
+        engine = pipeline_class(model=model, config=cfg, dims=dims, optimizer=optimizer,
                                 model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                                 training_data=training_data, collate_fn=collate_fn)
         return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
@@ -90,11 +96,11 @@ def initialize(
         from shardwise.tensor_parallel import autotp_hook
 
         model = autotp_hook(model, grid)
-    engine_class = Engine
+    engine_class = _engine_class(engine_classes, "engine", Engine)
     if cfg.hybrid_engine.enabled:  # an RLHF actor: trains, and generates with whole weights
         from shardwise.runtime.hybrid_engine import HybridEngine
 
-        engine_class = HybridEngine
+        engine_class = _engine_class(engine_classes, "hybrid", HybridEngine)
     engine = engine_class(
         model=model,
         config=cfg,
@@ -109,6 +115,14 @@ def initialize(
     engine.client_optimizer = optimizer
     engine.client_lr_scheduler = lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _engine_class(classes, kind: str, default):
+    chosen = (classes or {}).get(kind, default)
+    if not (isinstance(chosen, type) and issubclass(chosen, default)):
+        raise TypeError(f"initialize(engine_classes={{'{kind}': {chosen!r}}}): expected a subclass of "
+                        f"{default.__module__}.{default.__name__}")
+    return chosen
 
 
 def _client_objects_win(cfg, optimizer, lr_scheduler):

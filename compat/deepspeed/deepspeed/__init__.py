@@ -3,8 +3,9 @@
 Nothing here trains: ``deepspeed.<name>`` is ``shardwise.<name>``, and importing ``deepspeed.X.Y`` gives
 this package's own module of that path if it has one (DeepSpeed's internal names, thin adapters onto
 shardwise), else the shardwise module ``PATHS`` names, else ``shardwise.X.Y``, registered under the
-DeepSpeed name as that same module object, so
-``deepspeed.runtime.engine.DeepSpeedEngine is shardwise.runtime.engine.DeepSpeedEngine``.
+DeepSpeed name as that same module object, so ``deepspeed.zero.Init is shardwise.zero.Init``. Nothing
+here sets attributes on shardwise's classes or modules: where DeepSpeed's private methods are needed,
+this package subclasses (``DeepSpeedEngine``, which ``deepspeed.initialize`` builds).
 
 Every module of DeepSpeed 0.19.8's Python package imports (``_surface-0.19.8.json`` lists them with their
 public names): one that neither this package nor shardwise has is made from that list, and every listed
@@ -151,7 +152,24 @@ del _name
 
 
 # top-level names of DeepSpeed that live in this package rather than in shardwise
-_OWN = {"DeepSpeedConfig": "deepspeed.runtime.config"}
+_OWN = {"DeepSpeedConfig": "deepspeed.runtime.config", "DeepSpeedEngine": "deepspeed.runtime.engine",
+        "PipelineEngine": "deepspeed.runtime.pipe.engine", "DeepSpeedHybridEngine": "deepspeed.runtime.hybrid_engine"}
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               mpu=None, dist_init_required=None, collate_fn=None, config=None, config_params=None):
+    """``shardwise.initialize``, building DeepSpeed's engine classes (``DeepSpeedEngine``, the pipeline's
+    ``PipelineEngine``, ``DeepSpeedHybridEngine``): shardwise's engines with DeepSpeed's private helpers."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return _shardwise.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                 training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                                 dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                                 config_params=config_params,
+                                 engine_classes={"engine": DeepSpeedEngine, "pipeline": PipelineEngine,
+                                                 "hybrid": DeepSpeedHybridEngine})
 
 
 def __getattr__(name: str):

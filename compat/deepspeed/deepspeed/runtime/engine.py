@@ -1,6 +1,6 @@
-"""``deepspeed.runtime.engine``: shardwise's engine module (``DeepSpeedEngine`` is
-``shardwise.runtime.engine.Engine``), and DeepSpeed's private engine helpers, which DeepSpeed's tests and
-some scripts call by name, added to that class here so that ``shardwise/`` keeps its own names:
+"""``deepspeed.runtime.engine``: shardwise's engine module, with ``DeepSpeedEngine`` a subclass of
+``shardwise.runtime.engine.Engine`` that adds DeepSpeed's private engine helpers, which DeepSpeed's tests
+and some scripts call by name (``deepspeed.initialize`` builds it; shardwise's own classes stay as they are):
 
 * ``engine._config``: DeepSpeed's flat config object (``deepspeed.runtime.config.DeepSpeedConfig``, a view of
   ``engine.config``), and ``gradient_clipping()`` read through it, as DeepSpeed's is;
@@ -15,7 +15,7 @@ import shardwise.runtime.engine as _engine
 from shardwise.config.base import _normalise_dtype
 from shardwise.config.precision import param_dtype_conflict
 from shardwise.precision import DTYPES
-from shardwise.runtime.engine import DeepSpeedEngine, Engine  # noqa: F401
+from shardwise.runtime.engine import Engine
 from shardwise.runtime.module_dtypes import cast_buffers, cast_parameters
 
 from .config import DeepSpeedConfig
@@ -64,7 +64,6 @@ class _DeepSpeedInternals:
         cast_buffers(self.module, buffer_dtype, keep_fp32=keep_pattern)
 
 
-for _name, _value in vars(_DeepSpeedInternals).items():
-    if not _name.startswith("__"):
-        setattr(Engine, _name, _value)
-del _name, _value
+class DeepSpeedEngine(_DeepSpeedInternals, Engine):
+    """What ``deepspeed.initialize`` returns for a model that is not a ``PipelineModule``: shardwise's
+    ``Engine`` with DeepSpeed's private helpers."""

@@ -1,3 +1,16 @@
-"""``deepspeed.runtime.pipe.engine``: see ``shardwise.pipe.engine``."""
+"""``deepspeed.runtime.pipe.engine``: ``PipelineEngine`` is shardwise's pipeline engine
+(``shardwise.pipe.engine.PipelineEngine``) with DeepSpeed's private engine helpers
+(``deepspeed.runtime.engine``); ``deepspeed.initialize`` builds it for a ``PipelineModule``."""
 
-from shardwise.pipe.engine import PipelineEngine  # noqa: F401
+import shardwise.pipe.engine as _engine
+from shardwise.pipe.engine import PipelineEngine as _PipelineEngine
+
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+
+def __getattr__(name: str):
+    return getattr(_engine, name)
+
+
+class PipelineEngine(DeepSpeedEngine, _PipelineEngine):
+    """shardwise's ``PipelineEngine`` under DeepSpeed's name, with DeepSpeed's private helpers."""
