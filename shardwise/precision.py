@@ -243,6 +243,48 @@ def apply_coefficient_(grads: list[torch.Tensor], coef: float) -> None:
         torch._foreach_mul_(grads, coef)
 
 
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, *, model_group=None,
+                    count_replicated: bool = True, average_group=None) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` so that their total ``norm_type`` norm is at most ``max_norm``
+    (``torch.nn.utils.clip_grad_norm_``'s coefficient, ``max_norm / (norm + 1e-6)`` capped at 1); returns the
+    total norm as a tensor. For a stand-alone call outside the engine (the engine clips in its step).
+
+    ``model_group``: the ranks holding different slices of one model (tensor, pipe): their norms combine
+    (summed powers; the largest, for ``inf``). ``count_replicated=False``: this rank leaves out the parameters
+    that are not tensor-sharded (another rank of ``model_group`` counts them). ``average_group``: the norm is
+    then averaged over that group (ranks holding different experts agree on one coefficient)."""
+    from shardwise import comm
+
+    params = [p for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters) if p.grad is not None]
+    norm_type = float(norm_type)
+    device = params[0].grad.device if params else torch.device("cpu")
+    if norm_type == float("inf"):
+        total = torch.stack([p.grad.detach().abs().max().float() for p in params]).max() if params \
+            else torch.zeros((), device=device)
+        if model_group is not None:
+            comm.all_reduce(total, op=comm.ReduceOp.MAX, group=model_group)
+    else:
+        counted = [p for p in params if count_replicated or _sharded(p)]
+        norms = [p.grad.detach().float().norm(norm_type) for p in counted]
+        total = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
+        if model_group is not None:
+            comm.all_reduce(total, group=model_group)
+        total = total.pow(1.0 / norm_type)
+    if average_group is not None and comm.get_world_size(average_group) > 1:
+        total = total / comm.get_world_size(average_group)
+        comm.all_reduce(total, group=average_group)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.device))
+    return total
+
+
+def _sharded(p: torch.Tensor) -> bool:
+    """A tensor-sharded parameter (Megatron's ``tensor_model_parallel``, or its older ``model_parallel``)."""
+    return bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
+
+
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """What dtype the model runs in and which mixed-precision machinery is on.

@@ -23,7 +23,9 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                gather_from_tensor_model_parallel_region,
                                                 reduce_from_tensor_model_parallel_region)
+from shardwise.tensor_parallel.sharding import ShardSpec
 
 __all__ = ["TensorParallel_Layer", "LinearLayer", "LinearAllreduce", "is_conv1d", "mark_tensor_parallel"]
 
@@ -43,23 +45,13 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, partition_stri
 def _shard(tensor: torch.Tensor, dim: int, rank: int, size: int, parts: int, what: str) -> torch.Tensor:
     """This rank's slice of ``tensor`` along ``dim``; with ``parts > 1`` the dimension is ``parts`` equal
     fused blocks (q, k, v) and the rank takes its slice of each."""
-    full = tensor.shape[dim]
-    if full % (parts * size):
-        fused = f" ({parts} fused blocks of {full // parts})" if parts > 1 else ""
-        raise ValueError(f"AutoTP cannot split {what}: dimension {dim} has {full} features{fused}, "
-                         f"not divisible by the tensor-parallel size {size}")
-    blocks = tensor.chunk(parts, dim=dim)
-    pieces = [b.chunk(size, dim=dim)[rank] for b in blocks]
-    return torch.cat(pieces, dim=dim).clone().contiguous() if parts > 1 else pieces[0].clone().contiguous()
+    return ShardSpec.even(tensor.shape[dim], size, dim, parts, what).cut(tensor, rank)
 
 
 def _whole(piece: torch.Tensor, dim: int, stride: int, group, size: int) -> torch.Tensor:
     """The whole tensor from every rank's ``piece`` (inverse of ``_shard``): with ``stride`` > 1 each piece
     holds one slice of every fused block."""
-    pieces = [torch.empty_like(piece) for _ in range(size)]
-    comm.all_gather(pieces, piece.contiguous(), group=group)
-    blocks = [p.chunk(stride, dim=dim) for p in pieces]
-    return torch.cat([blocks[r][b] for b in range(stride) for r in range(size)], dim=dim)
+    return ShardSpec.even(piece.shape[dim] * size, size, dim, stride).gather(piece, group)
 
 
 class TensorParallel_Layer(nn.Module):  # noqa: N801 (DeepSpeed's name)
@@ -116,14 +108,18 @@ class LinearLayer(TensorParallel_Layer):
     """Column-parallel replacement of ``module``: output features split over the tensor group.
 
     ``fused_parts`` > 1 treats the output as that many equal fused blocks (GPT-2's ``c_attn``: 3) and
-    keeps this rank's slice of each, so q, k and v stay aligned head by head.
+    keeps this rank's slice of each, so q, k and v stay aligned head by head. ``gather_output``
+    all-gathers the output features after the layer (each rank then holds the whole output).
     """
 
+    gather_output: bool = False
+
     def __init__(self, module: nn.Module, mp_group=None, *, name: str | None = None, fused_parts: int = 1,
-                 tp_size: int | None = None, tp_rank: int | None = None) -> None:
+                 tp_size: int | None = None, tp_rank: int | None = None, gather_output: bool = False) -> None:
         super().__init__(mp_group, name=name, tp_size=tp_size, tp_rank=tp_rank)
         self.conv1d_layout = is_conv1d(module)
         self.fused_parts = fused_parts
+        self.gather_output = gather_output
         out_dim = 1 if self.conv1d_layout else 0
         what = f"'{name}' ({type(module).__name__} weight {tuple(module.weight.shape)})"
         self.weight = self._new_param(module.weight, _shard(module.weight.detach(), out_dim, self.tp_index,
@@ -145,8 +141,12 @@ class LinearLayer(TensorParallel_Layer):
             input = copy_to_tensor_model_parallel_region(input, self.mp_group)
         if self.conv1d_layout:
             out = input @ self.weight
-            return out + self.bias if self.bias is not None else out
-        return F.linear(input, self.weight, self.bias)
+            out = out + self.bias if self.bias is not None else out
+        else:
+            out = F.linear(input, self.weight, self.bias)
+        if self.gather_output and self.tp_world_size > 1:
+            out = gather_from_tensor_model_parallel_region(out, self.mp_group)
+        return out
 
 
 class LinearAllreduce(TensorParallel_Layer):

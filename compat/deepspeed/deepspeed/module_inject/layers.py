@@ -24,7 +24,6 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from deepspeed.checkpoint.constants import (AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS, DS_AUTOTP_UC_META,
@@ -32,12 +31,10 @@ from deepspeed.checkpoint.constants import (AUTOTP_UNSUPPORTED_PARAMETER_PATTERN
                                             PARAMETER_WITH_SUB_PARAMS, SUB_PARAM_SHARD_WIDTHS,
                                             TP_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                             UNIVERSAL_CHECKPOINT_VERSION_VALUE, VOCABULARY_PARAMETER_PATTERNS)
-from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+from deepspeed.module_inject.tp_shard import AutoTPMeta
 from shardwise import comm
 from shardwise.tensor_parallel import autotp_layers as _sw
-from shardwise.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                gather_from_tensor_model_parallel_region,
-                                                reduce_from_tensor_model_parallel_region)
+from shardwise.tensor_parallel.sharding import ShardSpec, subparam_layout
 
 __all__ = ["TensorParallel_Layer", "LinearAllreduce", "LinearLayer", "SubParamLinearLayer", "SubParamLinearAllreduce",
            "GateUpPack_LinearLayer", "Yuan_LinearLayer", "Yuan_LinearAllreduce", "fused_LinearLayer",
@@ -163,127 +160,13 @@ def collect_autotp_universal_checkpoint_info(model: nn.Module) -> dict[str, Any]
     return info
 
 
-# -- sub-parameter layouts (fused q/k/v, gate/up) ----------------------------------------------------------------
+# -- sub-parameter layouts (fused q/k/v, gate/up): shardwise.tensor_parallel.sharding ------------------------------
 
 def _prod(values) -> int:
     out = 1
     for v in values:
         out *= v
     return out
-
-
-def _as_spec(shape):
-    if isinstance(shape, (list, tuple)):
-        return tuple(_as_spec(s) if isinstance(s, list) else s for s in shape)
-    return shape
-
-
-def _infer_subparam_logical_shapes(weight_shape, shape, partition_dim, name=None):
-    """``shape`` views the ``[out, in]`` weight as a tensor whose ``partition_dim`` holds the sub-parameters: an
-    int there is their count (equal sizes), a tuple their sizes, -1 one dimension to infer. Returns the logical
-    shape, the output part of it, the sub-parameter sizes and the bias's partition dimension (None: replicated)."""
-    label = f"AutoTP layer '{name}'" if name else "AutoTP layer"
-    shape = _as_spec(shape)
-    if not isinstance(shape, tuple):
-        raise ValueError(f"{label}: shape must be a tuple, got {shape!r}")
-    if not 0 <= partition_dim < len(shape):
-        raise ValueError(f"{label}: partition_dim {partition_dim} is out of range for shape {shape}")
-    elem, sizes, count = shape[partition_dim], None, None
-    dims = []
-    for i, d in enumerate(shape):
-        if i == partition_dim:
-            if isinstance(elem, tuple):
-                if not elem or any(not isinstance(v, int) or v <= 0 for v in elem):
-                    raise ValueError(f"{label}: sub-parameter sizes must be positive integers, got {elem}")
-                sizes = tuple(elem)
-                dims.append(sum(sizes))
-            elif isinstance(elem, int) and (elem == -1 or elem > 0):
-                count = elem if elem > 0 else None
-                dims.append(None)
-            else:
-                raise ValueError(f"{label}: the partition_dim entry must be a positive int, -1 or a tuple, "
-                                 f"got {elem!r}")
-        elif isinstance(d, int) and (d == -1 or d > 0):
-            dims.append(None if d == -1 else d)
-        else:
-            raise ValueError(f"{label}: shape dimensions must be positive integers or -1, got {d!r}")
-    numel = _prod(weight_shape)
-    unknown = [i for i, d in enumerate(dims) if d is None]
-    known = _prod(d for d in dims if d is not None)
-    if len(unknown) == 1:
-        dims[unknown[0]] = numel // known
-    elif len(unknown) > 1 and len(shape) == len(weight_shape):
-        for i in unknown:
-            dims[i] = weight_shape[i]
-    elif unknown:
-        raise ValueError(f"{label}: shape {shape} leaves several dimensions to infer")
-    logical = tuple(dims)
-    if _prod(logical) != numel:
-        raise ValueError(f"{label}: shape {shape} does not match the weight {tuple(weight_shape)}")
-    if logical[-1] != weight_shape[-1]:
-        raise ValueError(f"{label}: the last dimension of shape {logical} must be the weight's input size "
-                         f"{weight_shape[-1]}")
-    output = logical[:-1]
-    if not output or _prod(output) != weight_shape[0]:
-        raise ValueError(f"{label}: shape {logical} does not describe the weight's {weight_shape[0]} outputs")
-    if count is not None:
-        if logical[partition_dim] % count:
-            raise ValueError(f"{label}: dimension {partition_dim} ({logical[partition_dim]}) does not divide into "
-                             f"{count} sub-parameters")
-        sizes = (logical[partition_dim] // count, ) * count
-    return logical, output, sizes, partition_dim if partition_dim < len(output) else None
-
-
-def _subparam_shard_widths(subparam_sizes, tp_world_size, meta: AutoTPMeta | None = None, name=None):
-    """Each sub-parameter's per-rank widths (one list per sub-parameter), cut as any AutoTP dimension."""
-    return [get_shard_size_list(size, tp_world_size, meta, name) for size in subparam_sizes]
-
-
-def _check_shard_widths(widths, sizes, tp_world_size):
-    if len(widths) != len(sizes) or any(len(w) != tp_world_size or sum(w) != s for s, w in zip(sizes, widths)):
-        raise ValueError(f"AutoTP: shard widths {widths} do not tile sub-parameters {list(sizes)} over "
-                         f"{tp_world_size} ranks")
-    return widths
-
-
-def _partition_logical_tensor(tensor, partition_dim, tp_world_size, tp_index, shard_widths, subparam_sizes=None):
-    """This rank's piece of every sub-parameter, concatenated."""
-    if tp_world_size == 1:
-        return tensor
-    sizes = tuple(subparam_sizes) if subparam_sizes else (tensor.shape[partition_dim], )
-    widths = _check_shard_widths(shard_widths, sizes, tp_world_size)
-    pieces = [sp.split(w, dim=partition_dim)[tp_index] for sp, w in zip(tensor.split(sizes, dim=partition_dim), widths)]
-    return torch.cat(pieces, dim=partition_dim)
-
-
-def _all_gather_uneven(tensor, dim, group, widths):
-    """Rank pieces of ``widths`` along ``dim``, concatenated (zero padded to one width for the collective)."""
-    size = len(widths)
-    padded_shape = list(tensor.shape)
-    padded_shape[dim] = max(widths)
-    padded = tensor.new_zeros(padded_shape)
-    padded.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
-    moved = padded.movedim(dim, 0).contiguous()
-    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-    comm.all_gather_into_tensor(out, moved, group=group)
-    parts = out.chunk(size, dim=0)
-    return torch.cat([p.narrow(0, 0, w) for p, w in zip(parts, widths)], dim=0).movedim(0, dim)
-
-
-def _gather_logical_tensor(tensor, logical_shape, partition_dim, mp_group, tp_world_size, shard_widths,
-                           subparam_sizes=None):
-    """The whole logical tensor from every rank's piece (each piece holds a slice of every sub-parameter)."""
-    if mp_group is None or tp_world_size == 1:
-        return tensor.reshape(logical_shape)
-    sizes = tuple(subparam_sizes) if subparam_sizes else (logical_shape[partition_dim], )
-    widths = _check_shard_widths(shard_widths, sizes, tp_world_size)
-    rank = comm.get_rank(mp_group)
-    local = [w[rank] for w in widths]
-    shape = list(logical_shape)
-    shape[partition_dim] = sum(local)
-    pieces = tensor.reshape(shape).split(local, dim=partition_dim)
-    return torch.cat([_all_gather_uneven(p, partition_dim, mp_group, w) for p, w in zip(pieces, widths)],
-                     dim=partition_dim)
 
 
 # -- the layers --------------------------------------------------------------------------------------------------
@@ -321,8 +204,22 @@ class TensorParallel_Layer(_sw.TensorParallel_Layer):  # noqa: N801 (DeepSpeed's
 
     def _freeze_partition_sizes(self, total_size: int) -> tuple:
         """The per-rank widths of this layer's split dimension, resolved once while it is built."""
-        self._partition_sizes = tuple(get_shard_size_list(total_size, self.tp_world_size, self.tp_meta, self.name))
+        self._partition_sizes = tuple(ShardSpec.of((total_size, ), self.tp_world_size, 0, self.tp_meta,
+                                                   self.name).widths[0])
         return self._partition_sizes
+
+    def _spec(self, dim: int, sizes=None, widths=None) -> ShardSpec:
+        """The layer's cut of dimension ``dim``: its sub-parameters ``sizes`` split at ``widths``, else the whole
+        dimension split at ``_partition_sizes``."""
+        if sizes is None:
+            return ShardSpec(dim, (sum(self._partition_sizes), ), (tuple(self._partition_sizes), ))
+        return ShardSpec(dim, tuple(sizes), tuple(tuple(w) for w in widths))
+
+    def _cut(self, tensor, spec: ShardSpec):
+        return spec.cut(tensor, self.tp_index) if self.tp_world_size > 1 else tensor
+
+    def _whole(self, tensor, spec: ShardSpec):
+        return spec.gather(tensor, self.mp_group) if self.mp_group is not None and self.tp_world_size > 1 else tensor
 
     def _set_param_uc_meta(self, param, **fields) -> None:
         if param is not None:
@@ -379,20 +276,7 @@ class TensorParallel_Layer(_sw.TensorParallel_Layer):  # noqa: N801 (DeepSpeed's
     def _gather(self, param, dim: int) -> None:
         if self.mp_group is not None and self.tp_world_size > 1:
             with torch.no_grad():
-                param.data = _all_gather_uneven(param.data, dim, self.mp_group, list(self._partition_sizes))
-
-    def _row_forward(self, input):  # noqa: A002
-        out = F.linear(input, self.weight)
-        if self.mp_group is not None and self.tp_world_size > 1:
-            out = reduce_from_tensor_model_parallel_region(out, self.mp_group)
-        return out + self.bias if self.bias is not None else out
-
-    def _column_forward(self, input, gather_output: bool = False):  # noqa: A002
-        parallel = self.mp_group is not None and self.tp_world_size > 1
-        if parallel:
-            input = copy_to_tensor_model_parallel_region(input, self.mp_group)
-        out = F.linear(input, self.weight, self.bias)
-        return gather_from_tensor_model_parallel_region(out, self.mp_group) if gather_output and parallel else out
+                param.data = self._whole(param.data, self._spec(dim))
 
     def extra_repr(self) -> str:
         return f"name={self.name}, tp={self.tp_index}/{self.tp_world_size}, weight={tuple(self.weight.shape)}"
@@ -412,15 +296,12 @@ class LinearAllreduce(TensorParallel_Layer, _sw.LinearAllreduce):
         self.config_requires_grad(self.bias)
         self._mark_uc_metadata()
 
-    def forward(self, input):  # noqa: A002
-        return self._row_forward(input)
-
     def gather_params(self, params_list) -> None:
         if params_list and params_list[0] is not None:
             self._gather(params_list[0], 1)
 
     def _tp_partition(self, params_list) -> None:
-        self._materialize(params_list[:1], lambda p: p.data.split(self._partition_sizes, dim=1)[self.tp_index])
+        self._materialize(params_list[:1], lambda p: self._cut(p.data, self._spec(1)))
 
     def _mark_uc_metadata(self) -> None:
         shape = self._orig_weight_shape
@@ -455,16 +336,13 @@ class LinearLayer(TensorParallel_Layer, _sw.LinearLayer):
         self.config_tp_params(self.bias, partition_dim=0)
         self._mark_uc_metadata()
 
-    def forward(self, input):  # noqa: A002
-        return self._column_forward(input, self.gather_output)
-
     def gather_params(self, params_list) -> None:
         for p in params_list:
             if p is not None:
                 self._gather(p, 0)
 
     def _tp_partition(self, params_list) -> None:
-        self._materialize(params_list, lambda p: p.data.split(self._partition_sizes, dim=0)[self.tp_index])
+        self._materialize(params_list, lambda p: self._cut(p.data, self._spec(0)))
 
     def _mark_uc_metadata(self) -> None:
         shape, reason = self._orig_weight_shape, self._unsupported_uc_reason
@@ -486,8 +364,8 @@ class _SubParamColumn(LinearLayer):
 
     def _freeze_partition_sizes(self, total_size: int) -> tuple:
         sizes = super()._freeze_partition_sizes(total_size)
-        self._subparam_shard_widths = _subparam_shard_widths(self._subparam_sizes, self.tp_world_size, self.tp_meta,
-                                                             self._subparam_shard_name)
+        self._subparam_shard_widths = [list(w) for w in ShardSpec.of(self._subparam_sizes, self.tp_world_size, 0,
+                                                                     self.tp_meta, self._subparam_shard_name).widths]
         self._stride = self._check_sub_param_split(self._subparam_sizes, self._subparam_shard_widths, True)
         return sizes
 
@@ -495,15 +373,15 @@ class _SubParamColumn(LinearLayer):
         super().config_tp_params(param, partition_dim, self._stride)
 
     def _tp_partition(self, params_list) -> None:
-        self._materialize(params_list, lambda p: _partition_logical_tensor(
-            p.data, 0, self.tp_world_size, self.tp_index, self._subparam_shard_widths, self._subparam_sizes))
+        spec = self._spec(0, self._subparam_sizes, self._subparam_shard_widths)
+        self._materialize(params_list, lambda p: self._cut(p.data, spec))
 
     def gather_params(self, params_list) -> None:
         for p in params_list:
             if p is not None:
                 shape = self._orig_bias_shape if self._is_bias_param(p) else self._orig_weight_shape
-                p.data = _gather_logical_tensor(p.data, shape, 0, self.mp_group, self.tp_world_size,
-                                                self._subparam_shard_widths, self._subparam_sizes).contiguous()
+                spec = self._spec(0, self._subparam_sizes, self._subparam_shard_widths)
+                p.data = self._whole(p.data, spec).contiguous()
 
     def _mark_uc_metadata(self) -> None:
         for param, shape, is_bias in ((self.weight, self._orig_weight_shape, False),
@@ -536,10 +414,10 @@ class _SubParamMixin:
         self._orig_weight_shape = tuple(module.weight.shape)
         self._orig_bias_shape = tuple(module.bias.shape) if self.bias is not None else None
         (self._logical_shape, self._output_shape, self._subparam_sizes,
-         self._bias_partition_dim) = _infer_subparam_logical_shapes(self._orig_weight_shape, shape, partition_dim,
-                                                                    self.name)
-        self._subparam_shard_widths = _subparam_shard_widths(
-            self._subparam_sizes or (self._logical_shape[partition_dim], ), self.tp_world_size, self.tp_meta, self.name)
+         self._bias_partition_dim) = subparam_layout(self._orig_weight_shape, shape, partition_dim, self.name)
+        self._subparam_shard_widths = [list(w) for w in ShardSpec.of(
+            self._subparam_sizes or (self._logical_shape[partition_dim], ), self.tp_world_size, partition_dim,
+            self.tp_meta, self.name).widths]
         last = len(self._logical_shape) - 1
         dim_ok = partition_dim == 0 if isinstance(self, SubParamLinearLayer) else partition_dim == last
         self._stride = self._check_sub_param_split(self._subparam_sizes or (self._logical_shape[partition_dim], ),
@@ -549,14 +427,29 @@ class _SubParamMixin:
                              f"output shape {self._output_shape}")
         self.in_features, self.out_features = self._orig_weight_shape[1], self._orig_weight_shape[0]
 
+    def _layout_spec(self, dim: int) -> ShardSpec:
+        return self._spec(dim, self._subparam_sizes or (self._logical_shape[self.partition_dim], ),
+                          self._subparam_shard_widths)
+
+    def _cut_layout(self, tensor, logical_shape, dim: int):
+        """This rank's piece of ``tensor`` viewed as ``logical_shape``, cut along ``dim``."""
+        return self._cut(tensor.reshape(logical_shape), self._layout_spec(dim))
+
+    def _gather_layout(self, tensor, logical_shape, dim: int):
+        """The whole tensor of ``logical_shape`` from every rank's piece (cut along ``dim``)."""
+        if self.mp_group is None or self.tp_world_size == 1:
+            return tensor.reshape(logical_shape)
+        spec = self._layout_spec(dim)
+        shape = list(logical_shape)
+        shape[dim] = sum(spec.local(self.tp_index))
+        return self._whole(tensor.reshape(shape), spec)
+
     def _cut_weight(self, p):
-        piece = _partition_logical_tensor(p.data.reshape(self._logical_shape), self.partition_dim, self.tp_world_size,
-                                          self.tp_index, self._subparam_shard_widths, self._subparam_sizes)
+        piece = self._cut_layout(p.data, self._logical_shape, self.partition_dim)
         return piece.reshape(_prod(piece.shape[:-1]), piece.shape[-1])
 
     def _gather_weight(self, p) -> None:
-        full = _gather_logical_tensor(p.data, self._logical_shape, self.partition_dim, self.mp_group,
-                                      self.tp_world_size, self._subparam_shard_widths, self._subparam_sizes)
+        full = self._gather_layout(p.data, self._logical_shape, self.partition_dim)
         p.data = full.reshape(self._orig_weight_shape).contiguous()
 
     def _materialize_subparams(self, params_list, cut_bias) -> None:
@@ -592,15 +485,10 @@ class SubParamLinearLayer(_SubParamMixin, TensorParallel_Layer, _sw.LinearLayer)
                               stride=self._stride)
         self._mark_uc_metadata()
 
-    def forward(self, input):  # noqa: A002
-        return self._column_forward(input)
-
     def _cut_bias(self, p):
         if self._bias_partition_dim is None:
             return p.data
-        piece = _partition_logical_tensor(p.data.reshape(self._output_shape), self._bias_partition_dim,
-                                          self.tp_world_size, self.tp_index, self._subparam_shard_widths,
-                                          self._subparam_sizes)
+        piece = self._cut_layout(p.data, self._output_shape, self._bias_partition_dim)
         return piece.reshape(-1)
 
     def _tp_partition(self, params_list) -> None:
@@ -613,8 +501,7 @@ class SubParamLinearLayer(_SubParamMixin, TensorParallel_Layer, _sw.LinearLayer)
             if not self._is_bias_param(p):
                 self._gather_weight(p)
             elif self._bias_partition_dim is not None:
-                full = _gather_logical_tensor(p.data, self._output_shape, self._bias_partition_dim, self.mp_group,
-                                              self.tp_world_size, self._subparam_shard_widths, self._subparam_sizes)
+                full = self._gather_layout(p.data, self._output_shape, self._bias_partition_dim)
                 p.data = full.reshape(self._orig_bias_shape).contiguous()
 
     def _mark_uc_metadata(self) -> None:
@@ -645,9 +532,6 @@ class SubParamLinearAllreduce(_SubParamMixin, TensorParallel_Layer, _sw.LinearAl
         self.config_tp_params(self.weight, partition_dim=1, stride=self._stride)
         self.config_requires_grad(self.bias)
         self._mark_uc_metadata()
-
-    def forward(self, input):  # noqa: A002
-        return self._row_forward(input)
 
     def _tp_partition(self, params_list) -> None:
         self._materialize_subparams(params_list, lambda p: p.data)

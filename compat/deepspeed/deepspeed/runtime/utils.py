@@ -41,47 +41,19 @@ def count_used_parameters_in_backward(parameters) -> int:
     return sum(1 for node in nodes if torch._C._will_engine_execute_node(node))
 
 
-def _model_parallel_group(mpu):
-    return None if mpu is None else mpu.get_model_parallel_group()
-
-
-def _is_model_parallel(p) -> bool:
-    return bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
-
-
-@torch.no_grad()
 def clip_grad_norm_(parameters, max_norm, norm_type=2, mpu=None) -> torch.Tensor:
-    """Scale the gradients of ``parameters`` so that their total ``norm_type`` norm is at most ``max_norm``;
-    returns the total norm. Model-parallel slices (``mpu``) add up (replicated parameters counted on model
-    rank 0 only); the norm is then averaged over the data-parallel group, as DeepSpeed's helper does, so that
-    ranks holding different experts agree on one coefficient. The engine clips from the config itself
-    (``gradient_clipping``); this is DeepSpeed's stand-alone helper."""
+    """DeepSpeed's stand-alone clipping helper: ``shardwise.precision.clip_grad_norm_`` with the slices of
+    ``mpu``'s model-parallel group adding up (replicated parameters counted on model rank 0 only) and the
+    norm averaged over the data-parallel group, as DeepSpeed's helper does. The engine clips from the config
+    itself (``gradient_clipping``)."""
     from shardwise import comm
+    from shardwise.precision import clip_grad_norm_ as clip
     from shardwise.utils import groups
 
-    params = [p for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters) if p.grad is not None]
-    norm_type = float(norm_type)
-    device = params[0].grad.device if params else torch.device("cpu")
-    mp_group, mp_rank = _model_parallel_group(mpu), (0 if mpu is None else mpu.get_model_parallel_rank())
-    if norm_type == float("inf"):
-        total = torch.stack([p.grad.detach().abs().max().float() for p in params]).max()
-        if mpu is not None:
-            comm.all_reduce(total, op=comm.ReduceOp.MAX, group=mp_group)
-    else:
-        norms = [p.grad.detach().float().norm(norm_type) for p in params
-                 if mpu is None or mp_rank == 0 or _is_model_parallel(p)]
-        total = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
-        if mpu is not None:
-            comm.all_reduce(total, group=mp_group)
-        total = total.pow(1.0 / norm_type)
-    if comm.is_initialized():
-        dp = groups.get_data_parallel_group()
-        total = total / comm.get_world_size(dp)
-        comm.all_reduce(total, group=dp)
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(p.grad.device))
-    return total
+    model_group = None if mpu is None else (mpu.get_model_parallel_group() or comm.get_world_group())
+    return clip(parameters, max_norm, norm_type, model_group=model_group,
+                count_replicated=mpu is None or mpu.get_model_parallel_rank() == 0,
+                average_group=groups.get_data_parallel_group() if comm.is_initialized() else None)
 
 
 class CheckOverflow:
