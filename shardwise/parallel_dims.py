@@ -29,6 +29,13 @@ class ParallelDims:
     compressed_zero1: bool = False  # that optimizer runs at ZeRO stage 1 too (OneBitAdam)
     tied_pipeline_layers: bool = False  # a PipelineModule with layers tied across stages
     virtual_stages: int = 1  # interleaved pipeline schedule
+    # features that some sizes refuse (the rules below; each set where it is known)
+    muon: bool = False  # optimizer.type Muon
+    moe: bool = False  # the model has MoE layers
+    experts_unsplit_by_tensor: bool = False  # MoE blocks that cannot share expert slots over tensor ranks (AutoEP's)
+    partition_activations: bool = False  # activation_checkpointing.partition_activations
+    sequence_parallel_params: bool = False  # parameters marked sequence_parallel=True (Megatron sequence parallelism)
+    curriculum_sampling: bool = False  # data_efficiency.data_sampling.curriculum_learning
 
     @property
     def world_size(self) -> int:
@@ -52,8 +59,7 @@ class ParallelDims:
             raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         for rule in RULES:
             if rule.applies(self):
-                why = rule.why(self) if callable(rule.why) else rule.why
-                raise ValueError(f"{_fill(rule.pair, self)}: not supported. {why}")
+                raise ValueError(rule.message(self, block="a MoE block"))
         if world_size is not None and self.world_size != world_size:
             raise ValueError(f"data {self.data} x pipe {self.pipe} x tensor {self.tensor} x sequence {self.sequence} "
                              f"= {self.world_size} ranks, but the world has {world_size}")
@@ -72,10 +78,32 @@ class Rule:
     table: str  # the same pair for the docs' table
     applies: Callable[[ParallelDims], bool]
     why: str | Callable[[ParallelDims], str]
+    name: str = ""  # how a site that knows the facts only late asks for this rule (``check_rule``)
+
+    def message(self, d: ParallelDims, **context) -> str:
+        why = self.why(d) if callable(self.why) else self.why
+        return f"{_fill(self.pair, d, **context)}: not supported. {why}"
 
 
-def _fill(text: str, d: ParallelDims) -> str:
-    return text.format(**{f.name: getattr(d, f.name) for f in fields(d)})
+def _fill(text: str, d: ParallelDims, **context) -> str:
+    return text.format(**{"world_size": d.world_size, **{f.name: getattr(d, f.name) for f in fields(d)}, **context})
+
+
+def check_rule(name: str, dims: ParallelDims, **context) -> None:
+    """Raise the table's ``ValueError`` when the rule ``name`` refuses ``dims``. For the refusals whose facts
+    are known only where they are checked (the optimizer object, the model's parameters); ``context`` fills
+    the rule's other placeholders (``{block}``)."""
+    rule = next((r for r in RULES if r.name == name), None)
+    if rule is None:
+        raise KeyError(f"no refusal named {name!r} in shardwise.parallel_dims.RULES")
+    if rule.applies(dims):
+        raise ValueError(rule.message(dims, **context))
+
+
+def _ep_does_not_divide(d: ParallelDims) -> bool:
+    from shardwise.config.rules import ep_divides_data
+
+    return not ep_divides_data(d.expert, d.data, d.sequence)
 
 
 def _compressed(d: ParallelDims) -> bool:
@@ -94,7 +122,7 @@ _ONEBIT = "the 1-bit optimizers average the momentum of whole, replicated tensor
 # The table of allowed combinations: anything not refused here trains (docs/engine.md prints it).
 RULES: tuple[Rule, ...] = (
     Rule("MoE ep_size {expert} with {data} data-parallel x {sequence} sequence-parallel ranks",
-         "expert size not dividing data x sequence", lambda d: (d.data * d.sequence) % d.expert != 0,
+         "expert size not dividing data x sequence", _ep_does_not_divide,
          "the experts of a layer are split over ep_size ranks of the data axis (with sequence parallelism, of "
          "data x sequence: every rank routes its own tokens): ep_size must divide it"),
     Rule("expert parallelism (ep_size {expert}) with tensor parallelism (tensor {tensor}) and sequence "
@@ -130,6 +158,31 @@ RULES: tuple[Rule, ...] = (
          "a 1-bit optimizer with pipe > 1", lambda d: _compressed(d) and d.pipe > 1,
          "the pipeline's gradient reduction cannot be handed over to the optimizer yet "
          "(DeepSpeed's pipeline_enable_backward_allreduce)"),
+    Rule("optimizer.type=Muon with zero_optimization.offload_optimizer", "Muon with optimizer offload",
+         lambda d: d.muon and d.offload_optimizer,
+         "not implemented yet (the offloaded step runs sub-group by sub-group; Muon needs every matrix at once)",
+         name="muon_offload"),
+    Rule("optimizer.type=Muon with expert parallelism (ep_size {expert}, tensor {tensor})",
+         "Muon with MoE experts reduced over their own groups (expert > 1, or tensor > 1)",
+         lambda d: d.muon and d.moe and (d.expert > 1 or d.tensor > 1),
+         "not implemented yet: Muon assembles each matrix over one data group, not per expert-data group; use "
+         "AdamW, or ep_size 1", name="muon_experts"),
+    Rule("{block} with ep_size {expert} and tensor parallelism (tensor {tensor})",
+         "expert > 1 with tensor > 1 for MoE blocks that cannot share expert slots (AutoEP's)",
+         lambda d: d.experts_unsplit_by_tensor and d.expert > 1 and d.tensor > 1,
+         "not implemented yet (DeepSpeed's MoE layer is; or use ep_size 1)", name="experts_tensor"),
+    Rule("activation_checkpointing.partition_activations with Megatron sequence parallelism (parameters marked "
+         "sequence_parallel=True, e.g. GPTConfig(sequence_parallel=True))",
+         "partition_activations with Megatron sequence parallelism (tensor > 1)",
+         lambda d: d.partition_activations and d.sequence_parallel_params and d.tensor > 1,
+         "the checkpointed inputs are already cut over the tensor ranks. Use one of them",
+         name="partition_activations_sequence_parallel"),
+    Rule("data_efficiency.data_sampling.curriculum_learning: curriculum data sampling with model, pipeline or "
+         "sequence parallelism (data-parallel size {data} of {world_size} ranks)",
+         "curriculum data sampling with pipe, tensor or sequence > 1",
+         lambda d: d.curriculum_sampling and d.pipe * d.tensor * d.sequence > 1,
+         "each data-parallel rank samples its own share of the curriculum; ranks holding pieces of one model "
+         "would need the same samples", name="curriculum_model_parallel"),
 )
 
 

@@ -460,9 +460,9 @@ from deepspeed.runtime.zero import unwrap_model_for_generation
 from shardwise.zero.param_offload import gathered_for_generation
 assert unwrap_model_for_generation is gathered_for_generation
 from deepspeed.module_inject.layers import LinearLayer
-assert PipelineModule is shardwise.pipe.PipelineModule and PipelineEngine is shardwise.pipe.engine.PipelineEngine
+assert PipelineModule is shardwise.pipe.PipelineModule and PipelineEngine.__bases__[1] is shardwise.pipe.engine.PipelineEngine
 assert TrainSchedule is shardwise.pipe.schedule.TrainSchedule and GatheredParameters is shardwise.zero.GatheredParameters
-assert checkpointing is shardwise.checkpointing and deepspeed.runtime.engine.DeepSpeedEngine is shardwise.runtime.engine.Engine
+assert checkpointing is shardwise.checkpointing and deepspeed.runtime.engine.DeepSpeedEngine.__bases__[1] is shardwise.runtime.engine.Engine
 assert lrs.WarmupLR is shardwise.optim.lr_schedules.WarmupLR and lrs.WARMUP_MIN_LR == "warmup_min_lr"
 assert [getattr(lrs, n).__name__ for n in lrs.VALID_LR_SCHEDULES] == lrs.VALID_LR_SCHEDULES
 assert _prime_factors(12) == [2, 2, 3] and _prime_factors(13) == [13]
@@ -544,6 +544,25 @@ print("ok")
 # DeepSpeed's internal names that the compat package provides over shardwise
 _INTERNALS_PROBE = r"""
 import types
+# DeepSpeed's engine classes subclass shardwise's (nothing is set on shardwise's Engine); initialize builds them
+import deepspeed
+from shardwise.runtime.engine import Engine
+assert not hasattr(Engine, "_mixed_precision_dtypes") and not hasattr(Engine, "_config")
+assert issubclass(deepspeed.DeepSpeedEngine, Engine) and deepspeed.DeepSpeedEngine is not Engine
+assert issubclass(deepspeed.PipelineEngine, deepspeed.DeepSpeedEngine)
+assert issubclass(deepspeed.DeepSpeedHybridEngine, deepspeed.DeepSpeedEngine)
+engine, *_ = deepspeed.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 1, "gradient_clipping": 0.25,
+                                                                       "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+assert type(engine) is deepspeed.DeepSpeedEngine and engine.gradient_clipping() == 0.25
+assert engine._mixed_precision_dtypes() == (None, None) and engine._config.gradient_clipping == 0.25
+# moved out of shardwise/: DeepSpeed paths only
+from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+base = torch.arange(6.0)
+saved = clone_tensors_for_torch_save({"a": base[:2], "b": [base[4:]]})
+assert saved["a"].untyped_storage().nbytes() == 8 and torch.equal(saved["b"][0], base[4:])
+from deepspeed.profiling.flops_profiler import get_model_profile
+from shardwise.profiling import get_model_profile as own
+assert get_model_profile is own
 from deepspeed.runtime.engine import DeepSpeedEngine
 fake = lambda pd=None, bd=None, bf16=False: types.SimpleNamespace(
     _config=types.SimpleNamespace(param_dtype=pd, buffer_dtype=bd, gradient_clipping=0.5),
@@ -637,7 +656,8 @@ def test_compat_package_paths_and_adapters(tmp_path):
     """The compat package (compat/deepspeed, imported from the source tree): DeepSpeed's module paths moved
     out of shardwise/, the config views, the launcher helpers, and names that refuse with a reason."""
     for moved in ("runtime/pipe", "runtime/zero", "module_inject", "runtime/lr_schedules.py", "launcher/runner.py",
-                  "runtime/activation_checkpointing/checkpointing.py"):
+                  "runtime/activation_checkpointing/checkpointing.py", "profiling/flops_profiler.py",
+                  "checkpoint/utils.py"):
         assert not (REPO / "shardwise" / moved).exists(), f"shardwise/{moved} mirrors a DeepSpeed path: compat/ holds it"
     compat = REPO / "compat" / "deepspeed"
     probe = tmp_path / "probe.py"

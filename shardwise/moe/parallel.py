@@ -22,6 +22,7 @@ import torch
 from shardwise import comm
 from shardwise.moe.utils import is_moe_layer, is_moe_param, moe_layers
 from shardwise.optim.muon import Muon
+from shardwise.parallel_dims import ParallelDims, check_rule
 from shardwise.utils import groups
 from shardwise.zero.strategy import ZeroStrategy
 
@@ -76,9 +77,8 @@ def _share_slots(layer, tp: int) -> int:
     if hasattr(inner, "_set_tp_group"):
         inner._set_tp_group(groups.get_tensor_model_parallel_group(), tp)
         return tp
-    if layer.ep_size > 1:
-        raise ValueError(f"{type(layer).__name__} with ep_size {layer.ep_size} and tensor parallelism (tensor "
-                         f"{tp}) is not implemented yet (DeepSpeed's MoE layer is; or use ep_size 1)")
+    check_rule("experts_tensor", ParallelDims(expert=layer.ep_size, tensor=tp, moe=True, experts_unsplit_by_tensor=True),
+               block=type(layer).__name__)
     return 1
 
 
@@ -116,8 +116,8 @@ def build_strategy(build, *, module, named_params, optimizer, dp_group, zero_sta
     if optimizer is None:
         raise ValueError("expert parallelism needs an optimizer in the config or passed to initialize()")
     if isinstance(optimizer, Muon):  # Muon assembles each matrix over one data group, not per part
-        raise ValueError(f"optimizer.type={type(optimizer).__name__} with expert parallelism (ep_size > 1) is not "
-                         "implemented yet: use AdamW, or ep_size 1")
+        check_rule("muon_experts", ParallelDims(muon=True, moe=True, expert=expert_parallel_size(module),
+                                                tensor=groups.get_tensor_model_parallel_world_size()))
     names = global_expert_names(module)
     parts = []
     for group_name, params in [(None, dense)] + sorted(by_group.items()):

@@ -32,6 +32,7 @@ from shardwise.runtime.plan import config_features, optimizer_features
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
 from shardwise.runtime.tp_sequence_grads import sync_sequence_parallel_grads
+from shardwise.parallel_dims import ParallelDims, check_rule
 from shardwise.runtime.train_step import TrainingStep
 from shardwise.training_state import StepReport, TrainingState
 from shardwise.utils.z3_leaf_module import apply_leaf_module_config
@@ -42,9 +43,8 @@ logger = logging.getLogger("shardwise")
 
 def _check_muon(config) -> None:
     zc = config.zero_optimization
-    if zc.stage > 0 and zc.offload_optimizer is not None and zc.offload_optimizer.device != "none":
-        raise ValueError("optimizer.type=Muon with zero_optimization.offload_optimizer: not implemented yet "
-                         "(the offloaded step runs sub-group by sub-group; Muon needs every matrix at once)")
+    offloaded = zc.stage > 0 and zc.offload_optimizer is not None and zc.offload_optimizer.device != "none"
+    check_rule("muon_offload", ParallelDims(zero_stage=zc.stage, muon=True, offload_optimizer=offloaded))
 
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -585,11 +585,10 @@ def _check_partitioned_activations(config, module: torch.nn.Module, tp: int) -> 
     """partition_activations cuts each checkpointed input over the tensor ranks as if they all held the same
     one; under Megatron's sequence parallelism they hold different sequence slices (trains wrong: refused)."""
     block = config.activation_checkpointing
-    if tp > 1 and block is not None and block.partition_activations and \
-            any(getattr(p, "sequence_parallel", False) for p in module.parameters()):
-        raise ValueError("activation_checkpointing.partition_activations with Megatron sequence parallelism (parameters "
-                         "marked sequence_parallel=True, e.g. GPTConfig(sequence_parallel=True)) is not supported: the "
-                         "checkpointed inputs are already cut over the tensor ranks. Use one of them")
+    if tp > 1 and block is not None and block.partition_activations:
+        marked = any(getattr(p, "sequence_parallel", False) for p in module.parameters())
+        check_rule("partition_activations_sequence_parallel",
+                   ParallelDims(tensor=tp, partition_activations=True, sequence_parallel_params=marked))
 
 
 def _tensor_size(grid) -> int:

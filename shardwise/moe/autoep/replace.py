@@ -17,12 +17,11 @@ from shardwise.zero.init import GatheredParameters
 
 def check_sizes(model: nn.Module, cfg, *, data_size: int) -> list:
     """The blocks to replace, with the sizes checked (before any group exists): ValueErrors name the key."""
+    from shardwise.config.rules import check_ep_divides_data
+
     blocks = find_blocks(model, cfg)
     ep = cfg.autoep_size
-    if data_size % ep:
-        raise ValueError(f"expert_parallel.autoep_size={ep} does not divide the data-parallel size {data_size} "
-                         "(times sequence_parallel_size): the experts of a layer are split over autoep_size ranks of "
-                         "the data axis")
+    check_ep_divides_data(ep, data_size, key="expert_parallel.autoep_size")  # (data_size: x sequence already)
     for name, module, preset in blocks:
         spec = spec_of(module, preset, cfg)
         if spec.num_experts % ep:

@@ -1,8 +1,8 @@
 """``deepspeed.checkpoint.utils``: the helper accelerate calls before ``torch.save`` of a state dict
-(shardwise's ``clone_tensors_for_torch_save``) and DeepSpeed's checkpoint file names for a rank."""
+(``clone_tensors_for_torch_save``) and DeepSpeed's checkpoint file names for a rank."""
 import os
 
-from shardwise.checkpoint.utils import clone_tensors_for_torch_save  # noqa: F401
+import torch
 
 from .constants import MODEL_FILE_PREFIX, MODEL_FILE_SUFFIX, OPTIM_FILE_SUFFIX, ZERO_FILE_PREFIX
 
@@ -21,3 +21,17 @@ def get_zero_ckpt_name_for_rank(base_folder, dp_rank, mp_rank):
 def get_layer_ckpt_name_for_rank(base_folder, layer_id, tp_rank):
     """``<base_folder>/<layer_id>-model_<tp:02d>_model_states.pt``: a pipeline layer's file."""
     return os.path.join(base_folder, f"{layer_id}-model_{tp_rank:02d}{MODEL_FILE_SUFFIX}")
+
+
+def clone_tensors_for_torch_save(item, device: torch.device = torch.device("cpu")):
+    """A copy of ``item`` (tensors, or lists/tuples/dicts of them) whose tensors are cloned to ``device``,
+    so a saved tensor holds only its own elements, not the whole storage a view points into."""
+    if torch.is_tensor(item):
+        return item.detach().clone().to(device)
+    if isinstance(item, list):
+        return [clone_tensors_for_torch_save(v, device) for v in item]
+    if isinstance(item, tuple):
+        return tuple(clone_tensors_for_torch_save(v, device) for v in item)
+    if isinstance(item, dict):
+        return type(item)({k: clone_tensors_for_torch_save(v, device) for k, v in item.items()})
+    return item
