@@ -253,3 +253,26 @@ def test_cast_inputs_nested():
     assert obj["input"][0].dtype == torch.float32 and obj["od"]["a"].dtype == torch.float32
     assert cast_inputs(x, torch.bfloat16).dtype == torch.bfloat16
     assert cast_inputs(7, torch.float16) == 7
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_standalone_clip_grad_norm_matches_torch(norm_type):
+    """``shardwise.precision.clip_grad_norm_`` (DeepSpeed's stand-alone helper calls it) clips as torch does on
+    one process; ``count_replicated=False`` leaves out the parameters that are not tensor-sharded."""
+    from shardwise.precision import clip_grad_norm_
+
+    def grads():
+        ps = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+        for p, g in zip(ps, ([3.0, -1.0, 2.0], [0.5, 4.0, -2.0])):
+            p.grad = torch.tensor(g)
+        return ps
+
+    mine, ref = grads(), grads()
+    norm = clip_grad_norm_(mine, 1.5, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(ref, 1.5, norm_type)
+    assert torch.allclose(norm, want) and all(torch.allclose(a.grad, b.grad) for a, b in zip(mine, ref))
+    sharded = grads()
+    sharded[1].tensor_model_parallel = True
+    if norm_type != float("inf"):
+        assert torch.allclose(clip_grad_norm_(sharded, 100.0, norm_type, count_replicated=False),
+                              torch.tensor([0.5, 4.0, -2.0]).norm(norm_type))
