@@ -2,10 +2,12 @@
 
 The layers subclass shardwise's (``shardwise.tensor_parallel.autotp_layers``), so a model built from them is
 an AutoTP model to shardwise, and follow DeepSpeed's constructor: ``mp_group=None`` means no tensor
-parallelism (the layer only records its layout); with a group the layer keeps this rank's piece, cut at the
-widths ``_freeze_partition_sizes`` resolves (``deepspeed.module_inject.tp_shard``). Forward passes use
-shardwise's collectives. ``gather_params`` / ``_tp_partition`` (also set on the parameters, as DeepSpeed
-does) gather the whole tensor over the group and cut it again.
+parallelism (the layer only records its layout); with a group the layer keeps this rank's piece. What a
+layer holds is described by shardwise's one sharding spec (``shardwise.tensor_parallel.sharding.ShardSpec``:
+sub-parameters and per-rank widths, from ``shard_widths``, which ``deepspeed.module_inject.tp_shard`` names),
+and the spec cuts and gathers; the forward passes are shardwise's layers'. ``gather_params`` /
+``_tp_partition`` (also set on the parameters, as DeepSpeed does) gather the whole tensor over the group and
+cut it again. This module holds DeepSpeed's class names, constructors and metadata, no tensor math.
 
 Every sharded parameter carries ``ds_autotp_universal_checkpoint_meta`` (restore-side fields plus a
 ``conversion`` view); ``collect_autotp_universal_checkpoint_info(model)`` turns those into DeepSpeed's
