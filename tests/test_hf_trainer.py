@@ -66,8 +66,9 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 out = {
     "version": deepspeed.__version__, "dist_version": md.version("deepspeed"), "flag": deepspeed.__shardwise__,
     "hf": hf_available(), "accelerate": bool(acc_available()),
-    "same_engine": DeepSpeedEngine is shardwise.runtime.engine.Engine is deepspeed.DeepSpeedEngine,
-    "same_module": sys.modules["deepspeed.runtime.engine"].DeepSpeedEngine is shardwise.runtime.engine.Engine
+    "same_engine": DeepSpeedEngine is deepspeed.DeepSpeedEngine and DeepSpeedEngine.__bases__[1] is shardwise.runtime.engine.Engine
+                   and not hasattr(shardwise.runtime.engine.Engine, "_config"),  # a subclass: shardwise's Engine untouched
+    "same_module": sys.modules["deepspeed.runtime.engine"].DeepSpeedEngine is DeepSpeedEngine
                    and pp.GatheredParameters is shardwise.zero.GatheredParameters,
     "spec_kept": sys.modules["deepspeed.runtime.engine"].__spec__.name,
     "same_adam": DeepSpeedCPUAdam is sys.modules["shardwise.ops.adam"].DeepSpeedCPUAdam,
@@ -94,7 +95,7 @@ def test_compat_package_is_deepspeed_for_hf_and_maps_every_path(venv, tmp_path, 
     assert got["version"] == got["dist_version"] and got["version"].startswith("0.19.8+shardwise.")
     assert got["flag"] is True and got["hf"] and got["accelerate"]
     assert got["same_engine"] and got["same_module"] and got["same_adam"] and got["init"] and got["lr_schedules"]
-    assert got["spec_kept"] == "deepspeed.runtime.engine"  # the compat module (DeepSpeed's private engine helpers)
+    assert got["spec_kept"] == "deepspeed.runtime.engine"  # the compat module (DeepSpeedEngine, DeepSpeed's helpers)
     assert "deepspeed.runtime.domino.transformer.DominoTransformer is not supported by shardwise: Domino" in got["domino"]
 
     assert "deepspeed: shardwise's compatibility package 0.19.8+shardwise." in got["doctor"]

@@ -4,8 +4,8 @@ Nothing here trains: ``deepspeed.<name>`` is ``shardwise.<name>``, and importing
 this package's own module of that path if it has one (DeepSpeed's internal names, thin adapters onto
 shardwise), else the shardwise module ``PATHS`` names, else ``shardwise.X.Y``, registered under the
 DeepSpeed name as that same module object, so ``deepspeed.zero.Init is shardwise.zero.Init``. Nothing
-here sets attributes on shardwise's classes or modules: where DeepSpeed's private methods are needed,
-this package subclasses (``DeepSpeedEngine``, which ``deepspeed.initialize`` builds).
+here sets attributes on shardwise's classes: where DeepSpeed's private methods are needed, this package
+subclasses (``DeepSpeedEngine``, which ``deepspeed.initialize`` builds).
 
 Every module of DeepSpeed 0.19.8's Python package imports (``_surface-0.19.8.json`` lists them with their
 public names): one that neither this package nor shardwise has is made from that list, and every listed
