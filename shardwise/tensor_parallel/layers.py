@@ -22,6 +22,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.tensor_parallel import mappings as M
+from shardwise.tensor_parallel.sharding import ShardSpec
 from shardwise.topology import TENSOR_AXIS, tensor_parallel_group_and_size
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
@@ -51,6 +52,11 @@ def _tp(group):
     group, size = tensor_parallel_group_and_size(group)
     rank = comm.get_rank(group) if size > 1 else 0
     return group, size, rank
+
+
+def _piece(full: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s equal piece of ``full`` along ``dim`` (a new tensor; the size was checked by ``_divide``)."""
+    return ShardSpec.even(full.shape[dim], size, dim).cut(full, rank)
 
 
 def _divide(n: int, size: int, what: str) -> int:
@@ -107,10 +113,10 @@ class ColumnParallelLinear(nn.Module):
         full_w, full_b = _full_linear(output_size, input_size, bias, init_method)
         if keep_master_weight_for_test:
             self.master_weight = full_w.clone()
-        self.weight = nn.Parameter(full_w.chunk(self.world_size, 0)[self.rank].to(dtype=dtype, device=device).clone())
+        self.weight = nn.Parameter(_piece(full_w, 0, self.world_size, self.rank).to(dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, True, 0)
         if bias:
-            self.bias = nn.Parameter(full_b.chunk(self.world_size, 0)[self.rank].to(dtype=dtype, device=device).clone())
+            self.bias = nn.Parameter(_piece(full_b, 0, self.world_size, self.rank).to(dtype=dtype, device=device))
             set_tensor_model_parallel_attributes(self.bias, True, 0)
         else:
             self.register_parameter("bias", None)
@@ -155,7 +161,7 @@ class RowParallelLinear(nn.Module):
         full_w, full_b = _full_linear(output_size, input_size, bias, init_method)
         if keep_master_weight_for_test:
             self.master_weight = full_w.clone()
-        self.weight = nn.Parameter(full_w.chunk(self.world_size, 1)[self.rank].to(dtype=dtype, device=device).clone())
+        self.weight = nn.Parameter(_piece(full_w, 1, self.world_size, self.rank).to(dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, True, 1)
         if bias:
             self.bias = nn.Parameter(full_b.to(dtype=dtype, device=device).clone())
@@ -198,7 +204,7 @@ class VocabParallelEmbedding(nn.Module):
         (init_method or nn.init.normal_)(full)
         if padding_idx is not None:
             full[padding_idx].zero_()
-        self.weight = nn.Parameter(full.chunk(self.world_size, 0)[self.rank].to(dtype=dtype, device=device).clone())
+        self.weight = nn.Parameter(_piece(full, 0, self.world_size, self.rank).to(dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, True, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
