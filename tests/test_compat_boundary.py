@@ -53,6 +53,9 @@ def _py_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+_IMPORT_CALLS = ("importlib.import_module", "import_module", "__import__")
+
+
 def _imports_deepspeed(tree: ast.AST) -> list[int]:
     lines = []
     for node in ast.walk(tree):
@@ -60,8 +63,8 @@ def _imports_deepspeed(tree: ast.AST) -> list[int]:
             lines.append(node.lineno)
         elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "deepspeed":
             lines.append(node.lineno)
-        elif isinstance(node, ast.Call) and _call_name(node) in ("importlib.import_module", "import_module", "__import__") \
-                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str) \
+        elif isinstance(node, ast.Call) and _call_name(node) in _IMPORT_CALLS and node.args \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str) \
                 and node.args[0].value.split(".")[0] == "deepspeed":
             lines.append(node.lineno)
     return lines
@@ -144,7 +147,8 @@ def test_shardwise_never_imports_deepspeed():
 
 
 def test_compat_sets_no_attributes_on_shardwise():
-    bad = [f"{p.relative_to(ROOT)}:{line}: {what}" for p in _py_files(COMPAT) for line, what in attribute_writes(_parse(p))]
+    bad = [f"{p.relative_to(ROOT)}:{line}: {what}"
+           for p in _py_files(COMPAT) for line, what in attribute_writes(_parse(p))]
     assert not bad, "compat writes attributes of shardwise objects (subclass instead):\n" + "\n".join(bad)
 
 

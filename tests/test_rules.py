@@ -21,7 +21,8 @@ LATE = [
     ("partition_activations_sequence_parallel", dict(tensor=2, partition_activations=True,
                                                      sequence_parallel_params=True),
      dict(tensor=2, partition_activations=True), "partition_activations with Megatron sequence parallelism"),
-    ("curriculum_model_parallel", dict(data=2, pipe=2, curriculum_sampling=True), dict(data=4, curriculum_sampling=True),
+    ("curriculum_model_parallel", dict(data=2, pipe=2, curriculum_sampling=True),
+     dict(data=4, curriculum_sampling=True),
      "curriculum data sampling with model, pipeline or sequence parallelism (data-parallel size 2 of 4 ranks)"),
 ]
 

@@ -77,8 +77,8 @@ def _share_slots(layer, tp: int) -> int:
     if hasattr(inner, "_set_tp_group"):
         inner._set_tp_group(groups.get_tensor_model_parallel_group(), tp)
         return tp
-    check_rule("experts_tensor", ParallelDims(expert=layer.ep_size, tensor=tp, moe=True, experts_unsplit_by_tensor=True),
-               block=type(layer).__name__)
+    check_rule("experts_tensor", ParallelDims(expert=layer.ep_size, tensor=tp, moe=True,
+                                              experts_unsplit_by_tensor=True), block=type(layer).__name__)
     return 1
 
 

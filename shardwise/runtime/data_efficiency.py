@@ -78,13 +78,12 @@ class DataEfficiencyMixin:
         """``deepspeed_io``'s loader when ``data_sampling.curriculum_learning`` is enabled."""
         from shardwise import comm
         from shardwise.data.curriculum_sampler import CurriculumDataLoader, CurriculumSampler
-
         from shardwise.parallel_dims import ParallelDims, check_rule
 
         world = comm.get_world_size() if comm.is_initialized() else 1
         # (the ranks beside the data axis: pipe x tensor x sequence, counted as one model-parallel axis here)
-        check_rule("curriculum_model_parallel", ParallelDims(data=self.dp_world_size, tensor=world // self.dp_world_size,
-                                                             curriculum_sampling=True))
+        check_rule("curriculum_model_parallel",
+                   ParallelDims(data=self.dp_world_size, tensor=world // self.dp_world_size, curriculum_sampling=True))
         sampler = CurriculumSampler(self.data_efficiency_config(), len(dataset), batch_size,
                                     self.grid.get_data_parallel_rank(), self.dp_world_size, self.dp_group,
                                     self.gradient_accumulation_steps(), self.global_rank,

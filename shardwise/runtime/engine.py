@@ -22,6 +22,7 @@ from shardwise.moe import parallel as moe_parallel
 from shardwise.moe.utils import has_moe_layers, is_moe_param
 from shardwise.monitor.mfu import format_rates
 from shardwise.monitor.observer import StepObserver
+from shardwise.parallel_dims import ParallelDims, check_rule
 from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
 from shardwise.runtime import autocast as torch_autocast
 from shardwise.runtime.data_efficiency import DataEfficiencyMixin
@@ -32,7 +33,6 @@ from shardwise.runtime.plan import config_features, optimizer_features
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.timers import Timers
 from shardwise.runtime.tp_sequence_grads import sync_sequence_parallel_grads
-from shardwise.parallel_dims import ParallelDims, check_rule
 from shardwise.runtime.train_step import TrainingStep
 from shardwise.training_state import StepReport, TrainingState
 from shardwise.utils.z3_leaf_module import apply_leaf_module_config
