@@ -19,6 +19,8 @@ Usage:
     --after   another OUTDIR of this tool: run only the ids that passed there (e.g. the compat pass after
               the DeepSpeed pass), waiting for each of its files to finish
   dsu_per_file.py --summary OUTDIR NODES   print passed/failed/not-run counts for NODES from OUTDIR
+  dsu_per_file.py --passed OUTDIR NODES    print the ids of NODES that passed in OUTDIR, one a line
+  dsu_per_file.py --failed OUTDIR NODES    print "id :: outcome" for the ids of NODES that did not pass
 """
 import argparse
 import json
@@ -100,15 +102,25 @@ def run_file(venv: Path, tests: Path, out: Path, file: str, nodes: list, hang: i
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--summary", action="store_true")
+    ap.add_argument("--passed", action="store_true")
+    ap.add_argument("--failed", action="store_true")
     ap.add_argument("args", nargs="+")
     ap.add_argument("--hang", type=int, default=100)
     ap.add_argument("--file-cap", type=int, default=900)
     ap.add_argument("--skip", nargs="*", default=[])
     ap.add_argument("--after")
     a = ap.parse_args()
-    if a.summary:
+    if a.summary or a.passed or a.failed:
         out, nodes = Path(a.args[0]), [l.strip() for l in open(a.args[1]) if l.strip()]
         res = outcomes(out / "results.jsonl")
+        if a.passed or a.failed:
+            for n in nodes:
+                o = node_outcome(res, n)
+                if a.passed and o == "passed":
+                    print(n)
+                elif a.failed and o != "passed":
+                    print(f"{n} :: {o}")
+            return 0
         counts: dict = {}
         for n in nodes:
             o = node_outcome(res, n).split(":")[0]
