@@ -18,7 +18,12 @@ SCRIPT = textwrap.dedent("""
     import shardwise
     from shardwise import comm
 
+    try:  # DeepSpeed's rule: dist_init_required=False needs a group to exist already
+        shardwise.init_distributed(dist_backend="gloo", dist_init_required=False)
+    except RuntimeError as e:
+        print("refused:", e, flush=True)
     shardwise.init_distributed(dist_backend="gloo", verbose=False)
+    shardwise.init_distributed(dist_backend="gloo", dist_init_required=False)  # a group exists: nothing to do
     t = torch.ones(4)
     comm.all_reduce(t)
     print("sum", t.tolist(), flush=True)
@@ -31,4 +36,5 @@ def test_group_destroyed_at_exit_when_the_script_did_not() -> None:
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "sum [1.0, 1.0, 1.0, 1.0]" in done.stdout
+    assert "refused: init_distributed(dist_init_required=False) but no process group exists" in done.stdout
     assert "initialized at exit: False" in done.stdout, done.stdout + done.stderr

@@ -160,6 +160,17 @@ with pytest.raises(NotSupportedAttributeError, match="HFGPT2LayerPolicy.get_hidd
     HFGPT2LayerPolicy.get_hidden_heads
 with pytest.raises(NotImplementedError, match="C\\+\\+/CUDA"):
     GDSBuilder().load()
+# the error survives pickling (a worker pool hands a rank's exception to its parent)
+import pickle
+try:
+    build_hf_engine("model")
+except NotSupportedByShardwise as exc:
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is NotSupportedByShardwise and str(back) == str(exc) and back.name == exc.name
+try:
+    HFGPT2LayerPolicy.get_hidden_heads
+except NotSupportedAttributeError as exc:
+    assert type(pickle.loads(pickle.dumps(exc))) is NotSupportedAttributeError
 # DeepSpeed's constants with DeepSpeed's values
 from deepspeed.runtime.config import ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER
 from deepspeed.runtime.constants import GRADIENT_ACCUMULATION_STEPS

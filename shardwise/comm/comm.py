@@ -77,13 +77,16 @@ def init_distributed(
     Reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as set by
     ``shardwise run``, ``torchrun`` or ``deepspeed``.  Without them (a plain
     ``python train.py``) it forms a world of one process on a free local port.
-    Calling it again once a group exists does nothing. ``timeout`` is how long a
+    Calling it again once a group exists does nothing; ``dist_init_required=False`` with no group
+    raises (as DeepSpeed's does). ``timeout`` is how long a
     collective may take before every rank raises a report naming it (see resolve_timeout).
     """
-    if dist_init_required is False or dist.is_initialized():
-        if dist.is_initialized():
-            _destroy_at_exit_once()
+    if dist.is_initialized():
+        _destroy_at_exit_once()
         return
+    if dist_init_required is False:
+        raise RuntimeError("init_distributed(dist_init_required=False) but no process group exists: call "
+                           "torch.distributed.init_process_group() first, or pass dist_init_required=True/None")
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         raise ValueError(f"init_distributed(timeout=...) must be a datetime.timedelta, got {timeout!r}")
     env = os.environ

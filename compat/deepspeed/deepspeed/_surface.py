@@ -46,6 +46,10 @@ class NotSupportedByShardwise(NotImplementedError):
         self.name = name
         self.reason = reason
 
+    def __reduce__(self):
+        # rebuilt from (name, reason), so the error crosses process boundaries (a worker pool's result)
+        return type(self), (self.name, self.reason)
+
 
 class NotSupportedAttributeError(NotSupportedByShardwise, AttributeError):
     """Reading an attribute of a not-supported DeepSpeed name; an ``AttributeError`` too, so ``hasattr``

@@ -6,6 +6,7 @@ accelerate's ``accelerate launch --use_deepspeed`` reads ``DEEPSPEED_ENVIRONMENT
 """
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 from collections import OrderedDict
@@ -15,6 +16,47 @@ from shardwise.launcher.environment import ENV_FILE_NAMES
 
 DEEPSPEED_ENVIRONMENT_NAME = ENV_FILE_NAMES[0]  # ".deepspeed_env"
 DLTS_HOSTFILE = "/job/hostfile"
+PDSH_LAUNCHER = "pdsh"
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+
+
+def parse_args(args=None) -> argparse.Namespace:
+    """DeepSpeed's ``deepspeed`` command line as a namespace, with DeepSpeed's attribute names and defaults
+    (``user_script``, ``user_args``, ``num_gpus=-1``, ``launcher="pdsh"``, ...): what code that builds
+    DeepSpeed's runners (``multinode_runner.PDSHRunner(args, world_info)``) reads. ``shardwise run`` takes the
+    same flags."""
+    p = argparse.ArgumentParser(prog="deepspeed", description="launch a multi-node / multi-process job "
+                                "(shardwise run)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("-H", "--hostfile", type=str, default=DLTS_HOSTFILE, help="hostfile: 'hostname slots=N' lines")
+    p.add_argument("-i", "--include", type=str, default="", help="hosts/slots to use: NAME[:SLOT[,SLOT]]@...")
+    p.add_argument("-e", "--exclude", type=str, default="", help="hosts/slots not to use (same format)")
+    p.add_argument("--num_nodes", type=int, default=-1, help="number of nodes to use (-1: all)")
+    p.add_argument("--num_gpus", "--num_accelerators", type=int, default=-1, help="processes per node (-1: all)")
+    p.add_argument("--master_port", type=int, default=TORCH_DISTRIBUTED_DEFAULT_PORT, help="rendezvous port")
+    p.add_argument("--master_addr", type=str, default="", help="rendezvous address (default: the first host)")
+    p.add_argument("--node_rank", type=int, default=-1, help="this node's rank with --no_ssh")
+    p.add_argument("--launcher", type=str, default=PDSH_LAUNCHER,
+                   help="multi-node backend: pdsh, openmpi, mpich, impi, mvapich, slurm")
+    p.add_argument("--launcher_args", type=str, default="", help="arguments passed to the backend's command")
+    p.add_argument("--module", action="store_true", help="run the script as a module (python -m)")
+    p.add_argument("--no_python", action="store_true", help="run the script as a program")
+    p.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank to the script")
+    p.add_argument("--no_ssh", action="store_true", help="launch this node only (every node runs the command)")
+    p.add_argument("--no_ssh_check", action="store_true", help="skip the ssh checks of the hosts")
+    p.add_argument("--force_multi", action="store_true", help="multi-node launch even for one node")
+    p.add_argument("--save_pid", action="store_true", help="write the launcher's pid to a file")
+    p.add_argument("--enable_each_rank_log", type=str, default="None", help="directory of one log per rank")
+    p.add_argument("--autotuning", type=str, default="", choices=["tune", "run"], help="autotune first")
+    p.add_argument("--bind_cores_to_rank", action="store_true", help="bind each rank to its share of cores")
+    p.add_argument("--bind_core_list", type=str, default=None, help="cores to split between ranks, e.g. 0,2-5")
+    p.add_argument("--ssh_port", type=int, default=None, help="ssh port of the hosts")
+    p.add_argument("--venv_script", type=str, default=None, help="script every worker sources first")
+    p.add_argument("--log_level", type=str, default="info",
+                   choices=["debug", "info", "warning", "error", "critical"], help="the launcher's log level")
+    p.add_argument("-q", "--quiet", action="store_true", help="log errors only")
+    p.add_argument("user_script", type=str, help="the training script, then its arguments")
+    p.add_argument("user_args", nargs=argparse.REMAINDER)
+    return p.parse_args(args=args)
 
 
 def encode_world_info(world_info) -> str:
