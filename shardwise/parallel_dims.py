@@ -21,7 +21,8 @@ class ParallelDims:
     pipe: int = 1
     tensor: int = 1
     sequence: int = 1
-    expert: int = 1  # MoE expert parallelism: experts split over this many ranks of the data axis
+    expert: int = 1  # MoE expert parallelism: experts split over this many of the data x sequence ranks
+    # (a sub-axis of data: it adds no ranks; the grid cuts the expert and expert-data groups from it)
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_param: bool = False
@@ -33,6 +34,12 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         return self.data * self.pipe * self.tensor * self.sequence
+
+    @property
+    def expert_data(self) -> int:
+        """The ranks holding replicas of one expert: the data x sequence ranks that route tokens, over the
+        expert size (validate() refuses an expert size that does not divide them)."""
+        return self.data * self.sequence // self.expert
 
     @property
     def model_parallel(self) -> int:

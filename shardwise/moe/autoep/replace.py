@@ -35,12 +35,10 @@ def check_sizes(model: nn.Module, cfg, *, data_size: int) -> list:
 def apply_autoep(model: nn.Module, cfg, *, optimizer=None, model_parameters=None):
     """Replace every recognised MoE block; returns ``(model, model_parameters)`` (the optimizer, if an
     instance, is updated in place). Collective when ``autoep_size`` > 1 (creates the expert groups)."""
-    from shardwise.utils import groups
+    from shardwise.topology import expert_groups
 
     ep = cfg.autoep_size
-    name = f"ep_size_{ep}"
-    groups._create_expert_and_data_parallel(ep)  # (made again only for another grid's layout)
-    ep_rank = groups._get_expert_parallel_rank(name) if ep > 1 else 0
+    ep_rank = expert_groups(ep).rank if ep > 1 else 0  # the active (engine's) grid's; collective on first use
     sources: dict[int, list[torch.Tensor]] = {}
     for path, module, preset in find_blocks(model, cfg):
         with GatheredParameters(list(module.experts.parameters())):  # (built under zero.Init: whole first)

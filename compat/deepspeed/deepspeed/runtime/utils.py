@@ -57,7 +57,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2, mpu=None) -> torch.Tensor
     ranks holding different experts agree on one coefficient. The engine clips from the config itself
     (``gradient_clipping``); this is DeepSpeed's stand-alone helper."""
     from shardwise import comm
-    from shardwise.utils import groups
+    from deepspeed.utils import groups
 
     params = [p for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters) if p.grad is not None]
     norm_type = float(norm_type)
@@ -98,7 +98,7 @@ class CheckOverflow:
 
     def _agree(self, flag: bool, *, moe: bool, world: bool) -> bool:
         from shardwise import comm
-        from shardwise.utils import groups
+        from deepspeed.utils import groups
 
         t = torch.tensor([float(flag)])
         if moe:
