@@ -71,6 +71,20 @@ class ParallelDims:
         return f"{sizes}, ZeRO stage {self.zero_stage}"
 
 
+def expert_divides(ep: int, routing_ranks: int) -> bool:
+    """Whether an expert size ``ep`` splits ``routing_ranks`` (a stage's data x sequence ranks: every one
+    routes its own tokens) into whole expert-parallel groups: the one "ep divides data" check."""
+    return routing_ranks % ep == 0
+
+
+def check_expert_size(ep: int, routing_ranks: int, *, key: str = "MoE ep_size") -> None:
+    """Raise ``ValueError`` naming ``key`` when ``ep`` does not divide ``routing_ranks``."""
+    if not expert_divides(ep, routing_ranks):
+        raise ValueError(f"{key}={ep} does not divide the data-parallel size {routing_ranks} (times "
+                         "sequence_parallel_size): the experts of a layer are split over that many ranks of the "
+                         "data axis")
+
+
 @dataclass(frozen=True)
 class Rule:
     """One refused combination, ``pair`` (with this configuration's values filled in), when ``applies``."""
@@ -101,7 +115,7 @@ _ONEBIT = "the 1-bit optimizers average the momentum of whole, replicated tensor
 # The table of allowed combinations: anything not refused here trains (docs/engine.md prints it).
 RULES: tuple[Rule, ...] = (
     Rule("MoE ep_size {expert} with {data} data-parallel x {sequence} sequence-parallel ranks",
-         "expert size not dividing data x sequence", lambda d: (d.data * d.sequence) % d.expert != 0,
+         "expert size not dividing data x sequence", lambda d: not expert_divides(d.expert, d.data * d.sequence),
          "the experts of a layer are split over ep_size ranks of the data axis (with sequence parallelism, of "
          "data x sequence: every rank routes its own tokens): ep_size must divide it"),
     Rule("expert parallelism (ep_size {expert}) with tensor parallelism (tensor {tensor}) and sequence "

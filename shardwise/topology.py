@@ -33,7 +33,7 @@ from collections import namedtuple
 from itertools import product
 
 from shardwise import comm
-from shardwise.parallel_dims import ParallelDims
+from shardwise.parallel_dims import ParallelDims, check_expert_size
 
 
 class _Count(int):
@@ -318,9 +318,7 @@ def _cut_expert_groups(stage_ranks: list[list[int]], ep: int, data_before_expert
         raise ValueError(f"MoE ep_size must be >= 1, got {ep}")
     layout = []
     for data_ranks in stage_ranks:
-        if len(data_ranks) % ep:
-            raise ValueError(f"MoE ep_size {ep} does not divide the data-parallel size {len(data_ranks)} "
-                             f"(data ranks {data_ranks})")
+        check_expert_size(ep, len(data_ranks))
         ep_lists, edp_lists = split_data_ranks(data_ranks, ep, data_before_expert)
         layout.append((tuple(map(tuple, ep_lists)), tuple(map(tuple, edp_lists))))
     layout = tuple(layout)
@@ -364,9 +362,9 @@ def expert_rank_lists(world_size: int, tensor: int, ep: int, pipe: int = 1, data
     """The expert-parallel and expert-data-parallel rank lists of a (pipe, data, tensor) layout, stage by stage
     (rank arithmetic only: no group is created)."""
     model = tensor * pipe
-    if world_size % model or (world_size // model) % ep:
-        raise ValueError(f"world size {world_size} with tensor {tensor} x pipe {pipe}: the data-parallel size is "
-                         f"not divisible by ep_size {ep}")
+    if world_size % model:
+        raise ValueError(f"world size {world_size} is not divisible by tensor {tensor} x pipe {pipe}")
+    check_expert_size(ep, world_size // model)
     topology = ProcessTopology(("pipe", "data", "model"), (pipe, world_size // model, tensor))
     ep_all, edp_all = [], []
     for data_ranks in topology.axis_groups("data"):

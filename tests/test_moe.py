@@ -399,5 +399,5 @@ def test_expert_rank_lists_follow_deepspeeds_layout():
     assert edp == [[0, 8], [2, 10], [4, 12], [6, 14], [1, 9], [3, 11], [5, 13], [7, 15]]
     ep, edp = _get_expert_parallel_ranks(8, 1, 2, pipe=2)  # two stages of 4 data ranks
     assert ep == [[0, 1], [2, 3], [4, 5], [6, 7]] and edp == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    with pytest.raises(ValueError, match="not divisible by ep_size 3"):
+    with pytest.raises(ValueError, match="MoE ep_size=3 does not divide the data-parallel size 4"):
         _get_expert_parallel_ranks(8, 2, 3)

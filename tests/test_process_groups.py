@@ -143,3 +143,20 @@ def test_expert_axis_is_part_of_the_dims():
     assert ParallelDims(data=2, sequence=2, expert=4).expert_data == 1
     with pytest.raises(ValueError, match="MoE ep_size 3 with 4 data-parallel x 1 sequence-parallel ranks"):
         ParallelDims(data=4, expert=3).validate()
+
+
+# Who may make a grid the active one (docs/engine.md, "The active grid"): initialize (the engine's grid) and
+# the sequence-parallel groups register_with_transformers lays out before there is an engine.
+ACTIVATORS = ("shardwise/__init__.py", "shardwise/runtime/sequence_parallel/parallel_state_sp.py")
+
+
+def test_only_initialize_and_the_sequence_groups_activate_a_grid():
+    found = []
+    for root in ("shardwise", "compat"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            for node in ast.walk(ast.parse(path.read_text(), rel)):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                        node.func.attr == "activate" and not node.args:
+                    found.append(rel)
+    assert sorted(set(found)) == sorted(ACTIVATORS), found

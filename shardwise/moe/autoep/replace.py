@@ -12,6 +12,7 @@ from torch import nn
 
 from shardwise.moe.autoep.block import AutoEPMoE
 from shardwise.moe.autoep.presets import find_blocks, spec_of
+from shardwise.parallel_dims import check_expert_size
 from shardwise.zero.init import GatheredParameters
 
 
@@ -19,10 +20,7 @@ def check_sizes(model: nn.Module, cfg, *, data_size: int) -> list:
     """The blocks to replace, with the sizes checked (before any group exists): ValueErrors name the key."""
     blocks = find_blocks(model, cfg)
     ep = cfg.autoep_size
-    if data_size % ep:
-        raise ValueError(f"expert_parallel.autoep_size={ep} does not divide the data-parallel size {data_size} "
-                         "(times sequence_parallel_size): the experts of a layer are split over autoep_size ranks of "
-                         "the data axis")
+    check_expert_size(ep, data_size, key="expert_parallel.autoep_size")
     for name, module, preset in blocks:
         spec = spec_of(module, preset, cfg)
         if spec.num_experts % ep:
