@@ -16,7 +16,7 @@ second ``ep_size``) are created on demand, but the demand is the same on every r
 same plan), so the order still agrees.
 
 Building a grid changes nothing else: the grid is handed explicitly to what needs it. Code that takes no
-grid argument (tensor-parallel layers built without ``group=``, DeepSpeed's ``utils.groups`` and
+grid argument (tensor-parallel layers built without ``group=``, DeepSpeed's ``deepspeed.utils.groups`` and
 ``parallel_state_sp`` accessors, Megatron-style ``mpu.get_*`` calls, an MoE layer built outside an
 engine) asks the *active* grid (``active_grid()``): the one inside a ``with grid.active():`` scope,
 else the activated one. Two callers activate a grid: ``shardwise.initialize`` (the engine's grid) and

@@ -135,8 +135,14 @@ def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expe
                                        pipeline_parallel_size_, use_data_before_expert_parallel_)
 
 
-def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False):
-    """The grid's groups of ``ep_size_{expert_parallel_size_}`` (created there on first use; collective)."""
+def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size=None, pp_size=None, mp_mode: str = "tp",
+                                     use_data_before_expert_parallel_: bool = False, folding_spec=None):
+    """The active grid's groups of ``ep_size_{expert_parallel_size_}`` (created there on first use; collective).
+    The grid's layout decides the rank order (tensor-strided, as DeepSpeed's ``mp_mode="tp"``): ``mp_size``,
+    ``pp_size`` and ``mp_mode`` are read off it, not passed."""
+    if folding_spec is not None:
+        raise NotImplementedError("_create_expert_and_data_parallel(folding_spec=...): AutoEP+AutoTP folding tables "
+                                  "are not supported by shardwise")
     _topology.expert_groups(expert_parallel_size_, data_before_expert=use_data_before_expert_parallel_)
 
 
