@@ -78,7 +78,7 @@ def initialize(
         data = comm.get_world_size() // max(1, cfg.tensor_parallel.autotp_size)  # (x sequence: each rank's tokens)
         check_sizes(model, cfg.expert_parallel, data_size=data)
     grid, dims = plan_grid(cfg, mpu=mpu, model=model, optimizer=optimizer)  # every size, validated once
-    grid.activate()  # DeepSpeed's group accessors (utils.groups, mpu views) answer from the engine's grid
+    grid.activate()  # DeepSpeed's group accessors (deepspeed.utils.groups, mpu views) answer from the engine's grid
     if cfg.expert_parallel.enabled:  # AutoEP: this rank's experts in expert-parallel blocks
         from shardwise.moe.autoep import apply_autoep
 

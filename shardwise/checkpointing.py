@@ -30,9 +30,10 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from shardwise import comm
+from shardwise.tensor_parallel import random as _random
 from shardwise.tensor_parallel.random import (_CUDA_RNG_STATE_TRACKER, _MODEL_PARALLEL_RNG_TRACKER_NAME,  # noqa: F401
                                               CudaRNGStatesTracker, _set_cuda_rng_state, get_cuda_rng_tracker,
-                                              model_parallel_cuda_manual_seed, model_parallel_reconfigure_tp_seed)
+                                              model_parallel_reconfigure_tp_seed)
 
 __all__ = ["checkpoint", "non_reentrant_checkpoint", "configure", "configure_from", "is_configured", "reset",
            "get_settings", "get_profile", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
@@ -51,6 +52,7 @@ class Settings:
     mp_group: object = None
     mp_size: int = 1
     mp_rank: int = 0
+    mpu_given: bool = False  # configure(mpu_): model-parallel seeding asks it (mp_rank), as DeepSpeed's does
 
 
 _settings = Settings()
@@ -129,16 +131,22 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None, cont
         if value is not None:
             setattr(s, name, value)
     s.mp_group, s.mp_size, s.mp_rank = _model_parallel(mpu_)
-    if mpu_ is not None:  # as in DeepSpeed, the mpu given here is the one model-parallel seeding asks
-        from shardwise.topology import MpuGrid
-
-        (mpu_ if hasattr(mpu_, "activate") else MpuGrid(mpu_)).activate()
+    s.mpu_given = mpu_ is not None  # as in DeepSpeed, the mpu given here is the one model-parallel seeding asks
     _settings, _configured = s, True
     reset()
     if comm.get_rank() == 0:
         logger.info("activation checkpointing: partition_activations=%s (model-parallel size %d), "
                     "cpu_checkpointing=%s, synchronize=%s, profile=%s", s.partition_activations, s.mp_size,
                     s.cpu_checkpointing, s.synchronize, s.profile)
+
+
+def model_parallel_cuda_manual_seed(seed: int, tp_rank: int | None = None) -> None:
+    """``shardwise.tensor_parallel.model_parallel_cuda_manual_seed`` at the tensor rank of the mpu given to
+    ``configure`` (DeepSpeed's ``checkpointing.model_parallel_cuda_manual_seed`` asks that mpu), else of the
+    active grid, unless ``tp_rank`` is given."""
+    if tp_rank is None and _configured and _settings.mpu_given:
+        tp_rank = _settings.mp_rank
+    _random.model_parallel_cuda_manual_seed(seed, tp_rank)
 
 
 def configure_from(config, mpu=None) -> None:

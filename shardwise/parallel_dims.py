@@ -21,7 +21,8 @@ class ParallelDims:
     pipe: int = 1
     tensor: int = 1
     sequence: int = 1
-    expert: int = 1  # MoE expert parallelism: experts split over this many ranks of the data axis
+    expert: int = 1  # MoE expert parallelism: experts split over this many of the data x sequence ranks
+    # (a sub-axis of data: it adds no ranks; the grid cuts the expert and expert-data groups from it)
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_param: bool = False
@@ -40,6 +41,12 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         return self.data * self.pipe * self.tensor * self.sequence
+
+    @property
+    def expert_data(self) -> int:
+        """The ranks holding replicas of one expert: the data x sequence ranks that route tokens, over the
+        expert size (validate() refuses an expert size that does not divide them)."""
+        return self.data * self.sequence // self.expert
 
     @property
     def model_parallel(self) -> int:
@@ -68,6 +75,20 @@ class ParallelDims:
     def describe(self) -> str:
         sizes = " x ".join(f"{a} {getattr(self, a)}" for a in AXES if getattr(self, a) > 1) or "one rank"
         return f"{sizes}, ZeRO stage {self.zero_stage}"
+
+
+def expert_divides(ep: int, routing_ranks: int) -> bool:
+    """Whether an expert size ``ep`` splits ``routing_ranks`` (a stage's data x sequence ranks: every one
+    routes its own tokens) into whole expert-parallel groups: the one "ep divides data" check."""
+    return routing_ranks % ep == 0
+
+
+def check_expert_size(ep: int, routing_ranks: int, *, key: str = "MoE ep_size") -> None:
+    """Raise ``ValueError`` naming ``key`` when ``ep`` does not divide ``routing_ranks``."""
+    if not expert_divides(ep, routing_ranks):
+        raise ValueError(f"{key}={ep} does not divide the data-parallel size {routing_ranks} (times "
+                         "sequence_parallel_size): the experts of a layer are split over that many ranks of the "
+                         "data axis")
 
 
 @dataclass(frozen=True)
@@ -100,12 +121,6 @@ def check_rule(name: str, dims: ParallelDims, **context) -> None:
         raise ValueError(rule.message(dims, **context))
 
 
-def _ep_does_not_divide(d: ParallelDims) -> bool:
-    from shardwise.config.rules import ep_divides_data
-
-    return not ep_divides_data(d.expert, d.data, d.sequence)
-
-
 def _compressed(d: ParallelDims) -> bool:
     return d.compressed_optimizer is not None
 
@@ -122,7 +137,7 @@ _ONEBIT = "the 1-bit optimizers average the momentum of whole, replicated tensor
 # The table of allowed combinations: anything not refused here trains (docs/engine.md prints it).
 RULES: tuple[Rule, ...] = (
     Rule("MoE ep_size {expert} with {data} data-parallel x {sequence} sequence-parallel ranks",
-         "expert size not dividing data x sequence", _ep_does_not_divide,
+         "expert size not dividing data x sequence", lambda d: not expert_divides(d.expert, d.data * d.sequence),
          "the experts of a layer are split over ep_size ranks of the data axis (with sequence parallelism, of "
          "data x sequence: every rank routes its own tokens): ep_size must divide it"),
     Rule("expert parallelism (ep_size {expert}) with tensor parallelism (tensor {tensor}) and sequence "

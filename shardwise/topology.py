@@ -1,21 +1,28 @@
-"""Named process grid: which ranks share a pipeline stage, a data-parallel
-replica or a tensor-parallel shard.
+"""The one builder of process groups: a named process grid (which ranks share a pipeline stage, a
+data-parallel replica, a tensor-parallel shard, a sequence, an expert) and every group cut from it.
 
-Ranks are laid out by reshaping ``arange(world_size)`` into the grid with the
-last axis varying fastest (``pipe, data, model`` by default, as DeepSpeed's
-``PipeModelDataParallelTopology``), so tensor-parallel peers are neighbours.
-Process groups are created once per axis, on every rank, in a fixed order,
-plus one "model-parallel" group per data coordinate (pipe x model, DeepSpeed's
-meaning of ``get_model_parallel_*``). The tensor-parallel ("model" axis) group is
-``get_tensor_model_parallel_*``, as Megatron and DeepSpeed name it.
+Ranks are laid out by reshaping ``arange(world_size)`` into the grid with the last axis varying fastest
+(``pipe, data, model`` by default, as DeepSpeed's ``PipeModelDataParallelTopology``), so tensor-parallel
+peers are neighbours. A grid is cut from a ``ParallelDims`` (``ParallelGrid.from_dims``), the one record
+of every axis's size, and hands its groups out by name: ``grid.group(axis)``, ``grid.size(axis)``,
+``grid.axis_rank(axis)`` for ``data``, ``pipe``, ``model`` (tensor), ``sequence``, ``sequence_data``,
+``model_parallel`` (pipe x tensor, DeepSpeed's ``get_model_parallel_*``), ``expert`` and
+``expert_data``; ``grid.tied_group(stages)`` for layers tied across pipeline stages. The groups the
+project uses are created here (and in ``shardwise.comm``), nowhere else: a test walks the sources.
 
-A grid is cut from a ``ParallelDims`` (``ParallelGrid.from_dims``), the one record of every
-axis's size. Building a grid changes nothing else: the grid is handed explicitly to what needs it.
-Code that takes no grid argument (tensor-parallel layers built without ``group=``, DeepSpeed's
-``utils.groups`` and ``parallel_state_sp`` accessors, Megatron-style ``mpu.get_*`` calls) asks the
-*active* grid: the one inside a ``with grid.active():`` scope, else the one ``initialize`` (or
-``register_with_transformers``) activated with ``grid.activate()``. ``comm.destroy_process_group``
-forgets it, since its groups die with the world.
+Every group is created collectively: every rank creates every group of an axis, in the same order (a
+rank keeps the one it belongs to). Groups created after the grid (a tied group, the expert groups of a
+second ``ep_size``) are created on demand, but the demand is the same on every rank (the same model, the
+same plan), so the order still agrees.
+
+Building a grid changes nothing else: the grid is handed explicitly to what needs it. Code that takes no
+grid argument (tensor-parallel layers built without ``group=``, DeepSpeed's ``deepspeed.utils.groups`` and
+``parallel_state_sp`` accessors, Megatron-style ``mpu.get_*`` calls, an MoE layer built outside an
+engine) asks the *active* grid (``active_grid()``): the one inside a ``with grid.active():`` scope,
+else the activated one. Two callers activate a grid: ``shardwise.initialize`` (the engine's grid) and
+``parallel_state_sp.initialize_sequence_parallel`` (the groups ``register_with_transformers`` lays out
+before there is an engine); a user may too (``grid.activate()``, e.g. around building tensor-parallel
+layers). ``comm.destroy_process_group`` forgets it, since its groups die with the world.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from collections import namedtuple
 from itertools import product
 
 from shardwise import comm
-from shardwise.parallel_dims import ParallelDims
+from shardwise.parallel_dims import ParallelDims, check_expert_size
 
 
 class _Count(int):
@@ -179,10 +186,43 @@ class _Activatable:
     @property
     def dims(self) -> ParallelDims:
         return ParallelDims(data=self.size("data"), pipe=self.size("pipe"), tensor=self.size("model"),
-                            sequence=self.size("sequence"))
+                            sequence=self.size("sequence"), expert=self.expert_size)
+
+    # -- expert groups (MoE): a sub-axis of every stage's data x sequence (x tensor) ranks ----------------
+    expert_size = 1  # the plan's expert-parallel size (``ParallelDims.expert``); see ``add_expert_axis``
+
+    def add_expert_axis(self, ep_size: int) -> None:
+        """Make ``ep_size`` this grid's expert axis (``group("expert")``, ``group("expert_data")``) and create
+        its groups (collective). The expert axis is a sub-axis of data: adding it changes no other group."""
+        self.expert_groups(ep_size)
+        self.expert_size = int(ep_size)
+
+    def expert_groups(self, ep_size: int | None = None, *, data_before_expert: bool = False,
+                      create: bool = True) -> "ExpertGroups | None":
+        """This rank's expert-parallel and expert-data-parallel groups for ``ep_size`` (default: the grid's
+        expert size), created on first use (collective: every rank asks for the same sizes in the same
+        order, as the same model's MoE layers do). ``create=False``: None when they do not exist yet."""
+        ep = self.expert_size if ep_size is None else int(ep_size)
+        key = (ep, bool(data_before_expert))
+        made = self.__dict__.setdefault("_experts", {})
+        if key not in made and create:
+            made[key] = _cut_expert_groups(self._expert_rank_lists(), ep, bool(data_before_expert))
+        return made.get(key)
+
+    def created_expert_groups(self) -> dict:
+        """``{ep_size: ExpertGroups}`` of the groups created so far on this grid (DeepSpeed's name-keyed views)."""
+        return {ep: g for (ep, _), g in sorted(self.__dict__.get("_experts", {}).items())}
+
+    def _expert_rank_lists(self) -> list[list[int]]:
+        raise NotImplementedError
 
 
-_AXES = ("pipe", "data", "model", "sequence")  # every axis a grid hands out groups for
+_AXES = ("pipe", "data", "model", "sequence")  # the axes of the rank layout (each has a group per rank)
+_EXPERT_AXES = ("expert", "expert_data")  # cut from the data axis (``ParallelGrid.expert_groups``)
+# Groups the coming node-local (hpZ: ZeRO++'s secondary partition within a node) and replica
+# (fault tolerance) features add are built here too: a method on ParallelGrid that cuts them from
+# ``self.topology`` (collective, every rank the same order, cached on the grid like ``expert_groups``)
+# and a name in ``group()``/``size()``/``axis_rank()``; nothing outside this module creates a group.
 _SCOPES: list = []
 _DEFAULT: list = [None]
 
@@ -198,12 +238,140 @@ def active_grid():
     return grid
 
 
+def expert_groups(ep_size: int, *, data_before_expert: bool = False, grid=None) -> "ExpertGroups":
+    """The ``ep_size`` expert groups of ``grid``, else of the active grid, else cut from the whole world's
+    data axis (an MoE layer or ``zero.Init`` used before any grid: every rank is a data rank). Collective
+    the first time (see ``ParallelGrid.expert_groups``)."""
+    grid = grid if grid is not None else active_grid()
+    if grid is not None:
+        return grid.expert_groups(ep_size, data_before_expert=data_before_expert)
+    key = (int(ep_size), bool(data_before_expert))
+    if key not in _WORLD_EXPERTS:
+        _WORLD_EXPERTS[key] = _cut_expert_groups([list(range(comm.get_world_size()))], *key)
+    return _WORLD_EXPERTS[key]
+
+
+def created_expert_groups() -> dict:
+    """``{ep_size: ExpertGroups}`` created so far on the active grid (else cut from the world's data axis)."""
+    grid = active_grid()
+    if grid is not None:
+        return grid.created_expert_groups()
+    return {ep: g for (ep, _), g in sorted(_WORLD_EXPERTS.items())}
+
+
+_WORLD_EXPERTS: dict = {}  # expert groups cut with no grid active (forgotten with the world)
+comm.on_destroy(_WORLD_EXPERTS.clear)
+
+
 def _forget_grids() -> None:
     _SCOPES.clear()
     _DEFAULT[0] = None
 
 
 comm.on_destroy(_forget_grids)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The expert groups of one ``ep_size``, as this rank sees them. With a stage's data ranks
+    d_0..d_{D-1} (DeepSpeed's order, see ``_stage_expert_ranks``) and expert-parallel size E, the
+    expert-parallel groups are consecutive blocks [d_0..d_{E-1}], ... (tokens are exchanged within one),
+    the expert-data-parallel groups strided ones [d_0, d_E, ...], ... (expert gradients are reduced over
+    one). ``layout``: every stage's (expert-parallel, expert-data-parallel) rank lists."""
+
+    size: int
+    group: object  # this rank's expert-parallel group
+    ranks: tuple
+    data_group: object  # this rank's expert-data-parallel group
+    data_ranks: tuple
+    layout: tuple
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(comm.get_rank())
+
+    @property
+    def data_size(self) -> int:
+        return len(self.data_ranks)
+
+    @property
+    def data_rank(self) -> int:
+        return self.data_ranks.index(comm.get_rank())
+
+
+def split_data_ranks(data_ranks: list[int], ep: int, data_before_expert: bool = False):
+    """(expert-parallel rank lists, expert-data-parallel rank lists) cut from one stage's data ranks."""
+    blocks = len(data_ranks) // ep
+    if data_before_expert:  # data-parallel replicas are the consecutive blocks instead
+        return ([data_ranks[i::blocks] for i in range(blocks)],
+                [data_ranks[i * blocks:(i + 1) * blocks] for i in range(ep)])
+    return [data_ranks[i * ep:(i + 1) * ep] for i in range(blocks)], [data_ranks[i::ep] for i in range(ep)]
+
+
+# Expert groups by layout, shared by every grid of the same world with the same layout (zero.Init cuts
+# them before the engine's grid exists; the engine's grid then finds the same groups). Forgotten with the world.
+_EXPERT_GROUPS_BY_LAYOUT: dict = {}
+
+
+def _cut_expert_groups(stage_ranks: list[list[int]], ep: int, data_before_expert: bool) -> ExpertGroups:
+    if ep < 1:
+        raise ValueError(f"MoE ep_size must be >= 1, got {ep}")
+    layout = []
+    for data_ranks in stage_ranks:
+        check_expert_size(ep, len(data_ranks))
+        ep_lists, edp_lists = split_data_ranks(data_ranks, ep, data_before_expert)
+        layout.append((tuple(map(tuple, ep_lists)), tuple(map(tuple, edp_lists))))
+    layout = tuple(layout)
+    key = (ep, layout)
+    if key in _EXPERT_GROUPS_BY_LAYOUT:  # the same on every rank: every rank skips creating, or none does
+        return _EXPERT_GROUPS_BY_LAYOUT[key]
+    rank = comm.get_rank()
+    mine = {}
+    for ep_lists, edp_lists in layout:
+        for kind, lists in (("data", edp_lists), ("expert", ep_lists)):  # every rank creates every group, in order
+            for ranks in lists:
+                group = comm.new_group(list(ranks))
+                if rank in ranks:
+                    mine[kind] = (group, ranks)
+    made = ExpertGroups(ep, mine["expert"][0], mine["expert"][1], mine["data"][0], mine["data"][1], layout)
+    _EXPERT_GROUPS_BY_LAYOUT[key] = made
+    return made
+
+
+comm.on_destroy(_EXPERT_GROUPS_BY_LAYOUT.clear)
+
+
+def _stage_expert_ranks(topology: ProcessTopology) -> list[list[int]]:
+    """Per pipeline stage, the ranks experts are split over, in DeepSpeed's order: tensor rank 0's data
+    ranks, then tensor rank 1's, ... (TP-strided), each data rank followed by its sequence peers. With
+    sequence parallelism every rank routes its own tokens; with tensor parallelism every tensor rank runs
+    1 / tensor of each expert's slots. So expert-parallel groups (consecutive blocks) stay within one tensor
+    rank, and an expert-data-parallel group spans the tensor ranks."""
+    stages: dict[int, list[int]] = {}
+    for rank in range(topology.world_size):
+        stages.setdefault(topology.get_coord(rank).get("pipe", 0), []).append(rank)
+
+    def order(rank):
+        c = topology.get_coord(rank)
+        return c.get("model", 0), c.get("data", 0), c.get("sequence", 0)
+
+    return [sorted(ranks, key=order) for _, ranks in sorted(stages.items())]
+
+
+def expert_rank_lists(world_size: int, tensor: int, ep: int, pipe: int = 1, data_before_expert: bool = False):
+    """The expert-parallel and expert-data-parallel rank lists of a (pipe, data, tensor) layout, stage by stage
+    (rank arithmetic only: no group is created)."""
+    model = tensor * pipe
+    if world_size % model:
+        raise ValueError(f"world size {world_size} is not divisible by tensor {tensor} x pipe {pipe}")
+    check_expert_size(ep, world_size // model)
+    topology = ProcessTopology(("pipe", "data", "model"), (pipe, world_size // model, tensor))
+    ep_all, edp_all = [], []
+    for data_ranks in topology.axis_groups("data"):
+        ep_lists, edp_lists = split_data_ranks(data_ranks, ep, data_before_expert)
+        ep_all += ep_lists
+        edp_all += edp_lists
+    return ep_all, edp_all
 
 
 class ParallelGrid(_Activatable):
@@ -246,7 +414,32 @@ class ParallelGrid(_Activatable):
     def from_dims(cls, dims: ParallelDims) -> "ParallelGrid":
         """The grid of ``dims``'s sizes (collective: every rank builds every group), laid out by
         ``ProcessTopology.from_dims``."""
-        return cls(ProcessTopology.from_dims(dims))
+        grid = cls(ProcessTopology.from_dims(dims))
+        if dims.expert > 1:
+            grid.add_expert_axis(dims.expert)
+        return grid
+
+    def _expert_rank_lists(self) -> list[list[int]]:
+        return _stage_expert_ranks(self.topology)
+
+    def tied_group(self, stages) -> tuple:
+        """``(group, ranks)``: the group of the pipeline ``stages`` at this rank's other coordinates (layers
+        tied across those stages sum their gradients over it); ``(None, ranks)`` when this rank is on none of
+        them. Collective on first use for a set of stages: every rank creates every such group (one per
+        data x tensor coordinate), in the same order; cached after."""
+        stages = tuple(sorted(int(s) for s in stages))
+        made = self.__dict__.setdefault("_tied", {})
+        if stages not in made:
+            topo, mine = self.topology, (None, [])
+            others = [a for a in topo.axes if a != "pipe"]
+            for column in topo.axis_groups("pipe"):  # one group per (data, model) coordinate
+                base = {a: v for a, v in topo.get_coord(column[0])._asdict().items() if a in others}
+                ranks = [topo.get_rank(**base, pipe=s) for s in stages]
+                group = comm.new_group(ranks)
+                if self.rank in ranks:
+                    mine = (group, ranks)
+            made[stages] = mine
+        return made[stages]
 
     def _build_model_parallel_group(self, whole_world: bool):
         """The ranks sharing this rank's data (and sequence) coordinate: every pipe and model coordinate."""
@@ -295,13 +488,38 @@ class ParallelGrid(_Activatable):
 
     def group(self, axis: str):
         """This rank's group along ``axis``: None when the axis spans the whole world (None is the
-        world everywhere), a group of this rank alone when the axis has size 1."""
+        world everywhere), a group of this rank alone when the axis has size 1. Also ``sequence_data``
+        (the data x sequence ranks ZeRO reduces over with sequence parallelism), ``model_parallel``
+        (pipe x tensor), ``expert`` and ``expert_data`` (of the grid's expert size)."""
+        if axis in _EXPERT_AXES:
+            experts = self.expert_groups()
+            return experts.group if axis == "expert" else experts.data_group
+        if axis == "sequence_data":
+            return self._seq_data_group
+        if axis == "model_parallel":
+            return self._model_parallel_group
         return self._groups[axis]
 
     def size(self, axis: str) -> int:
+        if axis == "expert":
+            return self.expert_size
+        if axis == "expert_data":
+            return self.expert_groups().data_size
+        if axis == "sequence_data":
+            return self.size("data") * self.size("sequence")
+        if axis == "model_parallel":
+            return self.size("pipe") * self.size("model")
         return self.topology.get_dim(axis) if axis in self.topology.axes else 1
 
     def axis_rank(self, axis: str) -> int:
+        if axis == "expert":
+            return self.expert_groups().rank
+        if axis == "expert_data":
+            return self.expert_groups().data_rank
+        if axis == "sequence_data":
+            return self.get_sequence_data_parallel_rank()
+        if axis == "model_parallel":
+            return self.get_model_parallel_rank()
         return self.coord.get(axis, 0)
 
     # -- pipeline stages ------------------------------------------------------------------------
@@ -474,6 +692,7 @@ class MpuGrid(_Activatable):
 
     def __init__(self, mpu) -> None:
         self.mpu = mpu
+        self.expert_size = 1
         self._sequence_only = (hasattr(mpu, "get_sequence_parallel_world_size")
                                and not hasattr(mpu, "get_data_parallel_world_size"))
 
@@ -526,17 +745,37 @@ class MpuGrid(_Activatable):
         fn = getattr(self.mpu, "get_pipe_parallel_group", None)
         return fn() if fn else None
 
+    def _expert_rank_lists(self) -> list[list[int]]:
+        """Every data-parallel group's ranks, gathered (the mpu's layout is not known here). Collective."""
+        import torch.distributed as dist
+
+        group = self.get_data_parallel_group()
+        mine = dist.get_process_group_ranks(group) if group is not None else list(range(comm.get_world_size()))
+        everyone = [None] * comm.get_world_size()
+        dist.all_gather_object(everyone, sorted(mine))
+        return [list(r) for r in sorted({tuple(r) for r in everyone})]
+
     def size(self, axis: str) -> int:
+        if axis == "expert":
+            return self.expert_size
+        if axis == "expert_data":
+            return self.expert_groups().data_size
         return {"data": self.get_data_parallel_world_size, "pipe": self.get_pipe_parallel_world_size,
                 "model": self.get_tensor_model_parallel_world_size,
                 "sequence": self.get_sequence_parallel_world_size}[axis]() if axis in _MPU_AXES else 1
 
     def axis_rank(self, axis: str) -> int:
+        if axis in _EXPERT_AXES:
+            return self.expert_groups().rank if axis == "expert" else self.expert_groups().data_rank
         return {"data": self.get_data_parallel_rank, "pipe": self.get_pipe_parallel_rank,
                 "model": self.get_tensor_model_parallel_rank,
                 "sequence": self.get_sequence_parallel_rank}[axis]() if axis in _MPU_AXES else 0
 
     def group(self, axis: str):
+        if axis in _EXPERT_AXES:
+            return self.expert_groups().group if axis == "expert" else self.expert_groups().data_group
+        if axis == "sequence_data":
+            return self.get_sequence_data_parallel_group()
         return {"data": self.get_data_parallel_group, "pipe": self.get_pipe_parallel_group,
                 "model": self.get_tensor_model_parallel_group,
                 "sequence": self.get_sequence_parallel_group}[axis]() if axis in _MPU_AXES else None

@@ -487,7 +487,13 @@ import deepspeed.moe.experts, deepspeed.moe.sharded_moe, deepspeed.moe.utils
 from deepspeed.moe.layer import MoE
 from deepspeed.utils import groups as ds_groups
 assert MoE is sys.modules["shardwise.moe.layer"].MoE and deepspeed.moe.utils.is_moe_param
-assert ds_groups._get_expert_parallel_group_dict is sys.modules["shardwise.utils.groups"]._get_expert_parallel_group_dict
+assert ds_groups.__name__ == "deepspeed.utils.groups" and "shardwise.utils.groups" not in sys.modules
+# views of the active grid: with none, tensor size 1, sequence parallelism off, no expert groups yet
+assert ds_groups.get_tensor_model_parallel_world_size() == 1 and ds_groups._get_sequence_parallel_world_size() == 1
+assert ds_groups._get_expert_parallel_group_dict() == {} and ds_groups._get_max_expert_size() == 1
+with pytest.raises(KeyError, match="ep_size_2"):
+    ds_groups._get_expert_parallel_group("ep_size_2")
+assert ds_groups._get_expert_parallel_ranks(16, 2, 4)[0] == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
 import deepspeed.runtime.domino  # DeepSpeed's module tree imports whole; what shardwise lacks raises when used
 with pytest.raises(NotImplementedError, match="deepspeed.runtime.domino.transformer.DominoModule is not supported"):
     deepspeed.runtime.domino.transformer.DominoModule()

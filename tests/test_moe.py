@@ -76,11 +76,11 @@ def _engine(case, rank):
     offload, under_init = (list(options) + [False, False])[:2]
     if under_init:  # built inside zero.Init: experts sharded within their expert-data-parallel group at once
         from shardwise import zero
-        from shardwise.utils import groups
+        from shardwise.topology import expert_groups
 
         with zero.Init():
             net = Net(ep_size=ep, k=k, drop_tokens=not starve)
-        group = groups._get_expert_data_parallel_group(f"ep_size_{ep}")
+        group = expert_groups(ep).data_group  # no grid yet: cut from the world's data axis
         assert all(p.ds_process_group is group for p in net.moe.deepspeed_moe.experts.parameters())
         assert net.inp.weight.ds_process_group is None
         edit = zero.GatheredParameters(list(net.parameters()), modifier_rank=0)  # groups' first ranks
@@ -111,8 +111,6 @@ def _step(engine, step, rank, world):
 
 
 def _train(case, rank, world, steps=2):
-    from shardwise.utils import groups
-
     ep, stage, k, starve, *_ = case
     ref_losses, ref = _reference(case, steps, world)
     engine = _engine(case, rank)
@@ -122,8 +120,11 @@ def _train(case, rank, world, steps=2):
     assert sorted(mine) == sorted(n for n, _ in ref.named_parameters())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(mine[name], p.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
-    return {"ep": groups._get_expert_parallel_world_size(f"ep_size_{ep}"),
-            "edp": groups._get_expert_data_parallel_world_size(f"ep_size_{ep}"),
+    experts = engine.grid.expert_groups(ep)  # the engine's grid holds the layers' groups
+    assert engine.module.moe.expert_groups is experts and engine.module.moe.deepspeed_moe.ep_group is experts.group
+    if ep > 1:
+        assert engine.grid.group("expert") is experts.group and engine.grid.group("expert_data") is experts.data_group
+    return {"ep": engine.grid.size("expert"), "edp": experts.data_size,
             "has_moe": engine.has_moe_layers, "dims_expert": engine.dims.expert,
             "offload": sorted({getattr(s, "offload_device", "none") for s in getattr(engine.strategy, "strategies", [])})}
 
@@ -391,12 +392,12 @@ def test_bad_sizes_are_named():
 def test_expert_rank_lists_follow_deepspeeds_layout():
     """DeepSpeed's example: 16 ranks, tensor 2, ep 4: data groups [0,2,..,14] and [1,3,..,15] are cut in
     order into expert groups, and each expert's replicas are the same slot of each cut."""
-    from shardwise.utils.groups import _get_expert_parallel_ranks
+    from shardwise.topology import expert_rank_lists as _get_expert_parallel_ranks
 
-    ep, edp = _get_expert_parallel_ranks(world_size=16, tensor_parallel_size_=2, expert_parallel_size_=4)
+    ep, edp = _get_expert_parallel_ranks(16, 2, 4)
     assert ep == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
     assert edp == [[0, 8], [2, 10], [4, 12], [6, 14], [1, 9], [3, 11], [5, 13], [7, 15]]
-    ep, edp = _get_expert_parallel_ranks(8, 1, 2, pipeline_parallel_size_=2)  # two stages of 4 data ranks
+    ep, edp = _get_expert_parallel_ranks(8, 1, 2, pipe=2)  # two stages of 4 data ranks
     assert ep == [[0, 1], [2, 3], [4, 5], [6, 7]] and edp == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    with pytest.raises(ValueError, match="not divisible by ep_size 3"):
+    with pytest.raises(ValueError, match="MoE ep_size=3 does not divide the data-parallel size 4"):
         _get_expert_parallel_ranks(8, 2, 3)

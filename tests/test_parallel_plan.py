@@ -67,7 +67,6 @@ def _two_grids(rank, world):
     import os
 
     import shardwise
-    import shardwise.utils.groups as groups
     from shardwise import comm
     from shardwise.models.gpt import GPT, GPTConfig
     from shardwise.topology import ParallelGrid, PipeModelDataParallelTopology, active_grid
@@ -86,7 +85,7 @@ def _two_grids(rank, world):
     loss = first(tokens[:, :-1], tokens[:, 1:])
     first.backward(loss)
     first.step()
-    out["first"] = {"dims": (first.dims.data, first.dims.tensor), "groups_tp": groups.get_tensor_model_parallel_world_size(),
+    out["first"] = {"dims": (first.dims.data, first.dims.tensor), "groups_tp": active_grid().size("model"),
                     "loss": float(loss)}
     port = [_free_port() if rank == 0 else None]
     torch.distributed.broadcast_object_list(port, src=0)
@@ -99,7 +98,7 @@ def _two_grids(rank, world):
     loss = second(x[:, :-1], x[:, 1:])
     second.backward(loss)
     second.step()
-    out["second"] = {"dims": (second.dims.data, second.dims.tensor), "groups_tp": groups.get_tensor_model_parallel_world_size(),
+    out["second"] = {"dims": (second.dims.data, second.dims.tensor), "groups_tp": active_grid().size("model"),
                      "same grid": second.grid is grid, "dp": second.dp_world_size,
                      "weights": torch.cat([p.detach().flatten() for p in second.module.parameters()])}
     return out

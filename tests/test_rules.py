@@ -1,13 +1,13 @@
 """Every refused combination is a row of ``RULES`` (``shardwise/parallel_dims.py``): sites that learn the facts
 late (the optimizer object, the model's parameters) ask the table by name (``check_rule``) and raise its
-message; "ep_size divides the data axis" is one function (``shardwise.config.rules``)."""
+message; "ep_size divides the data axis" is one function (``shardwise.parallel_dims.expert_divides``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardwise.config.rules import check_ep_divides_data, ep_divides_data
+from shardwise.parallel_dims import check_expert_size, expert_divides
 from shardwise.parallel_dims import RULES, ParallelDims, check_rule
 
 # (rule name, facts it refuses, facts it lets through, words of its message)
@@ -51,16 +51,16 @@ def test_rule_names_are_unique_and_known():
 @pytest.mark.parametrize("ep,data,sequence,ok", [(2, 4, 1, True), (4, 2, 2, True), (3, 4, 1, False), (4, 2, 1, False),
                                                  (1, 3, 1, True)])
 def test_ep_divides_data_is_one_function(ep, data, sequence, ok):
-    assert ep_divides_data(ep, data, sequence) is ok
+    assert expert_divides(ep, data * sequence) is ok
     # the table's row uses it
     refused = any("expert size not dividing" in r.table and r.applies(ParallelDims(data=data, sequence=sequence,
                                                                                  expert=ep)) for r in RULES)
     assert refused is not ok
     if ok:
-        check_ep_divides_data(ep, data, sequence, key="k")
+        check_expert_size(ep, data * sequence, key="k")
     else:
-        with pytest.raises(ValueError, match=rf"k={ep} does not divide the data-parallel size {data}"):
-            check_ep_divides_data(ep, data, sequence, key="k")
+        with pytest.raises(ValueError, match=rf"k={ep} does not divide the data-parallel size {data * sequence}"):
+            check_expert_size(ep, data * sequence, key="k")
 
 
 def test_muon_with_optimizer_offload_is_refused_by_the_table():

@@ -92,19 +92,19 @@ def _sp_engine(stage: int, path: str, world: int):
 
 def _sp_batches(engine, data_of_rank) -> list[dict]:
     from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-    from shardwise.utils import groups
+    from shardwise.runtime.sequence_parallel import parallel_state_sp as sp_state
 
-    return list(UlyssesSPDataLoaderAdapter(data_of_rank, sp_rank=groups._get_sequence_parallel_rank(),
-                                           sp_group=groups._get_sequence_parallel_group(),
-                                           sp_world_size=groups._get_sequence_parallel_world_size(),
+    return list(UlyssesSPDataLoaderAdapter(data_of_rank, sp_rank=sp_state.get_sequence_parallel_rank(),
+                                           sp_group=sp_state.get_sequence_parallel_group(),
+                                           sp_world_size=sp_state.get_sequence_parallel_world_size(),
                                            device=engine.device))
 
 
 def _sp_train(engine, batches: list[dict], world: int):
-    from shardwise.utils import groups
+    from shardwise.runtime.sequence_parallel import parallel_state_sp as sp_state
 
-    sp_group = groups._get_sequence_parallel_group()
-    sp_size = groups._get_sequence_parallel_world_size()
+    sp_group = sp_state.get_sequence_parallel_group()
+    sp_size = sp_state.get_sequence_parallel_world_size()
     losses, norms = [], []
     for batch in batches:
         batch = dict(batch)
@@ -184,12 +184,12 @@ def _load_on_one_rank(rank: int, world: int, path: str, ckpt: str):
 def _adapter_shards(rank: int, world: int):
     """The adapter's shards of two rounds of batches of different lengths (8 and 12 tokens per rank)."""
     from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-    from shardwise.utils import groups
+    from shardwise.runtime.sequence_parallel import parallel_state_sp as sp_state
 
     mine = [dict(_sample(10 + rank, 8 + 4 * rank), tag=f"r{rank}"), dict(_sample(20 + rank, 4), tag=f"s{rank}")]
-    dl = UlyssesSPDataLoaderAdapter(mine, sp_rank=groups._get_sequence_parallel_rank(),
-                                    sp_group=groups._get_sequence_parallel_group(),
-                                    sp_world_size=groups._get_sequence_parallel_world_size(), device="cpu")
+    dl = UlyssesSPDataLoaderAdapter(mine, sp_rank=sp_state.get_sequence_parallel_rank(),
+                                    sp_group=sp_state.get_sequence_parallel_group(),
+                                    sp_world_size=sp_state.get_sequence_parallel_world_size(), device="cpu")
     assert len(dl) == 4
     return list(dl)
 
@@ -232,9 +232,9 @@ def _qkv():
 def _distributed_attention(rank: int):
     """DeepSpeed's older shardwise.sequence.layer.DistributedAttention: this rank's output and input gradients."""
     from shardwise.sequence.layer import DistributedAttention
-    from shardwise.utils import groups
+    from shardwise.runtime.sequence_parallel import parallel_state_sp as sp_state
 
-    attn = DistributedAttention(_causal_attention, groups._get_sequence_parallel_group(), scatter_idx=2, gather_idx=0)
+    attn = DistributedAttention(_causal_attention, sp_state.get_sequence_parallel_group(), scatter_idx=2, gather_idx=0)
     *qkv, w = _qkv()
     mine = [t[4 * rank:4 * (rank + 1)].clone().requires_grad_() for t in qkv]
     out = attn(*mine, batch_dim_idx=1)

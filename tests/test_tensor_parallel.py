@@ -60,10 +60,9 @@ def test_layers_without_a_grid_are_plain_layers():
     from shardwise.topology import _forget_grids
 
     _forget_grids()  # no active grid (an earlier in-process test may have left one)
-    import shardwise.utils.groups as groups  # deepspeed.utils.groups: no grid, no tensor parallelism
-    from shardwise.topology import PipelineParallelGrid  # noqa: F401
+    from shardwise.topology import ONE_RANK, active_grid, tensor_parallel_group_and_size
 
-    assert groups.get_tensor_model_parallel_world_size() == 1 and groups.get_model_parallel_rank() == 0
+    assert active_grid() is None and tensor_parallel_group_and_size() == (ONE_RANK, 1)  # no grid: no tensor axis
     torch.manual_seed(0)
     ref = nn.Linear(6, 4)
     torch.manual_seed(0)

@@ -162,14 +162,11 @@ class InferenceEngine(nn.Module):
         if world % tp_size:
             raise ValueError(f"init_inference: tensor_parallel.tp_size ({tp_size}) does not divide the world size "
                              f"({world}); launch a multiple of tp_size processes")
-        if world == tp_size:
-            return None  # the whole world
-        mine = None
-        for start in range(0, world, tp_size):  # every rank creates every group, in order
-            group = comm.new_group(list(range(start, start + tp_size)))
-            if start <= comm.get_rank() < start + tp_size:
-                mine = group
-        return mine
+        from shardwise.parallel_dims import ParallelDims
+        from shardwise.topology import ParallelGrid
+
+        # the grid's tensor axis: tensor peers are neighbours, ranks [i * tp_size, (i + 1) * tp_size)
+        return ParallelGrid.from_dims(ParallelDims(data=world // tp_size, tensor=tp_size)).group("model")
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

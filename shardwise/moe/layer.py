@@ -48,16 +48,17 @@ class MoE(nn.Module):
             self.coefficient = nn.Linear(hidden_size, 2)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """Create (once per world) the expert-parallel and expert-data-parallel groups of ``ep_size_N``
-        from the active grid's data axis, and hand the expert-parallel one to the layer. Collective."""
+        """Take the expert-parallel and expert-data-parallel groups of ``ep_size`` from the active grid
+        (``shardwise.topology.expert_groups``: created there on first use, collective) and hand the
+        expert-parallel one to the layer."""
         self._create_process_groups(use_data_before_expert_parallel_=use_data_before_expert_parallel_)
 
     def _create_process_groups(self, use_data_before_expert_parallel_: bool = False) -> None:
-        from shardwise.utils import groups
+        from shardwise.topology import expert_groups
 
-        groups._create_expert_and_data_parallel(self.ep_size,  # (made again only for another grid's layout)
-                                                use_data_before_expert_parallel_=use_data_before_expert_parallel_)
-        self.deepspeed_moe._set_ep_group(groups._get_expert_parallel_group(self.expert_group_name))
+        # the active grid's (the engine's) groups of this ep_size; created there on first use
+        self.expert_groups = expert_groups(self.ep_size, data_before_expert=use_data_before_expert_parallel_)
+        self.deepspeed_moe._set_ep_group(self.expert_groups.group)
 
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
         output = self.deepspeed_moe(hidden_states, used_token)

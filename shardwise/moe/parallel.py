@@ -23,7 +23,7 @@ from shardwise import comm
 from shardwise.moe.utils import is_moe_layer, is_moe_param, moe_layers
 from shardwise.optim.muon import Muon
 from shardwise.parallel_dims import ParallelDims, check_rule
-from shardwise.utils import groups
+from shardwise.topology import active_grid, expert_groups
 from shardwise.zero.strategy import ZeroStrategy
 
 
@@ -52,13 +52,14 @@ def configure(module: torch.nn.Module, *, across_stages: bool = False) -> None:
     world), this stage's layers then take theirs."""
     if across_stages:
         for size in expert_parallel_sizes(module, across_stages=True):  # (ep_size 1 too: its groups are made
-            groups._create_expert_and_data_parallel(size)  # by the whole world, like the others)
-    tp = groups.get_tensor_model_parallel_world_size()
+            expert_groups(size)  # by the whole world, like the others)
+    grid = active_grid()
+    tp = grid.size("model") if grid is not None else 1
     for layer in moe_layers(module):
         layer.set_deepspeed_parallelism()
         shared = 1  # how many tensor ranks share each expert's slots
         if tp > 1:
-            shared = _share_slots(layer, tp)
+            shared = _share_slots(layer, tp, grid.group("model"))
         # the expert-data-parallel reduction averages over (data / ep_size) x tensor ranks; with the slots
         # shared each of them saw 1 / tensor of the tokens: the gradient is scaled by shared / ep_size first
         scale = shared / layer.ep_size
@@ -70,26 +71,38 @@ def configure(module: torch.nn.Module, *, across_stages: bool = False) -> None:
                 p._shardwise_ep_divided = True
 
 
-def _share_slots(layer, tp: int) -> int:
+def _share_slots(layer, tp: int, tp_group) -> int:
     """Under tensor parallelism: the tensor ranks share every expert's slots (DeepSpeed's ``MoE``: returns
     ``tp``), or, a block that cannot (AutoEP's), each runs all of them at ``ep_size`` 1 (returns 1)."""
     inner = getattr(layer, "deepspeed_moe", layer)  # DeepSpeed's MoE keeps its token exchange there
     if hasattr(inner, "_set_tp_group"):
-        inner._set_tp_group(groups.get_tensor_model_parallel_group(), tp)
+        inner._set_tp_group(tp_group, tp)
         return tp
     check_rule("experts_tensor", ParallelDims(expert=layer.ep_size, tensor=tp, moe=True,
                                               experts_unsplit_by_tensor=True), block=type(layer).__name__)
     return 1
 
 
+def _tensor_size() -> int:
+    grid = active_grid()
+    return grid.size("model") if grid is not None else 1
+
+
+def experts_by_name(module: torch.nn.Module) -> dict:
+    """``{"ep_size_N": ExpertGroups}`` of the module's MoE layers: the groups each layer took from the grid
+    it was configured on (``set_deepspeed_parallelism``)."""
+    return {layer.expert_group_name: layer.expert_groups for layer in moe_layers(module)}
+
+
 def broadcast_experts(module: torch.nn.Module) -> None:
     """Every expert-data-parallel replica of an expert starts from the first one's weights."""
+    experts = experts_by_name(module)
     with torch.no_grad():
         for p in module.parameters():
             if is_moe_param(p) and not hasattr(p, "ds_numel") and \
-                    groups._get_expert_data_parallel_world_size(p.group_name) > 1:  # (zero.Init: broadcast already)
-                comm.broadcast(p.data, src=groups._get_expert_broadcast_src_rank(p.group_name),
-                               group=groups._get_expert_data_parallel_group(p.group_name))
+                    experts[p.group_name].data_size > 1:  # (zero.Init: broadcast already)
+                mine = experts[p.group_name]
+                comm.broadcast(p.data, src=mine.data_ranks[0], group=mine.data_group)
 
 
 def build_strategy(build, *, module, named_params, optimizer, dp_group, zero_stage: int = 0) -> ZeroStrategy:
@@ -99,8 +112,9 @@ def build_strategy(build, *, module, named_params, optimizer, dp_group, zero_sta
     (``partition_group``), the rest over the data axis."""
     by_group: dict[str, list] = {}
     dense = []
+    experts = experts_by_name(module)
     for name, p in named_params:
-        if is_moe_param(p) and not _reduced_over(p, dp_group):
+        if is_moe_param(p) and not _reduced_over(p, dp_group, experts):
             by_group.setdefault(p.group_name, []).append((name, p))
         else:
             dense.append((name, p))
@@ -110,14 +124,14 @@ def build_strategy(build, *, module, named_params, optimizer, dp_group, zero_sta
         names = global_expert_names(module)
         named_params = [(names.get(n, n), p) for n, p in named_params]
         strategy = build(named_params=named_params, optimizer=optimizer, dp_group=dp_group,
-                         partition_group=lambda p: partition_group(p, dp_group))
+                         partition_group=lambda p: partition_group(p, dp_group, experts))
         return ExpertZero3Strategy([_Part(None, strategy, [], 1, names={n for n, _ in named_params})],
                                    optimizer=optimizer, module=module)
     if optimizer is None:
         raise ValueError("expert parallelism needs an optimizer in the config or passed to initialize()")
     if isinstance(optimizer, Muon):  # Muon assembles each matrix over one data group, not per part
         check_rule("muon_experts", ParallelDims(muon=True, moe=True, expert=expert_parallel_size(module),
-                                                tensor=groups.get_tensor_model_parallel_world_size()))
+                                                tensor=_tensor_size()))
     names = global_expert_names(module)
     parts = []
     for group_name, params in [(None, dense)] + sorted(by_group.items()):
@@ -126,27 +140,28 @@ def build_strategy(build, *, module, named_params, optimizer, dp_group, zero_sta
         if group_name is not None:  # fragments (checkpoints) name each expert by its global index
             params = [(names.get(n, n), p) for n, p in params]
         sub, links = _sub_optimizer(optimizer, {id(p) for _, p in params})
-        group = dp_group if group_name is None else groups._get_expert_data_parallel_group(group_name)
-        ep = 1 if group_name is None else groups._get_expert_parallel_world_size(group_name)
+        mine = None if group_name is None else experts[group_name]
+        group = dp_group if mine is None else mine.data_group
+        ep = 1 if mine is None else mine.size
         parts.append(_Part(group_name, build(named_params=params, optimizer=sub, dp_group=group), links, ep,
-                           names={n for n, _ in params}))
+                           names={n for n, _ in params}, ep_group=None if mine is None else mine.group))
     return ExpertSplitStrategy(parts, optimizer=optimizer, module=module)
 
 
-def _reduced_over(p: torch.nn.Parameter, dp_group) -> bool:
+def _reduced_over(p: torch.nn.Parameter, dp_group, experts: dict) -> bool:
     """Whether expert parameter ``p``'s expert-data-parallel group is ``dp_group`` itself (``ep_size`` 1
     without tensor parallelism): then it is reduced and partitioned as a dense parameter."""
-    edp = sorted(groups._get_expert_data_parallel_group_ranks(p.group_name))
+    edp = sorted(experts[p.group_name].data_ranks)
     dp = sorted(torch.distributed.get_process_group_ranks(dp_group)) if dp_group is not None else \
         list(range(comm.get_world_size()))
     return edp == dp
 
 
-def partition_group(p: torch.nn.Parameter, dp_group):
+def partition_group(p: torch.nn.Parameter, dp_group, experts: dict):
     """The group ZeRO-3 shards ``p`` over: an expert parameter (DeepSpeed's tagging: ``allreduce`` False,
     ``group_name``) its expert-data-parallel group, any other the data axis."""
-    if is_moe_param(p) and not _reduced_over(p, dp_group):
-        return groups._get_expert_data_parallel_group(p.group_name)
+    if is_moe_param(p) and not _reduced_over(p, dp_group, experts):
+        return experts[p.group_name].data_group
     return dp_group
 
 
@@ -161,7 +176,7 @@ def _expert_blocks(module: torch.nn.Module):
 def _expert_offset(layer) -> int:
     if layer.ep_size == 1:
         return 0
-    return groups._get_expert_parallel_rank(layer.expert_group_name) * layer.num_local_experts
+    return layer.expert_groups.rank * layer.num_local_experts
 
 
 def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
@@ -180,10 +195,10 @@ def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
 class _Part:
     """One expert group's (or, ``group_name`` None, the dense parameters') strategy and optimizer links."""
 
-    def __init__(self, group_name, strategy, links, ep_size, *, names: set[str]) -> None:
+    def __init__(self, group_name, strategy, links, ep_size, *, names: set[str], ep_group=None) -> None:
         self.group_name, self.strategy, self.links, self.ep_size = group_name, strategy, links, ep_size
         self.names = names  # the parameter names it holds (experts: global names)
-        self.ep_group = None if group_name is None else groups._get_expert_parallel_group(group_name)
+        self.ep_group = ep_group  # the expert-parallel group (None: the dense part)
 
     def follow_hyperparameters(self) -> None:
         for user_group, own in self.links:
@@ -289,7 +304,7 @@ class ExpertSplitStrategy(ZeroStrategy):
         for prefix, layer in _expert_blocks(module):
             keys = layer.get_submodule(layer.local_experts_path).state_dict(keep_vars=True)
             local = {key: state.pop(prefix + key) for key in keys}  # (ZeRO-3: gathered by the dense part)
-            group = groups._get_expert_parallel_group(layer.expert_group_name) if layer.ep_size > 1 else None
+            group = layer.expert_groups.group if layer.ep_size > 1 else None
             for key, t in local.items():
                 j, rest = key.split(".", 1)
                 pieces = [t.detach()]

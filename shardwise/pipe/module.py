@@ -262,19 +262,15 @@ class PipelineModule(nn.Module):
         return {k: sorted(v) for k, v in sorted(stages.items(), key=lambda kv: str(kv[0]))}
 
     def _index_tied_modules(self) -> dict:
-        """Process groups summing each tied module's gradients over the stages holding it."""
+        """The grid's process groups summing each tied module's gradients over the stages holding it (created
+        by the grid, every key in the same order on every rank)."""
         comms = {}
-        topo = self._topo
-        others = [a for a in topo.axes if a != "pipe"]
         for key, stages in self._tie_stages().items():
             if len(stages) < 2:
                 continue
-            for coord in topo.axis_groups("pipe"):  # one group per (data, model) coordinate
-                base = {a: v for a, v in topo.get_coord(coord[0])._asdict().items() if a in others}
-                ranks = [topo.get_rank(**base, pipe=s) for s in stages]
-                group = comm.new_group(ranks)  # every rank creates every group, in the same order
-                if self.global_rank in ranks:
-                    comms[key] = {"ranks": ranks, "group": group, "owner": ranks[0]}
+            group, ranks = self._grid.tied_group(stages)
+            if self.global_rank in ranks:
+                comms[key] = {"ranks": ranks, "group": group, "owner": ranks[0]}
         return comms
 
     def _tied_params(self, key) -> list[torch.nn.Parameter]:

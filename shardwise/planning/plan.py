@@ -245,7 +245,7 @@ def _whole(module, tp: int) -> int:
 def _place_experts(model, cfg, dims, grid) -> None:
     """AutoEP's own size checks (``moe/autoep/replace.py``: ep must divide the data axis and every MoE
     block's experts) and its own replacement: each rank's blocks keep num_experts / ep experts, whose
-    parameters are marked as expert parameters of the ``ep_size_<ep>`` groups (created here)."""
+    parameters are marked as expert parameters of the grid's ``ep_size_<ep>`` groups."""
     from shardwise.moe.autoep.replace import apply_autoep, check_sizes
 
     blocks = check_sizes(model, cfg.expert_parallel, data_size=dims.data * dims.sequence)
@@ -289,7 +289,7 @@ def zero_layout(named_params, *, stage: int, n: int, rank: int, precision, zc, s
     and the bytes its ZeRO stage sends per step of ``gas`` micro-batches (the comms logger's sizes).
 
     With expert parallelism (``ep`` > 1) the expert parameters are partitioned over their expert-data
-    group (``n / ep`` ranks; data rank ``d`` is its ``d // ep``-th, ``utils/groups.py``'s layout): at
+    group (``n / ep`` ranks; data rank ``d`` is its ``d // ep``-th, the grid's expert layout, ``topology.py``): at
     stages 1-2 a strategy of their own (``moe/parallel.py``'s split), at stage 3 their own chunks."""
     experts = [(nm, p) for nm, p in named_params if _is_expert(p)] if ep > 1 else []
     if experts and stage in (1, 2):

@@ -45,11 +45,22 @@ def plan_grid(cfg, *, mpu=None, model=None, optimizer=None):
         if world % tp:
             raise ValueError(f"tensor_parallel.autotp_size {tp} does not divide the world size {world}")
         dims = ParallelDims(data=world // tp, tensor=tp, **features).validate(world)
-        return _reuse_or_build(dims), dims
+        return _with_experts(_reuse_or_build(dims), dims), dims
     else:
-        grid = _active_tensor_grid(world) or ParallelGrid.from_dims(ParallelDims(data=world))
+        grid = _active_tensor_grid(world)
+        if grid is None:
+            dims = ParallelDims(data=world, **features).validate(world)
+            return ParallelGrid.from_dims(dims), dims
     dims = grid.dims.replace(**features).validate(world)
-    return grid, dims
+    return _with_experts(grid, dims), dims
+
+
+def _with_experts(grid, dims: ParallelDims):
+    """A grid built before the plan knew the expert size (a PipelineModule's, the mpu's, the registered
+    sequence-parallel one) gets its expert axis: a sub-axis of data, so no other group changes."""
+    if dims.expert > 1 and grid.expert_size != dims.expert:
+        grid.add_expert_axis(dims.expert)
+    return grid
 
 
 def config_features(cfg, *, model=None, optimizer=None) -> dict:

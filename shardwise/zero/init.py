@@ -16,7 +16,7 @@ import torch
 from shardwise import comm
 from shardwise.malloc import return_large_frees_to_the_os
 from shardwise.param_attrs import add_external_param
-from shardwise.utils import groups
+from shardwise.topology import expert_groups
 from shardwise.zero import registry
 from shardwise.zero.partitioned_param import (ZeroParamStatus, gather_full, is_partitioned, scatter_full_,
                                               shard_param_, unit_of)
@@ -116,10 +116,10 @@ class Init:
         name = getattr(p, "group_name", None)
         if self.group is not None or getattr(p, "allreduce", True) or not str(name).startswith("ep_size_"):
             return self.group
-        groups._create_expert_and_data_parallel(int(str(name)[len("ep_size_"):]))  # (made once per layout; collective)
-        if groups._get_expert_data_parallel_world_size(name) == comm.get_world_size():
+        experts = expert_groups(int(str(name)[len("ep_size_"):]))  # the active grid's (else the world's); collective
+        if experts.data_size == comm.get_world_size():
             return self.group
-        return groups._get_expert_data_parallel_group(name)
+        return experts.data_group
 
     def __enter__(self):
         if not self.enabled:

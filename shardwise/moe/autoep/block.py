@@ -72,13 +72,13 @@ class AutoEPMoE(nn.Module):
 
     # -- engine hooks ------------------------------------------------------------------------------
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """Create (once per world) the ``ep_size_N`` groups and take this block's expert-parallel group."""
-        from shardwise.utils import groups
+        """Take this block's expert groups from the active grid (created there on first use, collective)."""
+        from shardwise.topology import active_grid, expert_groups
 
-        groups._create_expert_and_data_parallel(self.ep_size,  # (made again only for another grid's layout)
-                                                use_data_before_expert_parallel_=use_data_before_expert_parallel_)
-        self.ep_group = groups._get_expert_parallel_group(self.expert_group_name)
-        self.dp_group = groups.get_data_parallel_group()
+        grid = active_grid()  # the engine's grid (its groups of this ep_size; created there on first use)
+        self.expert_groups = expert_groups(self.ep_size, data_before_expert=use_data_before_expert_parallel_)
+        self.ep_group = self.expert_groups.group
+        self.dp_group = grid.group("data") if grid is not None else None
 
     # -- forward -----------------------------------------------------------------------------------
     def forward(self, hidden_states: Tensor) -> Tensor:

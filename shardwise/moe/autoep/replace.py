@@ -12,16 +12,15 @@ from torch import nn
 
 from shardwise.moe.autoep.block import AutoEPMoE
 from shardwise.moe.autoep.presets import find_blocks, spec_of
+from shardwise.parallel_dims import check_expert_size
 from shardwise.zero.init import GatheredParameters
 
 
 def check_sizes(model: nn.Module, cfg, *, data_size: int) -> list:
     """The blocks to replace, with the sizes checked (before any group exists): ValueErrors name the key."""
-    from shardwise.config.rules import check_ep_divides_data
-
     blocks = find_blocks(model, cfg)
     ep = cfg.autoep_size
-    check_ep_divides_data(ep, data_size, key="expert_parallel.autoep_size")  # (data_size: x sequence already)
+    check_expert_size(ep, data_size, key="expert_parallel.autoep_size")
     for name, module, preset in blocks:
         spec = spec_of(module, preset, cfg)
         if spec.num_experts % ep:
@@ -34,12 +33,10 @@ def check_sizes(model: nn.Module, cfg, *, data_size: int) -> list:
 def apply_autoep(model: nn.Module, cfg, *, optimizer=None, model_parameters=None):
     """Replace every recognised MoE block; returns ``(model, model_parameters)`` (the optimizer, if an
     instance, is updated in place). Collective when ``autoep_size`` > 1 (creates the expert groups)."""
-    from shardwise.utils import groups
+    from shardwise.topology import expert_groups
 
     ep = cfg.autoep_size
-    name = f"ep_size_{ep}"
-    groups._create_expert_and_data_parallel(ep)  # (made again only for another grid's layout)
-    ep_rank = groups._get_expert_parallel_rank(name) if ep > 1 else 0
+    ep_rank = expert_groups(ep).rank if ep > 1 else 0  # the active (engine's) grid's; collective on first use
     sources: dict[int, list[torch.Tensor]] = {}
     for path, module, preset in find_blocks(model, cfg):
         with GatheredParameters(list(module.experts.parameters())):  # (built under zero.Init: whole first)

@@ -47,8 +47,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2, mpu=None) -> torch.Tensor
     norm averaged over the data-parallel group, as DeepSpeed's helper does. The engine clips from the config
     itself (``gradient_clipping``)."""
     from shardwise import comm
+    from deepspeed.utils import groups
     from shardwise.precision import clip_grad_norm_ as clip
-    from shardwise.utils import groups
 
     model_group = None if mpu is None else (mpu.get_model_parallel_group() or comm.get_world_group())
     return clip(parameters, max_norm, norm_type, model_group=model_group,
@@ -70,7 +70,7 @@ class CheckOverflow:
 
     def _agree(self, flag: bool, *, moe: bool, world: bool) -> bool:
         from shardwise import comm
-        from shardwise.utils import groups
+        from deepspeed.utils import groups
 
         t = torch.tensor([float(flag)])
         if moe:

@@ -1,5 +1,5 @@
-"""``deepspeed.utils``: shardwise.utils' names; ``numa``, ``torch`` and ``z3_leaf_module`` are this package's
-modules, the other submodules are shardwise's (``deepspeed.utils.groups`` is ``shardwise.utils.groups``)."""
+"""``deepspeed.utils``: shardwise.utils' names; ``groups`` (views of the active grid's process groups),
+``numa``, ``torch`` and ``z3_leaf_module`` are this package's modules, the other submodules are shardwise's."""
 import shardwise.utils as _utils
 from shardwise.utils import *  # noqa: F401,F403
 

@@ -1,0 +1,162 @@
+"""The one builder of process groups: every group comes from ``shardwise.topology`` (the grid) or
+``shardwise.comm``, and the grid hands each out by name from one rank layout."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from distributed import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+CREATORS = {"new_group", "new_subgroups", "new_subgroups_by_enumeration", "init_device_mesh", "DeviceMesh",
+            "split_group"}
+# Where a group may be created: the grid, and comm (torch.distributed's wrapper the grid calls).
+BUILDERS = ("shardwise/topology.py", "shardwise/comm/")
+# Not a creation: planning/plan.py counts the grid's new_group calls by wrapping torch's function.
+COUNTING_WRAPPER = "shardwise/planning/plan.py"
+
+
+def _creations(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of every call of a group-creating function in ``path`` (``x.new_group(...)``,
+    ``new_group(...)``), and of every other mention of one (a function passed around is a creation too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        name = None
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, ast.Name):
+            name = node.id
+        elif isinstance(node, ast.alias):
+            name = node.name.rsplit(".", 1)[-1]
+        if name in CREATORS:
+            found.append((getattr(node, "lineno", 0), name))
+    return found
+
+
+def test_nothing_outside_the_grid_and_comm_creates_a_group():
+    offenders = []
+    for root in ("shardwise", "compat"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel.startswith(BUILDERS) or rel == COUNTING_WRAPPER:
+                continue
+            offenders += [f"{rel}:{line} {name}" for line, name in _creations(path)]
+    assert not offenders, ("process groups are created by shardwise.topology (the grid) only; add a named group "
+                           "there instead:\n" + "\n".join(offenders))
+
+
+def test_the_walk_finds_a_creation():
+    """The check above can fail: a module calling new_group is found (by call, attribute or import)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "m.py"
+        p.write_text("import torch.distributed as dist\nfrom torch.distributed import new_subgroups\n"
+                     "g = dist.new_group([0])\n")
+        assert sorted(name for _, name in _creations(p)) == ["new_group", "new_subgroups"]
+        assert _creations(REPO / COUNTING_WRAPPER)  # the allowed wrapper does mention it
+
+
+def _ranks(group):
+    import torch.distributed as dist
+
+    return None if group is None else sorted(dist.get_process_group_ranks(group))
+
+
+def _named_groups(rank, world):
+    from shardwise import comm
+    from shardwise.inference.engine import InferenceEngine
+    from shardwise.parallel_dims import ParallelDims
+    from shardwise.topology import ParallelGrid, active_grid, expert_groups
+
+    out = {}
+    made = {"n": 0}
+    real = comm.new_group
+
+    def counted(*a, **k):
+        made["n"] += 1
+        return real(*a, **k)
+
+    # data 4 with expert 2: experts split over consecutive data ranks, their replicas strided
+    grid = ParallelGrid.from_dims(ParallelDims(data=4, expert=2))
+    out["active"] = active_grid()  # building a grid activates nothing
+    out["dims"] = grid.dims
+    out["data"] = _ranks(grid.group("data"))
+    out["expert"] = (_ranks(grid.group("expert")), grid.size("expert"), grid.axis_rank("expert"))
+    out["expert_data"] = (_ranks(grid.group("expert_data")), grid.size("expert_data"), grid.axis_rank("expert_data"))
+    comm.new_group = counted  # asked again: the same groups, none created
+    try:
+        same = grid.expert_groups(2) is grid.expert_groups() and grid.group("expert") is grid.group("expert")
+        out["again"] = (same, made["n"])
+    finally:
+        comm.new_group = real
+    # an MoE layer outside any grid takes the world's data axis: the same layout, the same groups
+    out["world experts same"] = expert_groups(2).group is grid.group("expert")
+
+    # pipe 2 x data 2: tied layers over both stages, per data coordinate; experts per stage
+    pipe = ParallelGrid.from_dims(ParallelDims(pipe=2, data=2))
+    group, ranks = pipe.tied_group([1, 0])
+    out["tied"] = (_ranks(group), ranks, pipe.tied_group((0, 1))[0] is group)
+    pipe.add_expert_axis(2)  # the plan adds the expert size to a grid built before it (a PipelineModule's)
+    out["pipe experts"] = (_ranks(pipe.group("expert")), _ranks(pipe.group("expert_data")), pipe.dims.expert)
+    out["pipe model_parallel"] = (_ranks(pipe.group("model_parallel")), pipe.size("model_parallel"))
+
+    # data 1 x sequence 2 x tensor 2: the sequence-data group ZeRO reduces over
+    seq = ParallelGrid.from_dims(ParallelDims(sequence=2, tensor=2))
+    out["seq"] = (_ranks(seq.group("sequence")), _ranks(seq.group("model")), _ranks(seq.group("sequence_data")),
+                  seq.size("sequence_data"))
+
+    # inference tensor groups: the grid's tensor axis
+    out["inference tp"] = _ranks(InferenceEngine._tensor_group(2, None, None))
+    return out
+
+
+def test_the_grid_hands_out_every_group_by_name():
+    results = run_distributed(_named_groups, 4, timeout=120)
+    for rank, out in enumerate(results):
+        assert out["active"] is None
+        assert out["dims"].expert == 2 and out["dims"].data == 4
+        assert out["data"] is None  # the whole world
+        block = [0, 1] if rank < 2 else [2, 3]
+        assert out["expert"] == (block, 2, rank % 2), (rank, out["expert"])
+        assert out["expert_data"] == ([rank % 2, rank % 2 + 2], 2, rank // 2), (rank, out["expert_data"])
+        assert out["again"] == (True, 0)
+        assert out["world experts same"]
+        d = rank % 2  # pipe outermost: stage s, data d is rank 2 s + d
+        assert out["tied"] == ([d, d + 2], [d, d + 2], True), (rank, out["tied"])
+        stage = [0, 1] if rank < 2 else [2, 3]
+        assert out["pipe experts"] == (stage, [rank], 2), (rank, out["pipe experts"])
+        assert out["pipe model_parallel"] == ([d, d + 2], 2)
+        # (data, sequence, model): tensor fastest, then sequence
+        assert out["seq"][0] == ([rank % 2, rank % 2 + 2]) and out["seq"][1] == ([0, 1] if rank < 2 else [2, 3])
+        assert out["seq"][2:] == ([rank % 2, rank % 2 + 2], 2), (rank, out["seq"])
+        assert out["inference tp"] == ([0, 1] if rank < 2 else [2, 3])
+
+
+def test_expert_axis_is_part_of_the_dims():
+    import pytest
+
+    from shardwise.parallel_dims import ParallelDims
+
+    d = ParallelDims(data=4, expert=2)
+    assert d.world_size == 4 and d.expert_data == 2  # experts split a data axis: no ranks of their own
+    assert ParallelDims(data=2, sequence=2, expert=4).expert_data == 1
+    with pytest.raises(ValueError, match="MoE ep_size 3 with 4 data-parallel x 1 sequence-parallel ranks"):
+        ParallelDims(data=4, expert=3).validate()
+
+
+# Who may make a grid the active one (docs/engine.md, "The active grid"): initialize (the engine's grid) and
+# the sequence-parallel groups register_with_transformers lays out before there is an engine.
+ACTIVATORS = ("shardwise/__init__.py", "shardwise/runtime/sequence_parallel/parallel_state_sp.py")
+
+
+def test_only_initialize_and_the_sequence_groups_activate_a_grid():
+    found = []
+    for root in ("shardwise", "compat"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            for node in ast.walk(ast.parse(path.read_text(), rel)):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                        node.func.attr == "activate" and not node.args:
+                    found.append(rel)
+    assert sorted(set(found)) == sorted(ACTIVATORS), found
