@@ -69,6 +69,7 @@ class FaultTolerance:
         self.recovered = False  # True once this replica group took a peer's state
         self.recovered_at_step: int | None = None
         self.discarded_steps = 0
+        self.participants = 0  # replica groups in the last step's quorum
         self._quorum_open = False
         self._reshard_training_loader()
 
@@ -118,6 +119,7 @@ class FaultTolerance:
         if not self._quorum_open:  # backward ran without the engine's forward
             self.start_step()
         self._quorum_open = False
+        self.participants = self.manager.num_participants()
         works = [self.manager.allreduce(g) for g in self._gradients()]
         for w in works:
             w.wait()

@@ -4,7 +4,10 @@ Arguments: OUT_DIR STEPS [--stage S] [--kill_at K] [--late S] [--save DIR] [--lo
 
 * ``--kill_at K``: replica group 1, rank 0, on its first attempt, kill -9 itself during step K (after
   backward, before the update: the step in flight);
-* ``--late S``: replica group 1 sleeps S seconds before it starts (a late joiner);
+* ``--late S``: replica group 1 sleeps S seconds before it starts (a late joiner; give the others a
+  ``--quorum_timeout`` shorter than S, so that they start without it);
+* with ``--kill_at`` or ``--late``: train STEPS steps, then on until the replica groups are together
+  again (the survivor goes on alone while the other restarts), then stop after the first step together;
 * ``--save DIR`` / ``--load DIR``: a checkpoint at the end / loaded at the start (when not recovered);
 * ``--no_ft``: the same training without the fault_tolerance block (one replica group's data share).
 
@@ -32,6 +35,8 @@ p.add_argument("--late", type=float, default=0.0)
 p.add_argument("--save", default=None)
 p.add_argument("--load", default=None)
 p.add_argument("--no_ft", action="store_true")
+p.add_argument("--quorum_timeout", type=float, default=60.0)
+p.add_argument("--step_sleep", type=float, default=0.0)
 p.add_argument("--local_rank", type=int, default=0)
 args = p.parse_args()
 
@@ -54,8 +59,8 @@ config = {
     "gradient_clipping": 1.0,
 }
 if not args.no_ft:
-    config["fault_tolerance"] = {"enabled": True, "min_replicas": 1, "quorum_timeout": 30, "timeout": 15,
-                                 "connect_timeout": 10}
+    config["fault_tolerance"] = {"enabled": True, "min_replicas": 1, "quorum_timeout": args.quorum_timeout,
+                                 "timeout": 15, "connect_timeout": 10}
 engine, _, loader, _ = shardwise.initialize(model=model, config=config, training_data=data)
 ft = engine.fault_tolerance
 rank = comm.get_rank()
@@ -75,7 +80,16 @@ def dump():
 
 
 it = iter(RepeatingLoader(loader))
-while engine.global_steps < args.steps:
+def done():
+    # STEPS steps, and (after a fault) on until the replica groups train together again: the survivor goes on
+    # alone while the killed group restarts, then both stop after their first step together
+    if engine.global_steps < args.steps:
+        return False
+    together = args.kill_at is not None or args.late
+    return ft is None or not together or ft.participants == int(os.environ["NUM_REPLICA_GROUPS"])
+
+
+while not done():
     xb, yb = next(it)
     step = engine.global_steps
     record["steps"].append(step)
@@ -87,6 +101,9 @@ while engine.global_steps < args.steps:
     engine.step()
     if engine.global_steps > step:
         record["losses"][str(step)] = engine.get_loss()
+    if ft is not None and args.kill_at is not None and ft.participants < int(os.environ["NUM_REPLICA_GROUPS"]):
+        time.sleep(0.1)  # alone: leave the restarting group's start-up some of the CPU
+    time.sleep(args.step_sleep)
     dump()
 
 if args.save:
@@ -98,4 +115,6 @@ for name, t in engine.module.named_parameters():
 record["params"] = params
 record["final_step"] = engine.global_steps
 record["discarded"] = ft.discarded_steps if ft else 0
+record["recovered"] = bool(ft and ft.recovered)
+record["recovered_at_step"] = ft.recovered_at_step if ft else None
 dump()
