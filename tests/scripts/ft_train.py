@@ -106,7 +106,7 @@ while not done():
     time.sleep(args.step_sleep)
     dump()
 
-if args.save:
+if args.save and replica == 0:  # one replica group saves (every group holds the same state)
     engine.save_checkpoint(args.save, tag="end")
 params = {}
 for name, t in engine.module.named_parameters():
