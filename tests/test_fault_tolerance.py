@@ -195,3 +195,55 @@ def test_late_joiner_and_lighthouse_gone(tmp_path):
     assert first["steps"][0] == 0 and not first["recovered"]
     assert joiner["recovered"] and joiner["start_step"] > 0 and joiner["steps"][0] == joiner["start_step"]
     assert joiner["final_step"] == first["final_step"] and joiner["params"] == first["params"]
+
+
+# -------------------------------------------------------------------------------- the live state, in one process
+def _state_body(rank, world_size):
+    """A peer's live state (shardwise/ft/state.py) makes a fresh engine train on exactly as the peer:
+    weights, ZeRO storage, optimizer moments, scheduler, counters and data position, at ZeRO 0, 1 and 3."""
+    import torch
+
+    import shardwise
+    from shardwise.ft import state as live_state
+    from shardwise.utils import RepeatingLoader, safe_get_full_fp32_param
+
+    out = {}
+    for stage in (0, 1, 3):
+        def build(seed):
+            torch.manual_seed(seed)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+            x = torch.randn(64, 6, generator=torch.Generator().manual_seed(5))
+            data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+            config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+                      "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+                      "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 0.01}}}
+            engine, _, loader, _ = shardwise.initialize(model=model, config=config, training_data=data)
+            return engine, iter(RepeatingLoader(loader))
+
+        def train(engine, it, n):
+            for _ in range(n):
+                xb, yb = next(it)
+                engine.backward(torch.nn.functional.mse_loss(engine(xb), yb))
+                engine.step()
+
+        def weights(engine):
+            return [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+
+        peer, peer_it = build(0)
+        train(peer, peer_it, 3)
+        fresh, _ = build(1)
+        assert any(not torch.equal(a, b) for a, b in zip(weights(peer), weights(fresh)))
+        live_state.restore(fresh, live_state.capture(peer))
+        fresh_it = iter(RepeatingLoader(fresh.training_dataloader))  # a new iterator: from the peer's data position
+        assert fresh.global_steps == peer.global_steps == 3 and fresh.get_lr() == peer.get_lr()
+        train(peer, peer_it, 2)
+        train(fresh, fresh_it, 2)
+        out[stage] = (fresh.global_steps, all(torch.equal(a, b) for a, b in zip(weights(peer), weights(fresh))))
+    return out
+
+
+def test_live_state_carries_everything_a_step_needs():
+    from distributed import run_distributed
+
+    (result,) = run_distributed(_state_body, 1, timeout=240)
+    assert result == {0: (5, True), 1: (5, True), 3: (5, True)}, result
