@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "ft_train.py"
 LIGHTHOUSE_FLAGS = ["--ft_join_timeout", "1", "--ft_heartbeat_timeout", "1"]
 JOB_TIMEOUT = 420  # seconds; a job on an idle machine takes well under a minute
+slow_launches = pytest.mark.timeout(1200)  # several jobs in turn, on a shared 2-core machine
 
 
 def _env() -> dict:
@@ -116,6 +117,7 @@ def test_config_block_and_launcher_flags(monkeypatch):
 
 
 # -------------------------------------------------------------------------------- a lost replica group
+@slow_launches
 def test_kill_one_replica_group_2x1_and_checkpoints(tmp_path):
     """2 replica groups x 1 process: kill -9 of group 1 at step 4 against the fault-free job; then a
     replica-group checkpoint loads without fault tolerance, and that one's checkpoint back with it."""
@@ -149,6 +151,7 @@ def test_kill_one_replica_group_2x1_and_checkpoints(tmp_path):
     assert back[0, 0, 0]["params"] == back[1, 0, 0]["params"]
 
 
+@slow_launches
 def test_kill_one_replica_group_2x2_zero1_and_zero3(tmp_path):
     """2 replica groups x 2 processes, ZeRO-1 and ZeRO-3 inside each group (two jobs at once)."""
     outs = {stage: tmp_path / f"zero{stage}" for stage in (1, 3)}
@@ -161,6 +164,7 @@ def test_kill_one_replica_group_2x2_zero1_and_zero3(tmp_path):
 
 
 # -------------------------------------------------------------------------------- joining late; no lighthouse
+@slow_launches
 def test_late_joiner_and_lighthouse_gone(tmp_path):
     """A replica group that starts 15 s after the other takes its live state; a lighthouse that dies
     mid-training stops the job with a named error, not a hang."""
