@@ -55,7 +55,7 @@ def worker(a: argparse.Namespace) -> None:
     if a.mode == "restart" and (Path(a.ckpt) / "latest").exists():
         engine.load_checkpoint(a.ckpt)
     kills = [a.steps * (i + 1) // (a.kills + 1) for i in range(a.kills)]
-    victim = (replica == 1) if a.mode == "ft" else (engine.global_rank == 1)
+    victim = (replica == 1 and engine.global_rank == 0) if a.mode == "ft" else engine.global_rank == 1
     groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
     log = Path(a.out) / f"r{replica}_{engine.global_rank}_a{attempt}.jsonl"
     with open(log, "a") as f:
@@ -65,7 +65,7 @@ def worker(a: argparse.Namespace) -> None:
             step = engine.global_steps
             loss = torch.nn.functional.mse_loss(engine(xb), yb)
             engine.backward(loss)
-            if victim and attempt < len(kills) and step >= kills[attempt] and engine.local_rank == 0:
+            if victim and attempt < len(kills) and step >= kills[attempt]:
                 os.kill(os.getpid(), signal.SIGKILL)
             engine.step()
             f.write(json.dumps({"t": time.time(), "step": step, "committed": engine.global_steps > step,

@@ -24,8 +24,8 @@ from shardwise.launcher.options import LaunchOptions, validate
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "ft_train.py"
 LIGHTHOUSE_FLAGS = ["--ft_join_timeout", "1", "--ft_heartbeat_timeout", "1"]
-JOB_TIMEOUT = 420  # seconds; a job on an idle machine takes well under a minute
-slow_launches = pytest.mark.timeout(1200)  # several jobs in turn, on a shared 2-core machine
+JOB_TIMEOUT = 600  # seconds; a job on an idle machine takes well under a minute
+slow_launches = pytest.mark.timeout(1800)  # several jobs in turn, on a shared 2-core machine
 
 
 def _env() -> dict:
@@ -40,14 +40,15 @@ def _start(out: Path, steps: int, *script_args: str, replicas: int = 2, procs: i
     flags = launcher if launcher is not None else ["--ft_replicas", str(replicas), *LIGHTHOUSE_FLAGS]
     cmd = [sys.executable, "-m", "shardwise", "run", "--num_procs", str(procs), "--max_restarts", str(restarts),
            *flags, str(SCRIPT), str(out), str(steps), *script_args]
-    return subprocess.Popen(cmd, cwd=out, env=_env(), stdout=open(out / "launch.log", "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=out, env=_env(), stdout=open(out / "launch.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def _finish(job: subprocess.Popen, out: Path) -> int:
     try:
         return job.wait(timeout=JOB_TIMEOUT)
     except subprocess.TimeoutExpired:
-        job.kill()
+        os.killpg(job.pid, signal.SIGKILL)
         pytest.fail(f"job in {out} hung; its output:\n{(out / 'launch.log').read_text()[-4000:]}")
 
 

@@ -61,7 +61,7 @@ def _run_one_group(opts, *, out: TextIO) -> int:
 def _child_argv(opts, replica: int, lighthouse: str, port: int) -> list[str]:
     argv = [sys.executable, "-m", "shardwise", "run", "--master_port", str(port), "--max_restarts",
             str(opts.max_restarts), "--ft_replicas", str(opts.ft_replicas), "--ft_lighthouse", lighthouse,
-            "--ft_replica_id", str(replica)]
+            "--ft_replica_id", str(replica), "--stop_with_parent"]  # (no replica group outlives this launcher)
     if opts.num_procs is not None:
         argv += ["--num_procs", str(opts.num_procs)]
     if opts.master_addr:
