@@ -81,6 +81,7 @@ def _check_survived_kill(out: Path, *, procs: int, kill_at: int) -> dict:
         assert back["recovered"] and back["start_step"] > kill_at, back  # resumed past it, from a live peer
         assert back["recovered_at_step"] == back["start_step"] == back["loaded_step"]
         assert back["steps"][0] == back["start_step"], "the rejoined group did not continue from the peer's step"
+        assert len(back["steps"]) >= 3, "the groups did not train on together after the rejoin"
         assert back["final_step"] == survivor["final_step"]
         assert back["params"] == survivor["params"], "the replica groups' weights differ (bitwise)"
     return recs
@@ -199,6 +200,7 @@ def test_late_joiner_and_lighthouse_gone(tmp_path):
     first, joiner = recs[0, 0, 0], recs[1, 0, 0]
     assert first["steps"][0] == 0 and not first["recovered"]
     assert joiner["recovered"] and joiner["start_step"] > 0 and joiner["steps"][0] == joiner["start_step"]
+    assert len(joiner["steps"]) >= 3
     assert joiner["final_step"] == first["final_step"] and joiner["params"] == first["params"]
 
 

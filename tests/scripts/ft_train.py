@@ -6,8 +6,8 @@ Arguments: OUT_DIR STEPS [--stage S] [--kill_at K] [--late S] [--save DIR] [--lo
   backward, before the update: the step in flight);
 * ``--late S``: replica group 1 sleeps S seconds before it starts (a late joiner; give the others a
   ``--quorum_timeout`` shorter than S, so that they start without it);
-* with ``--kill_at`` or ``--late``: train STEPS steps, then on until the replica groups are together
-  again (the survivor goes on alone while the other restarts), then stop after the first step together;
+* with ``--kill_at`` or ``--late``: train STEPS steps, and on until the replica groups have trained 3
+  steps together again (the survivor goes on alone while the other restarts);
 * ``--save DIR`` / ``--load DIR``: a checkpoint at the end / loaded at the start (when not recovered);
 * ``--no_ft``: the same training without the fault_tolerance block (one replica group's data share).
 
@@ -80,13 +80,22 @@ def dump():
 
 
 it = iter(RepeatingLoader(loader))
+disrupted = False  # a step without every replica group, or a discarded one, was seen
+together_since = None  # the step from which every replica group trains together again
+
+
 def done():
-    # STEPS steps, and (after a fault) on until the replica groups train together again: the survivor goes on
-    # alone while the killed group restarts, then both stop after their first step together
-    if engine.global_steps < args.steps:
-        return False
-    together = args.kill_at is not None or args.late
-    return ft is None or not together or ft.participants == int(os.environ["NUM_REPLICA_GROUPS"])
+    """STEPS steps; after a fault or a late start, also 3 steps with every replica group together again (the
+    survivor goes on alone while the other group restarts; both see the same quorums, so both stop together)."""
+    global disrupted, together_since
+    if ft is None or not (args.kill_at is not None or args.late):
+        return engine.global_steps >= args.steps
+    full = ft.participants == int(os.environ["NUM_REPLICA_GROUPS"])
+    committed = bool(record["steps"]) and str(record["steps"][-1]) in record["losses"]
+    disrupted = disrupted or not full or ft.discarded_steps > 0 or ft.recovered
+    if disrupted and full and committed and together_since is None:
+        together_since = engine.global_steps
+    return engine.global_steps >= args.steps and together_since is not None and engine.global_steps >= together_since + 3
 
 
 while not done():
