@@ -54,6 +54,8 @@ _TIMERS = ["forward", "backward", "backward_allreduce", "step"]
 class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
     """What ``shardwise.initialize`` returns; DeepSpeed's ``DeepSpeedEngine`` API."""
 
+    fault_tolerance = None  # shardwise.ft.engine.FaultTolerance with the fault_tolerance block
+
     def __init__(
         self,
         *,
@@ -147,8 +149,7 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
         self.monitor = self.observer.monitor
         if config.compile.enabled:  # ours: the compile block compiles at initialize
             self.compile(backend=config.compile.backend, compile_kwargs=config.compile.kwargs)
-        self.fault_tolerance = None  # replica groups on torchft (shardwise/ft): last, it may take a peer's state
-        if config.fault_tolerance.enabled:
+        if config.fault_tolerance.enabled:  # replica groups on torchft (shardwise/ft): last, it may take a peer's state
             from shardwise.ft import attach
 
             self.fault_tolerance = attach(self)
