@@ -51,6 +51,12 @@ def _run_one_group(opts, *, out: TextIO) -> int:
     env = {REPLICA_GROUP_ID: str(opts.ft_replica_id), NUM_REPLICA_GROUPS: str(opts.ft_replicas),
            LIGHTHOUSE_ENV: address}
     group = dataclasses.replace(opts, ft_replicas=None, ft_lighthouse=None, ft_replica_id=None)
+    if group.master_port is not None:  # (chosen by the launcher of all groups: taken since? any other will do)
+        from shardwise.launcher.options import DEFAULT_MASTER_ADDR, free_port, port_is_free
+
+        addr = group.master_addr or DEFAULT_MASTER_ADDR
+        if opts.stop_with_parent and not port_is_free(addr, group.master_port):
+            group = dataclasses.replace(group, master_port=free_port(addr))
     with local._environ(env):
         code = local.run(group, out=out)
     if code:

@@ -80,22 +80,23 @@ def dump():
 
 
 it = iter(RepeatingLoader(loader))
-disrupted = False  # a step without every replica group, or a discarded one, was seen
-together_since = None  # the step from which every replica group trains together again
+marker = os.path.join(args.out, "rejoined_at")
+if ft is not None and ft.recovered:  # tell the survivors from which step the groups train together again
+    with open(marker + f".{rank}", "w") as f:
+        f.write(str(ft.recovered_at_step))
+    os.replace(marker + f".{rank}", marker)
 
 
 def done():
-    """STEPS steps; after a fault or a late start, also 3 steps with every replica group together again (the
-    survivor goes on alone while the other group restarts; both see the same quorums, so both stop together)."""
-    global disrupted, together_since
+    """STEPS steps; after a fault or a late start, on until 3 steps after the other group took this one's
+    state (the survivor goes on alone while the other group restarts; both stop at the same step)."""
     if ft is None or not (args.kill_at is not None or args.late):
         return engine.global_steps >= args.steps
-    full = ft.participants == int(os.environ["NUM_REPLICA_GROUPS"])
-    committed = bool(record["steps"]) and str(record["steps"][-1]) in record["losses"]
-    disrupted = disrupted or not full or ft.discarded_steps > 0 or ft.recovered
-    if disrupted and full and committed and together_since is None:
-        together_since = engine.global_steps
-    return engine.global_steps >= args.steps and together_since is not None and engine.global_steps >= together_since + 3
+    if not os.path.exists(marker) or ft.participants != int(os.environ["NUM_REPLICA_GROUPS"]):
+        return False
+    with open(marker) as f:
+        rejoined = int(f.read())
+    return engine.global_steps >= max(args.steps, rejoined + 3)
 
 
 while not done():
