@@ -11,6 +11,7 @@ from pydantic_core import PydanticCustomError
 from .errors import describe_value
 from .compile import CompileConfig
 from .hybrid import HybridEngineConfig
+from .fault_tolerance import FaultToleranceConfig
 from .base import ConfigModel, Float, Int, OptDType
 from .monitors import (AutotuningConfig, CometConfig, CommsLoggerConfig, CSVMonitorConfig,
                        ElasticityConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig, WandbConfig)
@@ -139,6 +140,7 @@ class ShardwiseConfig(ConfigModel):
     expert_parallel: ExpertParallelConfig = _block(ExpertParallelConfig)
     hybrid_engine: HybridEngineConfig = _block(HybridEngineConfig)
     compile: CompileConfig = _block(CompileConfig)
+    fault_tolerance: FaultToleranceConfig = _block(FaultToleranceConfig)  # ours: replica groups on torchft
     sparse_attention: dict[str, Any] = _block(dict)
     eigenvalue: dict[str, Any] = _block(dict)
     progressive_layer_drop: dict[str, Any] = _block(dict)

@@ -18,6 +18,10 @@ def run(opts: LaunchOptions, **kwargs) -> int:
     from . import hostfile, local
 
     validate(opts)
+    if opts.ft_replicas is not None:  # replica groups on torchft (shardwise/ft/launch.py)
+        from shardwise.ft.launch import run_replica_groups
+
+        return run_replica_groups(opts, **kwargs)
     if opts.world_info is not None:
         from .runners import decode_world_info
 

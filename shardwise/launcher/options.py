@@ -53,6 +53,13 @@ class LaunchOptions:
     enable_each_rank_log: str | None = None  # DIR
     bind_core_list: str | None = None
     venv_script: str | None = None
+    # fault tolerance: replica groups on torchft (docs/fault-tolerance.md, shardwise/ft/launch.py)
+    ft_replicas: int | None = None  # R replica groups (with ft_lighthouse: how many the job has in all)
+    ft_lighthouse: str | None = None  # HOST:PORT of a running lighthouse: this launcher runs one replica group
+    ft_replica_id: int | None = None  # which one (with ft_lighthouse)
+    ft_min_replicas: int = 1  # the lighthouse this launcher starts: replica groups a quorum needs
+    ft_join_timeout: float = 5.0  # seconds it waits for stragglers before forming a quorum without them
+    ft_heartbeat_timeout: float = 5.0  # seconds without a heartbeat before a replica group counts as lost
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +92,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS", help="collective timeout: a collective that takes "
                         "longer makes every rank report which collective it was in")
     add_multinode_arguments(parser)
+    add_fault_tolerance_arguments(parser)
     from shardwise.launcher.ds_flags import add_deepspeed_arguments
 
     add_deepspeed_arguments(parser)
@@ -134,6 +142,28 @@ def add_multinode_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--world_info", default=None, help=argparse.SUPPRESS)
 
 
+def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
+    """Replica groups on torchft (docs/fault-tolerance.md)."""
+    g = parser.add_argument_group("fault tolerance (replica groups on torchft; needs shardwise[ft])")
+    g.add_argument("--ft_replicas", "--ft-replicas", type=int, default=None, metavar="R",
+                   help="run R replica groups of --num_procs processes each, with a lighthouse on this node; "
+                   "a group whose process dies is restarted alone (up to --max_restarts) and rejoins. "
+                   "With --ft_lighthouse: the number of replica groups of the whole job")
+    g.add_argument("--ft_lighthouse", "--ft-lighthouse", default=None, metavar="HOST:PORT",
+                   help="the lighthouse of a job spread over several launchers: run one replica group here")
+    g.add_argument("--ft_replica_id", "--ft-replica-id", type=int, default=None, metavar="I",
+                   help="with --ft_lighthouse: this launcher's replica group (0 .. R-1)")
+    g.add_argument("--ft_min_replicas", "--ft-min-replicas", type=int, default=1, metavar="N",
+                   help="the lighthouse --ft_replicas starts: replica groups a quorum needs (default 1)")
+    g.add_argument("--ft_join_timeout", "--ft-join-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="the lighthouse: how long to wait for stragglers before a quorum without them (default 5)")
+    g.add_argument("--ft_heartbeat_timeout", "--ft-heartbeat-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="the lighthouse: silence after which a replica group counts as lost (default 5)")
+
+
+_FT_FIELDS = ("ft_replicas", "ft_lighthouse", "ft_replica_id", "ft_min_replicas", "ft_join_timeout",
+              "ft_heartbeat_timeout")
+
 _MULTINODE_FIELDS = ("hostfile", "include", "exclude", "num_nodes", "node_rank", "no_ssh",
                      "ssh_port", "launcher", "launcher_args", "force_multi", "bind_cores_to_rank",
                      "elastic", "comm_timeout", "skip_doctor", "local_addr", "slots",
@@ -144,6 +174,7 @@ def options_from_args(ns: argparse.Namespace) -> LaunchOptions:
     from shardwise.launcher.ds_flags import apply_log_level, normalize_launcher
 
     fields = {k: getattr(ns, k) for k in _MULTINODE_FIELDS}
+    fields.update({k: getattr(ns, k, LaunchOptions.__dataclass_fields__[k].default) for k in _FT_FIELDS})
     fields["launcher"] = normalize_launcher(fields["launcher"])
     each_rank_log = getattr(ns, "enable_each_rank_log", None)
     if each_rank_log == "None":  # DeepSpeed's default value, typed out by some scripts
@@ -194,6 +225,7 @@ def validate(opts: LaunchOptions) -> None:
         raise ValueError(f"--comm_timeout must be a positive number of seconds, got {opts.comm_timeout}")
     if opts.include and opts.exclude:
         raise ValueError("--include and --exclude cannot be combined")
+    _validate_fault_tolerance(opts)
     if (opts.include or opts.exclude) and (opts.num_nodes is not None or opts.num_procs is not None):
         raise ValueError("--num_nodes/--num_gpus cannot be combined with --include/--exclude: "
                          "the filter already says which hosts and slots to use")
@@ -225,6 +257,33 @@ def validate(opts: LaunchOptions) -> None:
     elif not os.path.isfile(opts.script):
         where = os.path.abspath(opts.script)
         raise ValueError(f"script not found: {opts.script!r} (looked for {where})")
+
+
+def _validate_fault_tolerance(opts: LaunchOptions) -> None:
+    if opts.ft_replicas is None and opts.ft_lighthouse is None:
+        if opts.ft_replica_id is not None:
+            raise ValueError("--ft_replica_id needs --ft_lighthouse HOST:PORT and --ft_replicas R")
+        return
+    if opts.ft_replicas is None or opts.ft_replicas < 1:
+        raise ValueError(f"--ft_replicas must be at least 1, got {opts.ft_replicas}" if opts.ft_replicas is not None
+                         else "--ft_lighthouse needs --ft_replicas R (the number of replica groups of the job)")
+    if opts.ft_lighthouse is not None:
+        host, _, port = opts.ft_lighthouse.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"--ft_lighthouse {opts.ft_lighthouse!r}: expected HOST:PORT")
+        if opts.ft_replica_id is None:
+            raise ValueError("--ft_lighthouse needs --ft_replica_id I (this launcher's replica group)")
+    if opts.ft_replica_id is not None and not 0 <= opts.ft_replica_id < opts.ft_replicas:
+        raise ValueError(f"--ft_replica_id {opts.ft_replica_id} is not in 0..{opts.ft_replicas - 1} (--ft_replicas)")
+    if opts.ft_replica_id is not None and opts.ft_lighthouse is None:
+        raise ValueError("--ft_replica_id needs --ft_lighthouse HOST:PORT")
+    if not 1 <= opts.ft_min_replicas <= opts.ft_replicas:
+        raise ValueError(f"--ft_min_replicas {opts.ft_min_replicas} must be in 1..{opts.ft_replicas} (--ft_replicas)")
+    if not (opts.ft_join_timeout >= 0 and opts.ft_heartbeat_timeout > 0):
+        raise ValueError("--ft_join_timeout must be 0 or more and --ft_heartbeat_timeout more than 0 seconds")
+    if opts.hostfile or opts.num_nodes or opts.elastic or opts.no_ssh or opts.world_info:
+        raise ValueError("--ft_replicas runs replica groups on this node; across nodes run one launcher per "
+                         "replica group with --ft_lighthouse HOST:PORT --ft_replica_id I (docs/fault-tolerance.md)")
 
 
 def _sys_path() -> list[str]:

@@ -54,6 +54,8 @@ _TIMERS = ["forward", "backward", "backward_allreduce", "step"]
 class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
     """What ``shardwise.initialize`` returns; DeepSpeed's ``DeepSpeedEngine`` API."""
 
+    fault_tolerance = None  # shardwise.ft.engine.FaultTolerance with the fault_tolerance block
+
     def __init__(
         self,
         *,
@@ -147,6 +149,10 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
         self.monitor = self.observer.monitor
         if config.compile.enabled:  # ours: the compile block compiles at initialize
             self.compile(backend=config.compile.backend, compile_kwargs=config.compile.kwargs)
+        if config.fault_tolerance.enabled:  # replica groups on torchft (shardwise/ft): last, it may take a peer's state
+            from shardwise.ft import attach
+
+            self.fault_tolerance = attach(self)
 
     # -- set-up ---------------------------------------------------------------------------
     def _configure_autocast(self) -> torch.dtype | None:
@@ -312,6 +318,8 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
 
     # -- training step ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.fault_tolerance is not None and self.training:  # the step's quorum, before its first forward
+            self.fault_tolerance.before_forward()
         self.observer.before_forward(self.global_steps, args, kwargs)
         self._data_efficiency_before_forward()  # random-LTD: the kept-token count of this step
         self.tput_timer.start()

@@ -74,6 +74,7 @@ class TrainingStep:
         self.backwards_since_step = 0
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         self._loss_count = 0
+        self.before_update: Callable[[], bool] | None = None  # fault tolerance (shardwise/ft): False discards the step
 
     # -- the accumulation boundary ------------------------------------------------------------------
     def is_boundary(self) -> bool:
@@ -131,7 +132,9 @@ class TrainingStep:
         self.micro_steps += 1
         return outcome
 
-    def _update(self, lr_kwargs: dict) -> StepOutcome:
+    def _update(self, lr_kwargs: dict) -> StepOutcome | None:
+        if self.before_update is not None and not self.before_update():
+            return self._discard()
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
         scope = norm_scope(self.strategy, grid=self._grid, module=self._module, skip=self._norm_skip)
         result = clipped_step(self.strategy, scope, loss_scale=scale, clip=self._clip,
@@ -153,6 +156,15 @@ class TrainingStep:
         self._loss_sum.zero_()
         self._loss_count = 0
         return StepOutcome(loss=loss, grad_norm=result.grad_norm, overflow=result.overflow, loss_scale=scale)
+
+    def _discard(self) -> None:
+        """The step in flight is dropped (fault tolerance: a replica group was lost during it): no update,
+        the counters stay, the gradients and the loss of its micro-batches are cleared."""
+        self.strategy.zero_grad()
+        self.backwards_since_step = 0
+        self._loss_sum.zero_()
+        self._loss_count = 0
+        return None
 
     # -- counters for checkpoints and monitors ----------------------------------------------------
     def counters(self) -> StepCounters:
