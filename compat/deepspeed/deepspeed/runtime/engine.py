@@ -16,6 +16,7 @@ from shardwise.config.base import _normalise_dtype
 from shardwise.config.precision import param_dtype_conflict
 from shardwise.precision import DTYPES
 from shardwise.runtime.engine import DeepSpeedEngine, Engine  # noqa: F401
+from shardwise.runtime.engine_base import EngineBase
 from shardwise.runtime.module_dtypes import cast_buffers, cast_parameters
 
 from .config import DeepSpeedConfig
@@ -66,5 +67,5 @@ class _DeepSpeedInternals:
 
 for _name, _value in vars(_DeepSpeedInternals).items():
     if not _name.startswith("__"):
-        setattr(Engine, _name, _value)
+        setattr(EngineBase, _name, _value)  # (Engine and PipelineEngine)
 del _name, _value
