@@ -1,6 +1,6 @@
 """``PipelineEngine``: trains a ``PipelineModule`` one batch at a time with ``train_batch()``.
 
-A sibling of ``Engine`` over the same base (``runtime/engine_base.py``: the parts ``parallelize``
+A sibling of ``Engine`` over the same base (``EngineBase`` in ``runtime/engine.py``: the parts ``parallelize``
 builds, the ZeRO strategy over this stage's data-parallel group, optimizer, scheduler, counters,
 checkpoints). Where ``Engine`` drives the one ``TrainingStep`` (``runtime/train_step.py``) from the user's
 forward/backward/step calls, this file drives it from a pipeline schedule: one batch is
@@ -26,8 +26,7 @@ from shardwise.pipe.module import PipelineError, PipelineModule
 from shardwise.pipe.p2p import ActivationReceiver, ActivationSender, GradSender, as_tensors, grad_slots, recv_grads
 from shardwise.runtime import autocast as torch_autocast
 from shardwise.runtime.dataloader import RepeatingLoader
-from shardwise.runtime.engine import Engine
-from shardwise.runtime.engine_base import EngineBase
+from shardwise.runtime.engine import Engine, EngineBase
 
 logger = logging.getLogger("shardwise")
 

@@ -16,7 +16,7 @@ from shardwise.config.base import _normalise_dtype
 from shardwise.config.precision import param_dtype_conflict
 from shardwise.precision import DTYPES
 from shardwise.runtime.engine import DeepSpeedEngine, Engine  # noqa: F401
-from shardwise.runtime.engine_base import EngineBase
+from shardwise.runtime.engine import EngineBase
 from shardwise.runtime.module_dtypes import cast_buffers, cast_parameters
 
 from .config import DeepSpeedConfig
