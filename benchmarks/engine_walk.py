@@ -8,7 +8,8 @@ Two CPU ranks over gloo (``torchrun``), the reference GPT (shardwise.models.gpt)
 is not traced). Pipeline: 2 stages, ZeRO-1, one ``train_batch`` of one micro-batch, traced on both stages
 (the files are the union). ``sys.setprofile`` sees every Python call; a crossing is a call whose nearest
 shardwise caller frame is in another shardwise file. "Gradient path" leaves out the bookkeeping files
-(timers, monitors, logging, config reads, the accelerator shim) that a step also calls.
+(timers, monitors, logging, config reads, the accelerator shim) that a step also calls, and the model's
+own code (the reference GPT's layers and loss, whose backward autograd runs).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOOKKEEPING = ("runtime/timers.py", "monitor/", "runtime/progress.py", "training_state.py", "config/",
                "utils/logging.py", "accelerator/", "runtime/engine_compat.py", "runtime/data_efficiency.py",
-               "topology.py", "parallel_dims.py")
+               "topology.py", "parallel_dims.py", "models/", "tensor_parallel/", "sequence/")
 
 
 class _Walk:
@@ -60,8 +61,9 @@ def _summary(walk: _Walk) -> dict:
         cross = [(a, b) for a, b in walk.crossings if keep(a) and keep(b)]
         pairs = {(a, b) for a, b in cross}
         both = sorted({tuple(sorted(p)) for p in pairs if (p[1], p[0]) in pairs})
+        counts = {f"{a} -> {b}": cross.count((a, b)) for a, b in sorted(pairs)}
         out[name] = {"files": files, "crossings": len(cross), "distinct crossings": len(pairs),
-                     "both ways": [f"{a} <-> {b}" for a, b in both]}
+                     "both ways": [f"{a} <-> {b}" for a, b in both], "pairs": counts}
     return out
 
 
@@ -136,6 +138,8 @@ def main() -> None:
             print("  files: " + ", ".join(r["files"]))
             if r["both ways"]:
                 print("  both ways: " + "; ".join(r["both ways"]))
+            if name == "gradient path":
+                print("  crossings: " + "; ".join(f"{k} x{v}" for k, v in r["pairs"].items()))
 
 
 if __name__ == "__main__":
