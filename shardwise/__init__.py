@@ -77,41 +77,21 @@ def initialize(
 
         data = comm.get_world_size() // max(1, cfg.tensor_parallel.autotp_size)  # (x sequence: each rank's tokens)
         check_sizes(model, cfg.expert_parallel, data_size=data)
-    grid, dims = plan_grid(cfg, mpu=mpu, model=model, optimizer=optimizer)  # every size, validated once
+    grid, _ = plan_grid(cfg, mpu=mpu, model=model, optimizer=optimizer)  # every size, validated once
     grid.activate()  # DeepSpeed's group accessors (deepspeed.utils.groups, mpu views) answer from the engine's grid
-    if cfg.expert_parallel.enabled:  # AutoEP: this rank's experts in expert-parallel blocks
-        from shardwise.moe.autoep import apply_autoep
-
-        model, model_parameters = apply_autoep(model, cfg.expert_parallel, optimizer=optimizer,
-                                               model_parameters=model_parameters)
-    if isinstance(model, PipelineModule):
+    parts = dict(model=model, config=cfg, grid=grid, optimizer=optimizer, model_parameters=model_parameters,
+                 lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+    if isinstance(model, PipelineModule):  # (AutoEP and AutoTP: runtime/parallelize.py)
         from shardwise.pipe.engine import PipelineEngine
 
-        pipeline_class = _engine_class(engine_classes, "pipeline", PipelineEngine)
-        engine = pipeline_class(model=model, config=cfg, dims=dims, optimizer=optimizer,
-                                model_parameters=model_parameters, lr_scheduler=lr_scheduler,
-                                training_data=training_data, collate_fn=collate_fn)
+        engine = _engine_class(engine_classes, "pipeline", PipelineEngine)(**parts)
         return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-    if cfg.tensor_parallel.autotp_size > 1:
-        from shardwise.tensor_parallel import autotp_hook
-
-        model = autotp_hook(model, grid)
     engine_class = _engine_class(engine_classes, "engine", Engine)
     if cfg.hybrid_engine.enabled:  # an RLHF actor: trains, and generates with whole weights
         from shardwise.runtime.hybrid_engine import HybridEngine
 
         engine_class = _engine_class(engine_classes, "hybrid", HybridEngine)
-    engine = engine_class(
-        model=model,
-        config=cfg,
-        grid=grid,
-        dims=dims,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler,
-        training_data=training_data,
-        collate_fn=collate_fn,
-    )
+    engine = engine_class(**parts)
     engine.client_optimizer = optimizer
     engine.client_lr_scheduler = lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

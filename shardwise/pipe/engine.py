@@ -1,9 +1,9 @@
 """``PipelineEngine``: trains a ``PipelineModule`` one batch at a time with ``train_batch()``.
 
-It is the ordinary ``Engine`` (ZeRO strategy over this stage's data-parallel group, optimizer,
-scheduler, checkpoints) whose one ``TrainingStep`` (``runtime/train_step.py``: counters, loss scaling,
-accumulation boundary, the clipped update) is driven by a pipeline schedule instead of the user's
-forward/backward/step calls. This file holds only the executor: one batch is
+A sibling of ``Engine`` over the same base (``EngineBase`` in ``runtime/engine.py``: the parts ``parallelize``
+builds, the ZeRO strategy over this stage's data-parallel group, optimizer, scheduler, counters,
+checkpoints). Where ``Engine`` drives the one ``TrainingStep`` (``runtime/train_step.py``) from the user's
+forward/backward/step calls, this file drives it from a pipeline schedule: one batch is
 ``gradient_accumulation_steps`` micro-batches; the schedule (``schedule.py``) says in which order this
 stage runs their forward and backward passes and where activations and gradients cross to the
 neighbouring stages (``p2p.py``). The accumulation boundary is the stage's last backward of the batch:
@@ -26,7 +26,7 @@ from shardwise.pipe.module import PipelineError, PipelineModule
 from shardwise.pipe.p2p import ActivationReceiver, ActivationSender, GradSender, as_tensors, grad_slots, recv_grads
 from shardwise.runtime import autocast as torch_autocast
 from shardwise.runtime.dataloader import RepeatingLoader
-from shardwise.runtime.engine import Engine
+from shardwise.runtime.engine import Engine, EngineBase
 
 logger = logging.getLogger("shardwise")
 
@@ -35,14 +35,16 @@ _ONLY_TRAIN_BATCH = ("engine.{}() is not available on a pipeline engine: the pip
                      "(engine.eval_batch(data_iter) to evaluate)")
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(EngineBase):
     """DeepSpeed's ``PipelineEngine``: what ``initialize`` returns for a ``PipelineModule``."""
 
-    def __init__(self, *, model: PipelineModule, config, **kwargs) -> None:
+    _pipeline = True
+
+    def __init__(self, *, model: PipelineModule, config, grid=None, **kwargs) -> None:
         if not isinstance(model, PipelineModule):
             raise TypeError(f"PipelineEngine needs a shardwise.pipe.PipelineModule, got {type(model).__name__}")
-        self._pipe_grid = model.mpu()
-        super().__init__(model=model, config=config, grid=self._pipe_grid, **kwargs)
+        grid = model.mpu() if grid is None else grid  # (initialize passes the module's grid)
+        super().__init__(model=model, config=config, grid=grid, **kwargs)
         if config.pipeline.use_reentrant is False:  # whatever the interval: set_checkpoint_interval may enable it
             model.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint
         interval = int(config.pipeline.activation_checkpoint_interval)
@@ -55,7 +57,6 @@ class PipelineEngine(Engine):
         self.data_iterator = None
         if self.training_dataloader is not None and self._needs_data():
             self.data_iterator = iter(RepeatingLoader(self.training_dataloader))
-        grid = self._pipe_grid
         self._act_out = ActivationSender(grid.next_stage_rank)
         self._act_in = ActivationReceiver(grid.prev_stage_rank, self.device)
         self._grad_out = GradSender(grid.prev_stage_rank)
@@ -110,7 +111,7 @@ class PipelineEngine(Engine):
                                        load_lr_scheduler_states=load_lr_scheduler_states,
                                        load_module_only=load_module_only)
 
-    # -- the calls a pipeline does not take -------------------------------------------------------
+    # -- the calls a pipeline does not take (DeepSpeed's PipelineEngine raises the same way) ---------
     def forward(self, *args, **kwargs):
         raise PipelineError(_ONLY_TRAIN_BATCH.format("forward"))
 
@@ -371,9 +372,8 @@ class PipelineEngine(Engine):
             comm.all_reduce(vec)
         return vec
 
-    def _norm_skip(self) -> frozenset[str]:
-        """Tied parameters this stage holds but another owns: counted once in the norm, by the owner."""
-        return frozenset(self.module.tied_duplicate_names())
+
+Engine.register(PipelineEngine)  # DeepSpeed's PipelineEngine is a DeepSpeedEngine to isinstance/issubclass
 
 
 class _BatchState:

@@ -1,251 +1,72 @@
-"""The training engine: sequences forward, backward, step and checkpoints.
+"""The training engines' shared base and ``Engine``, what ``shardwise.initialize`` returns for an
+ordinary model.
 
-The engine holds no stage-specific math.  Gradient reduction, master weights and the
-optimizer step live in a ``ZeroStrategy`` (``shardwise.zero``); counters, loss scaling, the
-accumulation boundary and the clipped update in the ``TrainingStep`` it shares with the pipeline
-(``runtime/train_step.py``); the parallel sizes in its validated ``ParallelDims`` (``runtime/plan.py``);
-saving in ``shardwise.checkpoint``.
+``Engine`` and ``PipelineEngine`` (``pipe/engine.py``) are siblings over ``EngineBase``: the parts
+``runtime/parallelize.py`` builds in one fixed order, the accessors and counters, the boundary update's
+bookkeeping, and checkpoints. They differ only in who drives the one ``TrainingStep``
+(``runtime/train_step.py``: counters, loss scaling, the accumulation boundary, the clipped update):
+``Engine`` from the user's ``forward``/``backward``/``step`` calls, the pipeline from its schedule
+(``train_batch``). What a driver calls on the base: ``_begin_backward`` / ``_end_backward`` around
+autograd (arm the strategy's hooks / wait for the reductions), ``_check_can_step`` then
+``_after_update(outcome)`` around an update (overflow flags, logging, monitors); ``_weights_source``
+says where a checkpoint's module weights come from.
+
+The engines hold no stage-specific math: gradient reduction, master weights and the optimizer step live
+in a ``ZeroStrategy`` (``shardwise.zero``); the parallel sizes and groups in the grid
+(``shardwise/topology.py``); saving in ``shardwise.checkpoint``.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
-import functools
 import logging
 import os
 import time
 
 import torch
 
-from shardwise import checkpointing, comm
-from shardwise.moe import parallel as moe_parallel
-from shardwise.moe.utils import has_moe_layers, is_moe_param
+from shardwise import comm
 from shardwise.monitor.mfu import format_rates
-from shardwise.monitor.observer import StepObserver
-from shardwise.parallel_dims import ParallelDims, check_rule
-from shardwise.precision import PrecisionPolicy, cast_inputs, create_loss_scaler
+from shardwise.precision import cast_inputs
 from shardwise.runtime import autocast as torch_autocast
 from shardwise.runtime.data_efficiency import DataEfficiencyMixin
 from shardwise.runtime.dataloader import build_dataloader
-from shardwise.runtime.engine_compat import EngineCompatMixin, check_forced_cpu_optimizer
-from shardwise.runtime.module_dtypes import cast_buffers, cast_parameters, keep_in_fp32_pattern
-from shardwise.runtime.plan import config_features, optimizer_features
+from shardwise.runtime.engine_compat import EngineCompatMixin
+from shardwise.runtime.parallelize import parallelize
 from shardwise.runtime.progress import ProgressBar
-from shardwise.runtime.timers import Timers
-from shardwise.runtime.tp_sequence_grads import sync_sequence_parallel_grads
-from shardwise.runtime.train_step import TrainingStep
 from shardwise.training_state import StepReport, TrainingState
-from shardwise.utils.z3_leaf_module import apply_leaf_module_config
-from shardwise.zero import ReduceSettings, build_strategy, is_partitioned
-from shardwise.zero import registry as zero_registry
 
 logger = logging.getLogger("shardwise")
 
-def _check_muon(config) -> None:
-    zc = config.zero_optimization
-    offloaded = zc.stage > 0 and zc.offload_optimizer is not None and zc.offload_optimizer.device != "none"
-    check_rule("muon_offload", ParallelDims(zero_stage=zc.stage, muon=True, offload_optimizer=offloaded))
-
-
-_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _TIMERS = ["forward", "backward", "backward_allreduce", "step"]
 
 
-class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
-    """What ``shardwise.initialize`` returns; DeepSpeed's ``DeepSpeedEngine`` API."""
+class EngineBase(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
+    """The shared half of ``Engine`` and ``PipelineEngine``; see the module docstring."""
 
+    _pipeline = False  # the model is a PipelineModule (parallelize: no AutoTP, tied duplicates out of the norm)
     fault_tolerance = None  # shardwise.ft.engine.FaultTolerance with the fault_tolerance block
 
-    def __init__(
-        self,
-        *,
-        model: torch.nn.Module,
-        config,
-        grid,
-        dims=None,
-        optimizer=None,
-        model_parameters=None,
-        lr_scheduler=None,
-        training_data=None,
-        collate_fn=None,
-    ) -> None:
+    def __init__(self, *, model: torch.nn.Module, config, grid, optimizer=None, model_parameters=None,
+                 lr_scheduler=None, training_data=None, collate_fn=None) -> None:
         super().__init__()
         self.config = config
-        self.grid = grid
-        # Batch arithmetic counts data-parallel replicas (world / sequence-parallel size); ZeRO shards and
-        # reduces over every data x sequence rank, DeepSpeed's sequence-data-parallel group, averaging
-        # over all of them (docs/sequence-parallel.md says why that gives one process's gradient).
-        self.sequence_parallel_size = getattr(grid, "get_sequence_parallel_world_size", lambda: 1)()
-        self.dp_world_size = grid.get_data_parallel_world_size()
-        self.tp_world_size = _tensor_size(grid)
-        if self.sequence_parallel_size > 1:
-            self.dp_group = grid.get_sequence_data_parallel_group()
-            self.seq_dp_world_size = grid.get_sequence_data_parallel_world_size()
-        else:
-            self.dp_group = grid.get_data_parallel_group()
-            self.seq_dp_world_size = self.dp_world_size
-        self.global_rank = comm.get_rank()
-        self.world_size = comm.get_world_size()
-        self.local_rank = comm.get_local_rank()
-        self.device = comm.get_accelerator_device(self.local_rank)
-        self._batch = config.resolve_batch_sizes(self.dp_world_size)
-        config.check_supported()
-
-        if dims is None:  # built directly (initialize plans and validates before it builds the grid)
-            dims = grid.dims.replace(**config_features(config, model=model)).validate(comm.get_world_size())
-        self.dims = dims
-        _check_tensor_parallel_layers(model, self.tp_world_size)
-        self.module = model.to(self.device)
-        self.has_moe_layers, self.num_experts = has_moe_layers(self.module)
-        if self.has_moe_layers or self.dims.pipe > 1:  # the expert groups, before the experts' start weights
-            with grid.active():  # are broadcast (a pipeline: on every stage, whether it has MoE layers or not)
-                moe_parallel.configure(self.module, across_stages=self.dims.pipe > 1)
-        if self.tp_world_size > 1:  # norms/biases on sequence shards: sum their gradients over the tensor ranks
-            sync_sequence_parallel_grads(self.module, grid.get_tensor_model_parallel_group())
-        self.precision = PrecisionPolicy.from_config(config)
-        self._autocast_dtype = self._configure_autocast()
-        self._broadcast_model()
-        self._cast_module()
-
-        self.optimizer = self._configure_optimizer(optimizer, model_parameters)
-        if self.dims.compressed_optimizer is None and getattr(self.optimizer, "compressed_communication", False):
-            self.dims = self.dims.replace(**optimizer_features(self.optimizer)).validate()  # built by a callable
-        build = functools.partial(build_strategy, config.zero_optimization, aio=config.aio, module=self.module,
-                                  precision=self.precision, dims=self.dims, reduce=self._reduce_settings())
-        named_params = list(self.module.named_parameters())
-        if int(config.zero_optimization.stage) == 3:  # MoE blocks that run only their tokens' experts: gathered whole
-            apply_leaf_module_config(self.module, config.zero_optimization.leaf_module)
-        if self.has_moe_layers:  # expert parameters reduce over their expert-data-parallel group
-            self.strategy = moe_parallel.build_strategy(build, module=self.module, named_params=named_params,
-                                                        optimizer=self.optimizer, dp_group=self.dp_group,
-                                                        zero_stage=int(config.zero_optimization.stage))
-        else:
-            self.strategy = build(named_params=named_params, optimizer=self.optimizer, dp_group=self.dp_group)
-        scheduler = self._configure_scheduler(lr_scheduler)
-        self._publish_overflow(False)
-        self.loss_scaler = create_loss_scaler(config.fp16) if self.precision.loss_scaling else None
-        for s in [self.strategy, *getattr(self.strategy, "strategies", ())]:  # (MoE: each part's)
-            zero_registry.set_loss_scaler(s, self.loss_scaler)  # for shardwise.utils.safe_get_full_grad
-
-        self.training_dataloader = None
-        if training_data is not None:
-            self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn)
-
-        self.train_step = TrainingStep(
-            strategy=self.strategy, loss_scaler=self.loss_scaler, lr_scheduler=scheduler,
-            gradient_accumulation_steps=self.gradient_accumulation_steps, train_batch_size=self.train_batch_size,
-            grid=grid, module=self.module, norm_skip=self._norm_skip(), device=self.device,
-            clip=float(config.gradient_clipping or 0.0), check_overflow=self.precision.check_overflow)
+        self.grid = grid  # the one source of sizes and groups
         self._grad_norm: float | None = None
         self._step_skipped = False
         self._last_step_loss: float | None = None
-        self.timers = Timers(self.device, enabled=bool(config.wall_clock_breakdown))
-        self._interval_start = time.perf_counter()
         self._progress: ProgressBar | None = None
-        _check_partitioned_activations(config, self.module, self.tp_world_size)
-        checkpointing.configure_from(config, mpu=grid)  # activation_checkpointing block, if set
         self._checkpoint_writer = None  # created by the first save or load
-        self.observer = StepObserver(self.training_state(), autotuning_engine=self)  # monitors, flops, autotuning
-        self.monitor = self.observer.monitor
-        if config.compile.enabled:  # ours: the compile block compiles at initialize
-            self.compile(backend=config.compile.backend, compile_kwargs=config.compile.kwargs)
+        parallelize(self, model, pipeline=self._pipeline, optimizer=optimizer, model_parameters=model_parameters,
+                    lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+        self._interval_start = time.perf_counter()
         if config.fault_tolerance.enabled:  # replica groups on torchft (shardwise/ft): last, it may take a peer's state
             from shardwise.ft import attach
 
             self.fault_tolerance = attach(self)
 
-    # -- set-up ---------------------------------------------------------------------------
-    def _configure_autocast(self) -> torch.dtype | None:
-        """``torch_autocast``: the dtype the forward autocasts to (None when the block is off)."""
-        block = self.config.torch_autocast
-        if not block.enabled:
-            return None
-        dtype = torch_autocast.DTYPES[block.dtype]
-        torch_autocast.mark_lower_precision_params(self.module, dtype, block.lower_precision_safe_modules)
-        return dtype
-
-    def _broadcast_model(self) -> None:
-        """Every data-parallel replica starts from data-parallel rank 0's weights and buffers
-        (parameters ``zero.Init`` partitioned were broadcast when they were sharded)."""
-        if self.seq_dp_world_size == 1:
-            return
-        src = 0 if self.dp_group is None else torch.distributed.get_global_rank(self.dp_group, 0)
-        params = [p for p in self.module.parameters() if not is_partitioned(p) and not is_moe_param(p)]
-        with torch.no_grad():
-            for t in params + list(self.module.buffers()):
-                comm.broadcast(t.data, src=src, group=self.dp_group)
-        if self.has_moe_layers:  # each expert from the first rank of its expert-data-parallel group
-            moe_parallel.broadcast_experts(self.module)
-
-    def _cast_module(self) -> None:
-        """Frozen parameters to the training dtype (the strategy casts the trainable ones); buffers keep
-        their dtype unless ``data_types.buffer_dtype`` is set (runtime/module_dtypes.py)."""
-        dtype = self.precision.param_dtype
-        keep = keep_in_fp32_pattern(self.module, self.config.data_types.keep_in_fp32_modules, dtype)
-        cast_buffers(self.module, self.precision.buffer_dtype, keep_fp32=keep)
-        if dtype != torch.float32:
-            cast_parameters((p for p in self.module.parameters() if not p.requires_grad), dtype)
-
-    def _configure_optimizer(self, client_optimizer, model_parameters):
-        cfg_opt = self.config.optimizer
-        if client_optimizer is not None and cfg_opt is not None:
-            raise ValueError(
-                "both an optimizer passed to initialize() and an 'optimizer' block in the config: "
-                "remove one of them"
-            )
-        params = model_parameters if model_parameters is not None else self.module.parameters()
-        if client_optimizer is not None:
-            if isinstance(client_optimizer, torch.optim.Optimizer):
-                return check_forced_cpu_optimizer(self.config, client_optimizer)
-            if callable(client_optimizer):
-                return check_forced_cpu_optimizer(self.config, client_optimizer(params))
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(client_optimizer)!r}")
-        if cfg_opt is None:
-            return None
-        from shardwise.optim import build_optimizer
-
-        if cfg_opt.type.lower() == "muon":
-            _check_muon(self.config)
-            from shardwise.optim.muon import tag_muon_params
-            tag_muon_params(self.module)  # DeepSpeed's split, where the user set no p.use_muon
-        return build_optimizer(cfg_opt.type, dict(cfg_opt.params or {}), params)
-
-    def _configure_scheduler(self, client_scheduler):
-        cfg_sched = self.config.scheduler
-        if client_scheduler is not None and cfg_sched is not None:
-            raise ValueError(
-                "both an lr_scheduler passed to initialize() and a 'scheduler' block in the config: "
-                "remove one of them"
-            )
-        if client_scheduler is not None:
-            if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
-                return client_scheduler(self.optimizer)
-            return client_scheduler
-        if cfg_sched is None:
-            return None
-        if self.optimizer is None:
-            raise ValueError("a 'scheduler' block needs an optimizer (config 'optimizer' or initialize(optimizer=...))")
-        from shardwise.optim import build_scheduler
-
-        return build_scheduler(cfg_sched.type, dict(cfg_sched.params or {}), self.optimizer)
-
-    def _reduce_settings(self) -> ReduceSettings:
-        c = self.config
-        return ReduceSettings(
-            bucket_elements=int(c.zero_optimization.reduce_bucket_size),
-            bucket_size_given="reduce_bucket_size" in c.zero_optimization.model_fields_set,
-            average=c.gradient_allreduce_op == "mean",
-            prescale=bool(c.prescale_gradients),
-            predivide_factor=float(c.gradient_predivide_factor),
-            comm_dtype=_COMM_DTYPES[self._comm_dtype_key()] if self._comm_dtype_key() else None,
-        )
-
-    def _comm_dtype_key(self):
-        # as DeepSpeed: under sequence parallelism gradients are reduced in seq_parallel_communication_data_type
-        if self.sequence_parallel_size > 1:
-            return self.config.seq_parallel_communication_data_type
-        return self.config.communication_data_type
-
+    # -- data -------------------------------------------------------------------------------------
     def _seq_dp_rank(self) -> int:
         if self.sequence_parallel_size > 1:
             return self.grid.get_sequence_data_parallel_rank()
@@ -316,39 +137,10 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
     def enable_backward_allreduce(self, on: bool) -> None:
         self.strategy.reduce_gradients = on
 
-    # -- training step ------------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
-        if self.fault_tolerance is not None and self.training:  # the step's quorum, before its first forward
-            self.fault_tolerance.before_forward()
-        self.observer.before_forward(self.global_steps, args, kwargs)
-        self._data_efficiency_before_forward()  # random-LTD: the kept-token count of this step
-        self.tput_timer.start()
-        self.timers.start("forward")
-        if self.precision.auto_cast:
-            args = cast_inputs(args, self.precision.param_dtype)
-            kwargs = cast_inputs(kwargs, self.precision.param_dtype)
-        with self.grid.active(), torch_autocast.autocast(self.device, self._autocast_dtype):
-            out = self.module(*args, **kwargs)  # (layers called without a group use this engine's grid)
-        self.timers.stop("forward")
-        return out
-
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """Backpropagate ``loss``; gradients are reduced across ranks at accumulation boundaries."""
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(f"engine.backward(loss) needs a scalar loss tensor, got {_describe(loss)}")
-        self.timers.start("backward")
-        self._begin_backward()
-        self.train_step.scale(loss, divide_by_gas=scale_wrt_gas).backward(retain_graph=retain_graph)
-        self._end_backward()
-        self.timers.stop("backward")
-        self.train_step.record_loss(loss)
-        # DeepSpeed's return value: the loss as backpropagated, before loss scaling
-        return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
-
+    # -- what a driver calls around autograd and an update ------------------------------------------
     def _begin_backward(self) -> None:
         """Before autograd runs: arm the strategy's gradient hooks (reduce at the boundary or, for the
-        partitioned-gradient stages, every time).  A subclass running its own schedule (pipeline)
-        calls this and ``_end_backward`` around its own ``torch.autograd.backward``."""
+        partitioned-gradient stages, every time)."""
         self.train_step.begin_backward()
 
     def _end_backward(self) -> None:
@@ -356,18 +148,6 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
         self.timers.start("backward_allreduce")
         self.train_step.end_backward()
         self.timers.stop("backward_allreduce")
-
-    def step(self, lr_kwargs=None) -> None:
-        """Count a micro-step; at an accumulation boundary update the weights."""
-        self._step_applied = False
-        boundary = self.is_gradient_accumulation_boundary()
-        if boundary:
-            self._check_can_step()
-            self.timers.start("step")
-        outcome = self.train_step.micro_step(lr_kwargs)
-        if outcome is not None:
-            self._after_update(outcome)
-        self.tput_timer.stop(global_step=boundary)
 
     def _check_can_step(self) -> None:
         if self.optimizer is None:
@@ -384,10 +164,6 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
         self.timers.stop("step")
         self._last_step_loss = outcome.loss
         self._after_step()
-
-    def _norm_skip(self) -> frozenset[str]:
-        """Names of parameters whose gradients another rank counts in the norm (tied duplicates)."""
-        return frozenset()
 
     def _log_overflow(self, scale: float) -> None:
         spp = self.config.steps_per_print or 1
@@ -577,31 +353,51 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
             raise
 
 
-def _check_tensor_parallel_layers(model: torch.nn.Module, tp: int) -> None:
-    """Tensor-parallel layers cut themselves over the grid active when they are built: one built
-    outside the grid's scope (or for another grid) holds the wrong pieces."""
-    from shardwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+class Engine(EngineBase, metaclass=abc.ABCMeta):
+    """What ``shardwise.initialize`` returns; DeepSpeed's ``DeepSpeedEngine`` API. The constructor is
+    ``EngineBase``'s: ``config``, the ``grid`` (sizes and groups), the model and the client objects.
+    (``abc.ABCMeta``: ``PipelineEngine`` registers as a virtual subclass, since DeepSpeed's is a
+    ``DeepSpeedEngine`` to ``isinstance`` checks in scripts and libraries.)"""
 
-    for name, m in model.named_modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) and m.world_size != tp:
-            raise ValueError(f"layer '{name}' ({type(m).__name__}) was built for tensor size {m.world_size} but the "
-                             f"engine's grid has tensor size {tp}: build the model inside `with grid.active():` "
-                             "and pass initialize(mpu=grid) the grid it was built on")
+    def forward(self, *args, **kwargs):
+        if self.fault_tolerance is not None and self.training:  # the step's quorum, before its first forward
+            self.fault_tolerance.before_forward()
+        self.observer.before_forward(self.global_steps, args, kwargs)
+        self._data_efficiency_before_forward()  # random-LTD: the kept-token count of this step
+        self.tput_timer.start()
+        self.timers.start("forward")
+        if self.precision.auto_cast:
+            args = cast_inputs(args, self.precision.param_dtype)
+            kwargs = cast_inputs(kwargs, self.precision.param_dtype)
+        with self.grid.active(), torch_autocast.autocast(self.device, self._autocast_dtype):
+            out = self.module(*args, **kwargs)  # (layers called without a group use this engine's grid)
+        self.timers.stop("forward")
+        return out
 
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backpropagate ``loss``; gradients are reduced across ranks at accumulation boundaries."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward(loss) needs a scalar loss tensor, got {_describe(loss)}")
+        self.timers.start("backward")
+        self._begin_backward()
+        self.train_step.scale(loss, divide_by_gas=scale_wrt_gas).backward(retain_graph=retain_graph)
+        self._end_backward()
+        self.timers.stop("backward")
+        self.train_step.record_loss(loss)
+        # DeepSpeed's return value: the loss as backpropagated, before loss scaling
+        return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
 
-def _check_partitioned_activations(config, module: torch.nn.Module, tp: int) -> None:
-    """partition_activations cuts each checkpointed input over the tensor ranks as if they all held the same
-    one; under Megatron's sequence parallelism they hold different sequence slices (trains wrong: refused)."""
-    block = config.activation_checkpointing
-    if tp > 1 and block is not None and block.partition_activations:
-        marked = any(getattr(p, "sequence_parallel", False) for p in module.parameters())
-        check_rule("partition_activations_sequence_parallel",
-                   ParallelDims(tensor=tp, partition_activations=True, sequence_parallel_params=marked))
-
-
-def _tensor_size(grid) -> int:
-    getter = getattr(grid, "get_tensor_model_parallel_world_size", None)
-    return int(getter()) if getter is not None else 1
+    def step(self, lr_kwargs=None) -> None:
+        """Count a micro-step; at an accumulation boundary update the weights."""
+        self._step_applied = False
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self._check_can_step()
+            self.timers.start("step")
+        outcome = self.train_step.micro_step(lr_kwargs)
+        if outcome is not None:
+            self._after_update(outcome)
+        self.tput_timer.stop(global_step=boundary)
 
 
 def _describe(x) -> str:

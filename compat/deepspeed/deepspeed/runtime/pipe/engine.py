@@ -5,12 +5,17 @@
 import shardwise.pipe.engine as _engine
 from shardwise.pipe.engine import PipelineEngine as _PipelineEngine
 
-from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.engine import DeepSpeedEngine, _DeepSpeedInternals
 
 
 def __getattr__(name: str):
     return getattr(_engine, name)
 
 
-class PipelineEngine(DeepSpeedEngine, _PipelineEngine):
-    """shardwise's ``PipelineEngine`` under DeepSpeed's name, with DeepSpeed's private helpers."""
+class PipelineEngine(_DeepSpeedInternals, _PipelineEngine):
+    """shardwise's ``PipelineEngine`` under DeepSpeed's name, with DeepSpeed's private helpers. shardwise's
+    pipeline engine is the plain engine's sibling, not its subclass; DeepSpeed's is a ``DeepSpeedEngine``
+    to ``isinstance``/``issubclass`` checks, so it is registered as one (``abc``)."""
+
+
+DeepSpeedEngine.register(PipelineEngine)
