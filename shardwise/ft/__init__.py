@@ -6,7 +6,7 @@ every step (through the lighthouse), averages the gradients over the groups in i
 re-forms after a failure, and lets a group that joins or rejoins take the live state of a healthy peer
 (weights, optimizer, scheduler, loss scale, step counters, data position) before its first step.
 
-* ``shardwise.ft.engine`` (:class:`FaultTolerance`): what the engine holds when the ``fault_tolerance``
+* ``shardwise.ft.engine`` (:class:`FaultTolerance`, ``attach(engine)``): what the engine holds when the ``fault_tolerance``
   block is enabled; the engine calls it before each step's first forward and before each update.
 * ``shardwise.ft.state``: the live state a recovering group takes from a peer.
 * ``shardwise.ft.launch``: ``shardwise run --ft_replicas R`` (the lighthouse and one launcher per group).
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["FaultToleranceError", "replica_group_id", "num_replica_groups", "attach"]
+__all__ = ["FaultToleranceError", "replica_group_id", "num_replica_groups"]
 
 REPLICA_GROUP_ID = "REPLICA_GROUP_ID"  # torchft's names for the variables a replica group's processes see
 NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
@@ -38,9 +38,3 @@ def num_replica_groups() -> int:
     """How many replica groups the job was launched with (``NUM_REPLICA_GROUPS``; 1 outside one)."""
     return int(os.environ.get(NUM_REPLICA_GROUPS, "1"))
 
-
-def attach(engine):
-    """Build the :class:`~shardwise.ft.engine.FaultTolerance` of ``engine`` and join the first quorum."""
-    from .engine import FaultTolerance
-
-    return FaultTolerance(engine)

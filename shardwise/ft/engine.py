@@ -209,3 +209,8 @@ def _accelerator_pg(timeout: timedelta):
     from torchft import ProcessGroupNCCL
 
     return ProcessGroupNCCL(timeout=timeout)
+
+
+def attach(engine) -> "FaultTolerance":
+    """Build the :class:`FaultTolerance` of ``engine`` and join the first quorum."""
+    return FaultTolerance(engine)

@@ -62,7 +62,7 @@ class EngineBase(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
                     lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
         self._interval_start = time.perf_counter()
         if config.fault_tolerance.enabled:  # replica groups on torchft (shardwise/ft): last, it may take a peer's state
-            from shardwise.ft import attach
+            from shardwise.ft.engine import attach
 
             self.fault_tolerance = attach(self)
 
