@@ -27,6 +27,7 @@ from shardwise.runtime import autocast as torch_autocast
 from shardwise.runtime.data_efficiency import DataEfficiencyMixin
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.engine_compat import EngineCompatMixin, check_forced_cpu_optimizer
+from shardwise.runtime.lifecycle import EngineLifecycleMixin
 from shardwise.runtime.module_dtypes import cast_buffers, cast_parameters, keep_in_fp32_pattern
 from shardwise.runtime.plan import config_features, optimizer_features
 from shardwise.runtime.progress import ProgressBar
@@ -51,7 +52,7 @@ _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 _TIMERS = ["forward", "backward", "backward_allreduce", "step"]
 
 
-class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
+class Engine(EngineLifecycleMixin, EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
     """What ``shardwise.initialize`` returns; DeepSpeed's ``DeepSpeedEngine`` API."""
 
     def __init__(
@@ -147,6 +148,7 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
         self.monitor = self.observer.monitor
         if config.compile.enabled:  # ours: the compile block compiles at initialize
             self.compile(backend=config.compile.backend, compile_kwargs=config.compile.kwargs)
+        self._attach_lifecycle()  # (runtime/lifecycle.py: destroy, offload_states)
 
     # -- set-up ---------------------------------------------------------------------------
     def _configure_autocast(self) -> torch.dtype | None:
@@ -312,6 +314,7 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
 
     # -- training step ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._check_states_loaded("forward", forward=True)
         self.observer.before_forward(self.global_steps, args, kwargs)
         self._data_efficiency_before_forward()  # random-LTD: the kept-token count of this step
         self.tput_timer.start()
@@ -328,6 +331,7 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
         """Backpropagate ``loss``; gradients are reduced across ranks at accumulation boundaries."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward(loss) needs a scalar loss tensor, got {_describe(loss)}")
+        self._check_states_loaded("backward")
         self.timers.start("backward")
         self._begin_backward()
         self.train_step.scale(loss, divide_by_gas=scale_wrt_gas).backward(retain_graph=retain_graph)
@@ -351,6 +355,7 @@ class Engine(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
 
     def step(self, lr_kwargs=None) -> None:
         """Count a micro-step; at an accumulation boundary update the weights."""
+        self._check_states_loaded("step")
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:

@@ -35,6 +35,7 @@ allocates a new buffer).
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -292,6 +293,8 @@ class ParamCoordinator:
         self._find_depends()
         for module in module_units:
             self._hook(module)
+        # The model's hooks hold the coordinator weakly (a kept model keeps no strategy alive); they go with it.
+        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
 
     def _find_depends(self) -> None:
         """For each unit, the units whose gradients end the backward of the calls using it: those of the
@@ -318,9 +321,15 @@ class ParamCoordinator:
 
     def _hook(self, module: torch.nn.Module) -> None:
         # (always_call: a forward that raises, or a non-reentrant checkpoint's recompute stopped early once
-        # it has what backward needs, still ends its call)
-        self._handles[module] = (module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-                                 module.register_forward_hook(self._post_forward, always_call=True))
+        # it has what backward needs, still ends its call; the hooks hold the coordinator weakly)
+        self._handles[module] = (
+            module.register_forward_pre_hook(_weak_call(self._pre_forward), with_kwargs=True),
+            module.register_forward_hook(_weak_call(self._post_forward), always_call=True))
+
+    def close(self) -> None:
+        """Take every hook off the model and release what is gathered (``engine.destroy()``)."""
+        self.release_all()
+        self._finalizer()
 
     def gather_as_one(self, root: torch.nn.Module) -> None:
         """Gather everything ``root``'s subtree needs in ``root``'s hooks, and none inside it (a compiled
@@ -519,6 +528,24 @@ class ParamCoordinator:
                 u.finish_gather()
             if u.gathered:
                 u.release()
+
+
+def _weak_call(method):
+    """``method`` (bound) as a hook that holds its object weakly; a no-op once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        return bound(*args) if bound is not None else None
+
+    return hook
+
+
+def _remove_handles(handles: dict) -> None:
+    for pair in handles.values():
+        for handle in pair:
+            handle.remove()
+    handles.clear()
 
 
 def user_gathered(p: torch.nn.Parameter) -> bool:
