@@ -138,7 +138,7 @@ def _live_peak_body(rank, world):
         model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(32)])
         cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                "zero_optimization": {"stage": stage}}  # the default reduce_bucket_size (5e8 elements)
-        engine, *_ = shardwise.initialize(model=model, config=cfg)
+        engine, optimizer, *_ = shardwise.initialize(model=model, config=cfg)
         peak, at_step = LiveTensorPeak(), LiveTensorPeak()
         for i in range(2):
             if i == 1:  # the optimizer's states exist from the first step on
@@ -149,6 +149,11 @@ def _live_peak_body(rank, world):
             engine.step()
         peak.close()
         out[stage] = (peak.bytes - before, at_step.bytes - before)
+        # Drop this case's engine and optimizer (which holds the optimizer states) before the next case's
+        # baseline: a dropped engine is freed, so states still referenced here would be counted in `before`
+        # and then freed during the next measurement.
+        del engine, model, optimizer, peak, at_step
+        gc.collect()
     return out
 
 
