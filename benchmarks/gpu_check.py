@@ -139,16 +139,20 @@ def _device_bytes(engine, device: torch.device) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.memory_allocated(device)
+    from shardwise.profiling.memory import collect_garbage
+
     offload = engine.__dict__.get("_state_offload")
     seen = {p.host.untyped_storage()._cdata for ps in (offload.parked.values() if offload else ()) for p in ps}
-    gc.collect()
+    collect_garbage()  # (every pass: what one frees can hold the garbage of the next)
     total = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (isinstance on deprecated module attributes warns)
         for o in gc.get_objects():
+            # (by the storage's device: a fake tensor torch.compile keeps says "cpu" but holds no memory, and
+            # its symbolic size is no byte count)
             if isinstance(o, torch.Tensor) and o.device == device:
                 st = o.untyped_storage()
-                if st._cdata not in seen:
+                if st.device == device and st._cdata not in seen:
                     seen.add(st._cdata)
                     total += st.nbytes()
     return total

@@ -167,3 +167,20 @@ def test_stage2_holds_less_than_stage1_live_tensors():
         assert abs(step2 - _formula(2, psi, 2, False)) <= 0.05 * _formula(2, psi, 2, False), (step2, psi)
         assert abs(step1 - _formula(1, psi, 2, False)) <= 0.05 * _formula(1, psi, 2, False), (step1, psi)
         assert peak2 < peak1, (peak2, peak1)
+
+
+def test_live_tensor_bytes_counts_real_storages_only():
+    """A tensor's storage counts once, its views add nothing, and a fake tensor (torch.compile leaves some
+    alive, on the meta device with a symbolic size) counts nothing: the result is a plain int."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from shardwise.profiling import live_tensor_bytes
+
+    before = live_tensor_bytes()
+    fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False).from_tensor(torch.ones(4, 5))
+    real = torch.zeros(1000, dtype=torch.float64)
+    views = [real[:10], real.view(10, 100)]
+    now = live_tensor_bytes()
+    assert type(now) is int and 8000 <= now - before < 16000, (now, before)
+    del fake, real, views
