@@ -14,6 +14,14 @@ tokens/s and model FLOPs utilisation: 6 x (parameters in matmuls) + 12 x layers 
 FLOPs per token (PaLM's count, causal attention counted whole) over the device's dense bf16 peak
 (known for H100/H200/A100/L4, else ``--peak-tflops``). Everything runs in one process on ``--device``:
 the code path is the same for the CPU and CUDA, only the device object differs.
+
+Then ``engine.offload_states()`` at ZeRO 1-3 (runs "offload_states ZeRO-k"): after two steps, the bytes
+allocated on the device before ``offload_states()``, after it and after ``reload_states()``; the bytes it
+freed are checked against ZeRO's model-state formula for one rank, 16 bytes per trainable parameter
+(2 weights + 2 gradients + 4 fp32 master + 8 Adam moments in bf16; fp32: 4 + 4 + 8), within 10%, and the
+reload must bring the same bytes back (within 1%), after which a step trains on. On CUDA the bytes are
+``torch.cuda.memory_allocated()``; on the CPU (dry run) the bytes of the live tensors on the device, less
+the host copies the offload made.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 
@@ -42,6 +51,7 @@ RUNS = [  # (label, zero stage, offload)
     ("ZeRO-0", 0, False), ("ZeRO-1", 1, False), ("ZeRO-2", 2, False), ("ZeRO-3", 3, False),
     ("ZeRO-1 + offload", 1, True), ("ZeRO-2 + offload", 2, True), ("ZeRO-3 + offload", 3, True),
 ]
+OFFLOAD_STATES_RUNS = [("offload_states ZeRO-1", 1), ("offload_states ZeRO-2", 2), ("offload_states ZeRO-3", 3)]
 
 
 def _model(size: str, dtype: torch.dtype, device: torch.device):
@@ -121,6 +131,66 @@ def engine_run(args, device, sync, *, stage: int, offload: bool):
     out = _timed(step, _batches(model.cfg, SIZES[args.size][1], args.steps, device), sync)
     engine.destroy()
     return out
+
+
+def _device_bytes(engine, device: torch.device) -> int:
+    """Bytes allocated on ``device``: the CUDA allocator's count; on the CPU the unique storages of the live
+    tensors there, less the host copies ``offload_states`` made (they are where the states went)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    from shardwise.profiling.memory import collect_garbage
+
+    offload = engine.__dict__.get("_state_offload")
+    seen = {p.host.untyped_storage()._cdata for ps in (offload.parked.values() if offload else ()) for p in ps}
+    collect_garbage()  # (every pass: what one frees can hold the garbage of the next)
+    total = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (isinstance on deprecated module attributes warns)
+        for o in gc.get_objects():
+            # (by the storage's device: a fake tensor torch.compile keeps says "cpu" but holds no memory, and
+            # its symbolic size is no byte count)
+            if isinstance(o, torch.Tensor) and o.device == device:
+                st = o.untyped_storage()
+                if st.device == device and st._cdata not in seen:
+                    seen.add(st._cdata)
+                    total += st.nbytes()
+    return total
+
+
+def offload_states_run(args, device, sync, *, stage: int) -> dict:
+    """Bytes on the device before ``offload_states()``, after it and after ``reload_states()``, and ZeRO's
+    model-state bytes for one rank (16 per trainable parameter); then a step after the reload."""
+    import shardwise
+    from model import lm_loss
+
+    model = _model(args.size, torch.float32, device)
+    cfg = {"train_micro_batch_size_per_gpu": SIZES[args.size][1], "gradient_clipping": CLIP,
+           "bf16": {"enabled": args.dtype == torch.bfloat16},
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": stage}}
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    batches = list(_batches(model.cfg, SIZES[args.size][1], 3, device))
+    for x, y in batches[:2]:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.empty_partition_cache()
+    gc.collect()
+    before = _device_bytes(engine, device)
+    engine.offload_states()
+    offloaded = _device_bytes(engine, device)
+    engine.reload_states()
+    reloaded = _device_bytes(engine, device)
+    x, y = batches[2]
+    loss = lm_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    sync()
+    params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
+    formula = 16 * params
+    engine.destroy()
+    return {"before": before, "offloaded": offloaded, "reloaded": reloaded, "formula": formula,
+            "loss": float(loss.detach())}
 
 
 def flops_per_token(size: str) -> float:
@@ -222,7 +292,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense peak of the device in the dtype")
-    ap.add_argument("--runs", nargs="+", default=[r[0] for r in RUNS], help="labels of the engine runs to do")
+    ap.add_argument("--runs", nargs="+", default=[r[0] for r in RUNS + OFFLOAD_STATES_RUNS],
+                    help="labels of the engine runs to do")
     ap.add_argument("--mfu", action="store_true", help="instead: the MFU the engine logs vs an independent count")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -271,8 +342,26 @@ def main() -> int:
         ok = diff <= tol
         failed += [] if ok else [label]
         print(f"| {label} | {t * 1e3:.1f} | {tokens / t:,.0f} | {mfu} | {diff:.2e} | {'yes' if ok else 'NO'} |")
+    states = [(label, stage) for label, stage in OFFLOAD_STATES_RUNS if label in args.runs]
+    if states:
+        print("\n| run | allocated before (MB) | after offload_states (MB) | freed (MB) | model-state formula (MB) "
+              "| after reload_states (MB) | ok |")
+        print("|---|---|---|---|---|---|---|")
+    for label, stage in states:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        r = offload_states_run(args, device, sync, stage=stage)
+        freed = r["before"] - r["offloaded"]
+        ok = (abs(freed - r["formula"]) <= 0.1 * r["formula"]
+              and abs(r["reloaded"] - r["before"]) <= 0.01 * r["formula"] and r["loss"] == r["loss"])
+        failed += [] if ok else [label]
+        mb = 1e6
+        print(f"| {label} | {r['before'] / mb:.1f} | {r['offloaded'] / mb:.1f} | {freed / mb:.1f} | "
+              f"{r['formula'] / mb:.1f} | {r['reloaded'] / mb:.1f} | {'yes' if ok else 'NO'} |")
     if failed:
-        print(f"gpu_check: losses differ from the torch loop by more than {tol:g} in: {', '.join(failed)}")
+        print(f"gpu_check: failed: {', '.join(failed)} (losses differ from the torch loop by more than {tol:g}, or "
+              "offload_states did not free the model states / reload_states did not bring them back)")
         return 1
     return 0
 

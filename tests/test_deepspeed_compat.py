@@ -70,6 +70,7 @@ ENGINE_METHODS = [
     ("allreduce_gradients", ["bucket_size"]),
     ("set_train_batch_size", ["train_batch_size"]), ("get_data_parallel_rank", []),
     ("get_data_parallel_world_size", []), ("destroy", []), ("zero_gather_16bit_weights_on_model_save", []),
+    ("offload_states", ["include", "device", "pin_memory", "non_blocking"]), ("reload_states", ["non_blocking"]),
     ("_zero3_consolidated_16bit_state_dict", ["exclude_frozen_parameters"]),
     ("save_checkpoint", ["save_dir", "tag", "client_state", "save_latest", "exclude_frozen_parameters"]),
     ("load_checkpoint", ["load_dir", "tag", "load_module_strict", "load_optimizer_states",

@@ -208,6 +208,13 @@ class ShardwiseConfig(ConfigModel):
         value = getattr(self, key)
         return value.model_dump() if isinstance(value, ConfigModel) else value
 
+    def __getitem__(self, key: str) -> Any:
+        """``engine.config["zero_optimization"]["stage"]``, in the JSON layout as ``get``: DeepSpeed's
+        ``engine.config`` is the config dict (OpenRLHF reads ``["zero_optimization"]["offload_optimizer"]``)."""
+        if key not in type(self).model_fields:
+            raise KeyError(key)
+        return self.get(key)
+
     def to_dict(self) -> dict[str, Any]:
         """The effective config as plain JSON-able data (loadable again with load_config)."""
         return self.model_dump(mode="json")

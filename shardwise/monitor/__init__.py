@@ -7,7 +7,7 @@ everywhere but rank 0).
 
 from __future__ import annotations
 
-import atexit
+import weakref
 from typing import Iterable
 
 from .base import Event, Monitor, check_events
@@ -46,7 +46,9 @@ class MonitorMaster:
             wb = config.wandb
             self.monitors.append(WandbMonitor(project=wb.project, group=wb.group, team=wb.team,
                                               config=config.to_dict()))
-        atexit.register(self.close)  # flush files and finish the W&B run when the script ends
+        # Flush files and finish the W&B run when the monitor goes or the script ends (a finalizer, not an exit
+        # handler holding the monitor: a dropped engine's monitors go with it).
+        self._finalizer = weakref.finalize(self, _close_all, self.monitors)
 
     def write_events(self, events: Iterable[Event]) -> None:
         """Record ``(tag, value, step)`` tuples in every enabled backend (rank 0 only)."""
@@ -65,6 +67,10 @@ class MonitorMaster:
             m.flush()
 
     def close(self) -> None:
-        for m in self.monitors:
-            m.close()
-        self.monitors = []
+        _close_all(self.monitors)
+
+
+def _close_all(monitors: list) -> None:
+    for m in monitors:
+        m.close()
+    monitors.clear()

@@ -125,6 +125,7 @@ class PipelineEngine(EngineBase):
     def train_batch(self, data_iter=None):
         """Train on the next ``gradient_accumulation_steps`` micro-batches; return the batch's mean loss
         (averaged over data-parallel replicas), the same tensor on every rank."""
+        self._check_states_loaded("train_batch")
         if not torch.is_grad_enabled():
             raise RuntimeError("train_batch() needs gradients enabled; use eval_batch() to evaluate")
         if data_iter is not None:
@@ -144,6 +145,7 @@ class PipelineEngine(EngineBase):
         ``return_logits`` also the last stage's outputs (``None`` on other stages)."""
         if reduce_output not in ("avg", None):
             raise NotImplementedError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        self._check_states_loaded("eval_batch", forward=True)
         m = num_micro_batches or self.micro_batches
         if data_iter is not None:
             self.set_dataiterator(data_iter)

@@ -71,12 +71,21 @@ class PeakMemory:
             self.bytes = mod.max_memory_allocated(self.device) - self._start
 
 
+def collect_garbage(max_passes: int = 8) -> None:
+    """``gc.collect()`` until a pass finds nothing (at most ``max_passes``): a dropped ZeRO-3 engine's model
+    and parameter coordinator go on the second pass, not the first (torch holds some Python objects from C++,
+    out of the collector's sight, such as a parameter's table of gradient hooks)."""
+    for _ in range(max_passes):
+        if gc.collect() == 0:
+            return
+
+
 def live_tensor_bytes() -> int:
     """Bytes held by the distinct storages of every tensor Python can reach now (parameters, their
     ``.grad``, optimizer states, buffers kept by the framework; not autograd's saved activations).
     Independent of the machine's load and of the allocator; a walk of the garbage collector's objects,
     so slow: for measurements, not for training."""
-    gc.collect()  # unreachable cycles (an engine dropped a moment ago) are not live
+    collect_garbage()  # unreachable cycles (an engine dropped a moment ago) are not live
     seen: dict[tuple, int] = {}
     for obj in gc.get_objects():
         if not isinstance(obj, torch.Tensor) or obj.is_meta or obj.layout != torch.strided:
@@ -84,6 +93,8 @@ def live_tensor_bytes() -> int:
         try:
             storage = obj.untyped_storage()
         except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+            continue
+        if storage.device.type == "meta":  # a fake tensor (torch.compile keeps some): no memory, maybe a symbolic size
             continue
         seen[(storage.device, storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())

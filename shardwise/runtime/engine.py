@@ -33,6 +33,7 @@ from shardwise.runtime import autocast as torch_autocast
 from shardwise.runtime.data_efficiency import DataEfficiencyMixin
 from shardwise.runtime.dataloader import build_dataloader
 from shardwise.runtime.engine_compat import EngineCompatMixin
+from shardwise.runtime.lifecycle import EngineLifecycleMixin
 from shardwise.runtime.parallelize import parallelize
 from shardwise.runtime.progress import ProgressBar
 from shardwise.training_state import StepReport, TrainingState
@@ -42,7 +43,7 @@ logger = logging.getLogger("shardwise")
 _TIMERS = ["forward", "backward", "backward_allreduce", "step"]
 
 
-class EngineBase(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
+class EngineBase(EngineLifecycleMixin, EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
     """The shared half of ``Engine`` and ``PipelineEngine``; see the module docstring."""
 
     _pipeline = False  # the model is a PipelineModule (parallelize: no AutoTP, tied duplicates out of the norm)
@@ -61,6 +62,7 @@ class EngineBase(EngineCompatMixin, DataEfficiencyMixin, torch.nn.Module):
         parallelize(self, model, pipeline=self._pipeline, optimizer=optimizer, model_parameters=model_parameters,
                     lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
         self._interval_start = time.perf_counter()
+        self._attach_lifecycle()  # (runtime/lifecycle.py: destroy, offload_states)
         if config.fault_tolerance.enabled:  # replica groups on torchft (shardwise/ft): last, it may take a peer's state
             from shardwise.ft.engine import attach
 
@@ -362,6 +364,7 @@ class Engine(EngineBase, metaclass=abc.ABCMeta):
     def forward(self, *args, **kwargs):
         if self.fault_tolerance is not None and self.training:  # the step's quorum, before its first forward
             self.fault_tolerance.before_forward()
+        self._check_states_loaded("forward", forward=True)
         self.observer.before_forward(self.global_steps, args, kwargs)
         self._data_efficiency_before_forward()  # random-LTD: the kept-token count of this step
         self.tput_timer.start()
@@ -378,6 +381,7 @@ class Engine(EngineBase, metaclass=abc.ABCMeta):
         """Backpropagate ``loss``; gradients are reduced across ranks at accumulation boundaries."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward(loss) needs a scalar loss tensor, got {_describe(loss)}")
+        self._check_states_loaded("backward")
         self.timers.start("backward")
         self._begin_backward()
         self.train_step.scale(loss, divide_by_gas=scale_wrt_gas).backward(retain_graph=retain_graph)
@@ -389,6 +393,7 @@ class Engine(EngineBase, metaclass=abc.ABCMeta):
 
     def step(self, lr_kwargs=None) -> None:
         """Count a micro-step; at an accumulation boundary update the weights."""
+        self._check_states_loaded("step")
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:

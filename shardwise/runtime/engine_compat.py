@@ -327,14 +327,6 @@ class EngineCompatMixin:
             if coordinator is not None:
                 coordinator.release_all()
 
-    # -- teardown --------------------------------------------------------------------------------------
-    def destroy(self) -> None:
-        """Wait for an asynchronous checkpoint and drop the engine's references to the model's
-        optimizer state so memory can be freed (the process group stays, as in DeepSpeed)."""
-        if self.__dict__.get("_checkpoint_writer") is not None:
-            self.wait_for_checkpoint()
-        self.__dict__.pop("_tput_timer", None)
-
     # -- checkpoints ----------------------------------------------------------------------------------
     def _apply_custom_load_fn(self, folder, custom_load_fn) -> None:
         """``load_checkpoint(custom_load_fn=fn)``: ``fn(src=<checkpoint's module state dict>,

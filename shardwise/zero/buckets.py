@@ -33,6 +33,7 @@ The gradient stores of the flat layouts (where ``param.grad`` lives under stages
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
@@ -122,10 +123,16 @@ class BucketReducer:
         self.seen: set[tuple[int, int]] = set()  # (group, parameter) with a gradient since the owner cleared it
         self._in_flight: deque[Bucket] = deque()
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._make_hook(gi, i))
+            p.register_post_accumulate_grad_hook(_weak_hook(self, gi, i))
             for gi, g in enumerate(groups)
             for i, p in enumerate(g.params)
         ]
+        # (the hooks hold the reducer weakly: a parameter keeps no strategy alive, and the hooks go with it)
+        self._finalizer = weakref.finalize(self, _remove_all, self._hooks)
+
+    def close(self) -> None:
+        """Take the gradient hooks off the parameters (``engine.destroy()``)."""
+        self._finalizer()
 
     def transient_bytes(self, element_size: int) -> int:
         """Bound on the bucket memory alive during backward when buckets are short-lived (stages
@@ -254,6 +261,24 @@ class BucketReducer:
         while self._in_flight:
             self._complete(self._in_flight.popleft())
         self.active = False
+
+
+def _weak_hook(reducer: BucketReducer, gi: int, i: int):
+    """The gradient hook of parameter ``i`` of group ``gi``, holding ``reducer`` weakly (a no-op once it is gone)."""
+    ref = weakref.ref(reducer)
+
+    def hook(p: torch.Tensor) -> None:
+        r = ref()
+        if r is not None:
+            r._make_hook(gi, i)(p)
+
+    return hook
+
+
+def _remove_all(handles) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 # -- the gradient stores of the flat layouts (stages 0, 1, 2) ----------------------------------

@@ -7,6 +7,23 @@ gathering the next units of the recorded forward order; forward post-hook:
 release them unless they are persistent or reused soon, and wrap the module's
 outputs so that their backward first gathers the units again.
 
+In backward a unit is released once nothing in this backward can still use it:
+* every module call that used it with inputs needing a gradient has had its
+  backward (its inputs go through ``_ReleaseAfterBackward``, which counts the
+  call in ``Unit.backward_uses`` until the gradient of those inputs is computed;
+  a call whose graph is dropped unrun stops counting when it is freed; the
+  recompute of a non-reentrant checkpoint, whose graph is never run, counts
+  nothing), frozen parameters included: a frozen weight is used to compute its
+  input's gradient;
+* every trainable parameter of the unit, and of the units of the subtrees of the
+  modules using it, has its gradient (``grads_complete``): the end of the backward
+  of a call whose inputs need no gradient;
+* no forward of a module using it is running (a checkpoint's recompute).
+A forward that runs inside backward (a checkpoint's recompute) releases its units
+by the same rule on exit, not by the forward's, so what the recompute gathered for
+parts of the graph that backward never reaches (frozen modules whose inputs need
+no gradient) is released at once, and the rest stays for the backward that follows.
+
 Releasing a unit points its parameters' ``.data`` at an empty tensor.  Its
 gathered buffer is then either shrunk to zero bytes in place (nobody else holds
 it, or autograd may: tensors saved during forward see the same storage once
@@ -18,6 +35,7 @@ allocates a new buffer).
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -60,7 +78,8 @@ class Unit:
         self.gathered = False
         self._new_full_buffer()
         self.pending = None  # ("comm", work, buffer) in-flight all-gather, or ("disk", future, shard) read
-        self.users = 0
+        self.users = 0  # module calls using the unit whose forward is running
+        self.backward_uses = 0  # module calls using the unit whose backward is still to run (_Use)
         self.persistent = False
         self.exposed = False  # a forward with autograd used the buffer since the last end of pass
         self.store = None  # NvmeStore when the shard lives in a file (offload_param: nvme)
@@ -190,7 +209,9 @@ class Unit:
 
 
 class _GatherBeforeBackward(torch.autograd.Function):
-    """Gathers the module's units again when the gradient of its outputs arrives. ``touched``: trainable
+    """Gathers the module's units again when the gradient of its outputs arrives. Each output comes back as
+    its own tensor (not a view), which the caller may change in place (``loss *= world``) as it could the
+    module's own output. ``touched``: trainable
     parameters of a leaf module, each given a zero gradient here besides whatever its use gives it (autograd
     sums both before accumulating, so the gradient is unchanged). So every parameter of a leaf gets its
     gradient in every backward on every rank, even an expert no token was routed to on this rank: its unit's
@@ -200,13 +221,55 @@ class _GatherBeforeBackward(torch.autograd.Function):
     def forward(ctx, coordinator, units, n_outputs, *tensors):
         ctx.coordinator, ctx.units = coordinator, units
         ctx.touched = [(p.ds_shape, p.dtype, p.device) for p in tensors[n_outputs:]]
-        return tuple(t.view_as(t) for t in tensors[:n_outputs])
+        return tuple(t.detach() for t in tensors[:n_outputs])
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.coordinator.fetch_for_backward(ctx.units)
+        ctx.coordinator.fetch_before_backward(ctx.units)
         zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.touched]
         return (None, None, None, *grads, *zeros)
+
+
+class _Use:
+    """One module call's use of its units that backward has still to finish: counted in their
+    ``backward_uses`` until closed, by the backward of the call's inputs or, if that never runs, when the
+    graph holding it is freed."""
+
+    __slots__ = ("units", "open")
+
+    def __init__(self, units: list[Unit]) -> None:
+        self.units, self.open = units, True
+        for u in units:
+            u.backward_uses += 1
+
+    def close(self) -> bool:
+        if not self.open:
+            return False
+        self.open = False
+        for u in self.units:
+            u.backward_uses -= 1
+        return True
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """Wraps a module call's inputs that need a gradient: its backward runs once autograd computed their
+    gradient, that is after every operation of the call that leads to them (DeepSpeed's post-backward
+    hook). Outputs are new tensors, not views; gradients pass through unchanged (None stays None)."""
+
+    @staticmethod
+    def forward(ctx, coordinator, use, *tensors):
+        ctx.coordinator, ctx.use = coordinator, use
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.use.close():
+            ctx.coordinator.release_done(ctx.use.units)
+        return (None, None, *grads)
 
 
 class ParamCoordinator:
@@ -225,12 +288,48 @@ class ParamCoordinator:
         self._handles: dict[torch.nn.Module, tuple] = {}
         self._nested: dict[int, list[bool]] = {}  # id(module) -> per active call: ran inside its units' user?
         self._held = False
+        self.unit_grads_complete = lambda unit: True  # (stage3.py: whether its trainable parameters have theirs)
+        self._depends: dict[int, list[Unit]] = {}
+        self._find_depends()
         for module in module_units:
             self._hook(module)
+        # The model's hooks hold the coordinator weakly (a kept model keeps no strategy alive); they go with it.
+        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
+
+    def _find_depends(self) -> None:
+        """For each unit, the units whose gradients end the backward of the calls using it: those of the
+        using modules' whole subtrees (a parent's frozen parameter may be needed for the gradient of a
+        child's trainable one: ``child(x * self.scale)``)."""
+        depends: dict[int, dict[int, Unit]] = {}
+        for m, units in self.module_units.items():
+            below = {u.index: u for c in m.modules() for u in self.module_units.get(c, ())}
+            for u in units:
+                depends.setdefault(u.index, {}).update(below)
+        self._depends = {i: list(d.values()) for i, d in depends.items()}
+        self._dependents: dict[int, list[Unit]] = {}
+        for i, d in self._depends.items():
+            for u in d:
+                self._dependents.setdefault(u.index, []).append(self.units[i])
+
+    def grads_arrived(self, unit: Unit) -> None:
+        """``unit``'s trainable parameters all have their gradient: release what waited for them."""
+        self.release_done(self._dependents.get(unit.index, [unit]))
+
+    def grads_complete(self, unit: Unit) -> bool:
+        """Whether every trainable parameter the backward of a call using ``unit`` leads to has its gradient."""
+        return all(self.unit_grads_complete(u) for u in self._depends.get(unit.index, (unit,)))
 
     def _hook(self, module: torch.nn.Module) -> None:
-        self._handles[module] = (module.register_forward_pre_hook(self._pre_forward),
-                                 module.register_forward_hook(self._post_forward))
+        # (always_call: a forward that raises, or a non-reentrant checkpoint's recompute stopped early once
+        # it has what backward needs, still ends its call; the hooks hold the coordinator weakly)
+        self._handles[module] = (
+            module.register_forward_pre_hook(_weak_call(self._pre_forward), with_kwargs=True),
+            module.register_forward_hook(_weak_call(self._post_forward), always_call=True))
+
+    def close(self) -> None:
+        """Take every hook off the model and release what is gathered (``engine.destroy()``)."""
+        self.release_all()
+        self._finalizer()
 
     def gather_as_one(self, root: torch.nn.Module) -> None:
         """Gather everything ``root``'s subtree needs in ``root``'s hooks, and none inside it (a compiled
@@ -244,6 +343,7 @@ class ParamCoordinator:
         if units:
             self.module_units[root] = units
             self._hook(root)
+        self._find_depends()
 
     # -- gathering ------------------------------------------------------------------------
     def fetch(self, units: list[Unit]) -> None:
@@ -289,28 +389,36 @@ class ParamCoordinator:
                     u.release()
 
     # -- forward --------------------------------------------------------------------------
-    def _pre_forward(self, module, args):
+    def _pre_forward(self, module, args, kwargs):
         if self._held:
-            return
+            return None
         units = self.module_units[module]
         # Called while the modules that gather its units run (a submodule of a whole-subtree unit, inside
         # the unit's root): they are gathered, and the enclosing call's hooks release them and route
-        # backward; nothing to do (and nothing added to the trace prefetching walks).
+        # backward; nothing to gather (and nothing added to the trace prefetching walks).
         nested = all(u.users > 0 for u in units)
         self._nested.setdefault(id(module), []).append(nested)
-        if nested:
-            return
-        for u in units:
-            u.users += 1
-        self.fetch(units)
-        if torch.is_grad_enabled():
+        if not nested:
             for u in units:
-                if not u.exposed:
-                    u.keep_holders_valid()
-                    u.exposed = True
-        self._fwd_now.extend(u.index for u in units)
-        if self.fwd_trace:
-            self._prefetch(self.fwd_trace, len(self._fwd_now) - 1)
+                u.users += 1
+            if _in_backward():  # a checkpoint's recompute: part of backward's gathering order
+                self.fetch_for_backward(units)
+            else:
+                self.fetch(units)
+                self._fwd_now.extend(u.index for u in units)
+                if self.fwd_trace:
+                    self._prefetch(self.fwd_trace, len(self._fwd_now) - 1)
+            if torch.is_grad_enabled():
+                for u in units:
+                    if not u.exposed:
+                        u.keep_holders_valid()
+                        u.exposed = True
+        # (nested calls too: backward may reach their inputs after the root's last use; not in the recompute of
+        # a non-reentrant checkpoint: its graph is only read for saved tensors, the forward's graph is the one
+        # backward runs, and its uses were counted in the forward)
+        if torch.is_grad_enabled() and not _in_discarded_recompute():
+            return _wrap_inputs(args, kwargs, lambda ts: _ReleaseAfterBackward.apply(self, _Use(units), *ts))
+        return None
 
     def _reused_soon(self, u: Unit) -> bool:
         if not self.fwd_trace:
@@ -327,9 +435,12 @@ class ParamCoordinator:
 
     def _post_forward(self, module, args, output):
         units = self.module_units[module]
-        if not self._held and self._nested[id(module)].pop():
-            return output
-        if torch.is_grad_enabled():  # (before the release: a leaf's parameters are touched in their full shape)
+        if not self._held:
+            calls = self._nested.get(id(module))
+            if not calls or calls.pop():  # (no call: its pre-hook raised before recording it)
+                return output
+        if torch.is_grad_enabled() and output is not None:
+            # (before the release: a leaf's parameters are touched in their full shape)
             touched = [p for u in units for p in u.params if p.requires_grad] if is_z3_leaf(module) else []
             output = _wrap_outputs(output, lambda ts: _GatherBeforeBackward.apply(self, units, len(ts), *ts,
                                                                                    *touched))
@@ -337,11 +448,31 @@ class ParamCoordinator:
             return output
         for u in units:
             u.users -= 1
+        if _in_backward():  # a recompute: backward follows at once and releases what it uses
+            self.release_done(units)
+            return output
+        for u in units:
             if u.users == 0 and not u.persistent and not self._reused_soon(u):
                 u.release()
         return output
 
     # -- backward -------------------------------------------------------------------------
+    def release_done(self, units: list[Unit]) -> None:
+        """Release, in backward, each unit nothing can still use (see the module docstring)."""
+        for u in units:
+            if (u.gathered and not u.persistent and u.users == 0 and u.backward_uses == 0
+                    and self.grads_complete(u)):
+                u.release()
+
+    def fetch_before_backward(self, units: list[Unit]) -> None:
+        """The gradient of a module call's outputs arrived: gather the units its backward can still use. A
+        unit none of whose uses is left (all had their backward, or needed none: their inputs need no
+        gradient) and none of whose dependent gradients is still to come is not needed: the frozen
+        embeddings of a model whose embedding output is made to require grad."""
+        needed = [u for u in units if u.persistent or u.backward_uses > 0 or not self.grads_complete(u)]
+        if needed:
+            self.fetch_for_backward(needed)
+
     def fetch_for_backward(self, units: list[Unit]) -> None:
         self.fetch(units)
         self._bwd_now.extend(u.index for u in units)
@@ -399,6 +530,24 @@ class ParamCoordinator:
                 u.release()
 
 
+def _weak_call(method):
+    """``method`` (bound) as a hook that holds its object weakly; a no-op once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        return bound(*args) if bound is not None else None
+
+    return hook
+
+
+def _remove_handles(handles: dict) -> None:
+    for pair in handles.values():
+        for handle in pair:
+            handle.remove()
+    handles.clear()
+
+
 def user_gathered(p: torch.nn.Parameter) -> bool:
     """Inside ``GatheredParameters`` over ``p`` (its ``.data`` is that block's copy)."""
     return getattr(p, "_ds_user_gathered", 0) > 0
@@ -406,6 +555,57 @@ def user_gathered(p: torch.nn.Parameter) -> bool:
 
 def _storage_holders(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a checkpoint recomputing a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _in_discarded_recompute() -> bool:
+    """Whether this forward is torch's non-reentrant checkpoint recomputing a region inside backward (the
+    saved-tensor hooks on top are its ``_recomputation_hook``'s): the graph it records is never run."""
+    if not _in_backward():
+        return False
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_recomputation_hook.")
+
+
+def _wrap_inputs(args: tuple, kwargs: dict, apply):
+    """Route the grad-requiring tensors of a call's arguments (not parameters) through ``apply`` (tuple in,
+    tuple out, each tensor once); ``(args, kwargs)`` with them replaced, or None if there are none."""
+    tensors, seen = [], set()
+
+    def collect(x):  # (what rebuild can rebuild: tuples, named tuples, lists, plain dicts)
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad and not isinstance(x, torch.nn.Parameter) and id(x) not in seen:
+                seen.add(id(x))
+                tensors.append(x)
+        elif type(x) in (list, tuple) or (isinstance(x, tuple) and hasattr(x, "_fields")):
+            for y in x:
+                collect(y)
+        elif type(x) is dict:
+            for y in x.values():
+                collect(y)
+
+    collect(args)
+    collect(kwargs)
+    if not tensors:
+        return None
+    wrapped = dict(zip(map(id, tensors), apply(tensors)))
+
+    def rebuild(x):
+        if isinstance(x, torch.Tensor):
+            return wrapped.get(id(x), x)
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*(rebuild(y) for y in x))
+        if type(x) in (list, tuple):
+            return type(x)(rebuild(y) for y in x)
+        if type(x) is dict:
+            return {k: rebuild(v) for k, v in x.items()}
+        return x
+
+    return tuple(rebuild(a) for a in args), {k: rebuild(v) for k, v in kwargs.items()}
 
 
 def _wrap_outputs(output, apply):

@@ -25,9 +25,9 @@ bindings would add a dependency for no gain.
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
+import tempfile
 import threading
 import time
 import weakref
@@ -120,8 +120,9 @@ class NvmeStore:
         return_large_frees_to_the_os()
         base = Path(root)
         base.mkdir(parents=True, exist_ok=True)
-        self.dir = base / f"shardwise-{os.getpid()}-rank{rank}"
-        self.dir.mkdir(exist_ok=True)
+        # A folder of its own (two engines of one process, or a ZeRO-3 engine's parameter and optimizer
+        # stores, never share one: closing a store removes its folder while the others still use theirs).
+        self.dir = Path(tempfile.mkdtemp(prefix=f"shardwise-{os.getpid()}-rank{rank}-", dir=base))
         self.block = max(ALIGN, _round_down(int(block_size)))
         self.workers = max(1, int(threads)) * max(1, int(queue_depth))
         self.pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="shardwise-nvme")
@@ -130,8 +131,8 @@ class NvmeStore:
         self._fd_lock = threading.RLock()
         self._allocated: dict[str, int] = {}  # bytes reserved per file
         self._local = threading.local()
+        # (runs when the store goes, at close(), or at exit: weakref.finalize's atexit)
         self._closer = weakref.finalize(self, NvmeStore._cleanup, self.pool, self._fds, self.dir)
-        atexit.register(self._closer)
 
     def _direct_works(self) -> bool:
         """Some filesystems (tmpfs, some overlays) refuse O_DIRECT: then everything is buffered."""

@@ -70,6 +70,11 @@ class UnitGradients(PartitionGrads):
         self.partitions = [torch.zeros(u.shard_numel, dtype=accum_dtype or u.dtype, device=u.device) for u in units]
         self._trainable = {u.index: sum(p.requires_grad for p in u.params) for u in units}
         self._accepted = dict.fromkeys(self._trainable, 0)
+        self.on_complete = None  # called with a unit when its last trainable gradient of the backward came
+
+    def complete(self, u: Unit) -> bool:
+        """Whether every trainable parameter of ``u`` has its gradient of this backward (frozen units: yes)."""
+        return self._accepted[u.index] == self._trainable[u.index]
 
     def begin(self) -> None:
         self._accepted = dict.fromkeys(self._accepted, 0)
@@ -98,8 +103,8 @@ class UnitGradients(PartitionGrads):
             rows[full, : n - full * c].copy_(grad[full * c :])
         p.grad = None
         self._accepted[u.index] += 1
-        if self._accepted[u.index] == self._trainable[u.index] and not u.persistent and u.users == 0:
-            u.release()  # every use of the unit has finished its backward
+        if self.on_complete is not None and self.complete(u):
+            self.on_complete(u)  # released (with what waited for it) if no use of it is left in this backward
 
     def reduced(self, b: Bucket, own: torch.Tensor) -> None:
         u = self.layout.unit_of_bucket[b.position]
@@ -206,6 +211,8 @@ class Stage3Strategy(ZeroStrategy):
             max_live_elements=int(zc.stage3_max_live_parameters) if zc is not None else 10**9,
             reuse_distance=int(zc.stage3_max_reuse_distance) if zc is not None else 10**9,
         )
+        self.coordinator.unit_grads_complete = self.gradients.complete
+        self.gradients.on_complete = self.coordinator.grads_arrived
         self.parameter_offload = param_offload_view.attach(module, self.coordinator, optimizer)
         if optimizer is not None:
             AveragedGradients.attach(optimizer, self.gradients)

@@ -1,17 +1,10 @@
 """``deepspeed.runtime.zero.offload_config``: the offload sub-blocks of ``zero_optimization``."""
 from __future__ import annotations
 
-from enum import Enum
-
 from shardwise.config.zero import OffloadOptimizerConfig, OffloadParamConfig
+from shardwise.zero.offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
 
 from ..._config_view import ConfigView
-
-
-class OffloadDeviceEnum(str, Enum):
-    none = "none"
-    cpu = "cpu"
-    nvme = "nvme"
 
 
 class DeepSpeedZeroOffloadParamConfig(ConfigView):
@@ -29,4 +22,5 @@ class DeepSpeedZeroOffloadOptimizerConfig(ConfigView):
         return self.pipeline_read or self.pipeline_write
 
 
-__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum"]
+__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum",
+           "OffloadStateTypeEnum"]
