@@ -290,6 +290,9 @@ def _zero_body(stage, rank, world):
                 ids = torch.randint(0, 40, (2 * world, 20), generator=g)[rank * 2:(rank + 1) * 2]
                 loss = engine(ids, torch.roll(ids, -1, 1))
                 engine.backward(loss)
+                if stage == 3:  # (no parameter is persistent): everything partitioned again after backward
+                    whole = [n for n, p in model.named_parameters() if p.numel()]
+                    assert not whole, f"gathered after backward: {whole}"
                 engine.step()
                 run.append(loss.item())
         losses[shards] = run

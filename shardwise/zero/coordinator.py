@@ -40,7 +40,7 @@ import weakref
 import torch
 
 from shardwise import comm
-from shardwise.param_attrs import is_z3_leaf, set_zero_unit
+from shardwise.param_attrs import is_z3_leaf, set_zero_unit, zero_unit
 from shardwise.zero.gather_order import GatherOrderCheck
 from shardwise.zero.partitioned_param import ZeroParamStatus
 
@@ -83,6 +83,7 @@ class Unit:
         self.persistent = False
         self.exposed = False  # a forward with autograd used the buffer since the last end of pass
         self.store = None  # NvmeStore when the shard lives in a file (offload_param: nvme)
+        self.coordinator = None  # (weakly) the ParamCoordinator that gathers and releases the unit
         self.release()
 
     def _new_full_buffer(self) -> None:
@@ -276,6 +277,8 @@ class ParamCoordinator:
     def __init__(self, units: list[Unit], module_units: dict[torch.nn.Module, list[Unit]], *, check_group,
                  prefetch_elements: int, max_live_elements: int, reuse_distance: int) -> None:
         self.units = units
+        for u in units:
+            u.coordinator = weakref.ref(self)
         self.module_units = module_units
         self.order_check = GatherOrderCheck(units, group=check_group)  # (the first pass: gathers agree)
         self.prefetch_elements = prefetch_elements
@@ -546,6 +549,23 @@ def _remove_handles(handles: dict) -> None:
         for handle in pair:
             handle.remove()
     handles.clear()
+
+
+def gather_for_gradients(params) -> None:
+    """In backward, before gradients are handed to ``params`` directly (``torch.autograd.backward(params,
+    grads)``, not through the graph of a module's call): gather the released stage-3 units holding them.
+    Autograd checks such a gradient against the parameter's shape and accumulates it in that shape; a
+    released parameter is empty. Each unit is released as in any backward: once its trainable parameters
+    have their gradients and nothing else in the backward still uses it, or at the end of the pass.
+    Parameters outside stage-3 units are left alone."""
+    by_coordinator: dict[int, tuple[ParamCoordinator, dict[int, Unit]]] = {}
+    for p in params:
+        unit = zero_unit(p)
+        coordinator = unit.coordinator() if unit is not None and unit.coordinator is not None else None
+        if coordinator is not None and not unit.gathered and not user_gathered(p):
+            by_coordinator.setdefault(id(coordinator), (coordinator, {}))[1][unit.index] = unit
+    for coordinator, units in by_coordinator.values():
+        coordinator.fetch_for_backward(list(units.values()))
 
 
 def user_gathered(p: torch.nn.Parameter) -> bool:

@@ -18,7 +18,10 @@ hooks gather the partitioned parameters as in any forward.
 tile inside forward and adds the parameters' gradients then, so they ignore the gradient that
 later arrives for the loss (``loss / gradient_accumulation_steps``, a loss scale, a weight).
 Here the tiles' parameter gradients are summed aside in forward and handed to autograd in
-backward, multiplied by that incoming gradient, like the input's gradient.
+backward, multiplied by that incoming gradient, like the input's gradient.  Under stage 3 the
+parameters are gathered again for that hand-off (a released parameter is empty, and autograd
+accumulates a gradient in its parameter's shape), as for the backward of any module's call, and
+released once their gradients are in.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import math
 import torch
 
 from shardwise.param_attrs import set_grad_is_ready
+from shardwise.zero.coordinator import gather_for_gradients
 
 __all__ = ["TiledMLP", "TiledFusedLogitsLoss", "SequenceTiledCompute", "sequence_tiled_compute"]
 
@@ -277,6 +281,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     def backward(ctx, grad):
         (x_grad,) = ctx.saved_tensors
         if ctx.params:  # hand the parameters' gradients to autograd now, so hooks (ZeRO) see them in backward
+            gather_for_gradients(ctx.params)  # (ZeRO-3: whole again, as for a module's backward)
             torch.autograd.backward(ctx.params, [g.mul_(grad.to(g.dtype)) for g in ctx.param_grads])
             ctx.params, ctx.param_grads = [], []
         if x_grad is not None:
