@@ -85,9 +85,6 @@ def _model_parallel(mpu):
     """(group, size, rank) of the model-parallel axis of ``mpu`` (a Megatron mpu or a shardwise grid)."""
     if mpu is None:
         return None, 1, 0
-    inner = getattr(mpu, "mpu", None)  # shardwise.topology.MpuGrid wraps the user's mpu
-    if inner is not None:
-        return _model_parallel(inner)
     if hasattr(mpu, "group") and hasattr(mpu, "axis_rank"):  # shardwise.topology.ParallelGrid
         size = mpu.size("model")
         return (mpu.group("model") if size > 1 else None), size, mpu.axis_rank("model")

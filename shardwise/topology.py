@@ -1,221 +1,48 @@
-"""The one builder of process groups: a named process grid (which ranks share a pipeline stage, a
-data-parallel replica, a tensor-parallel shard, a sequence, an expert) and every group cut from it.
+"""The one builder of process groups: the grid of every group the project uses, cut from one rank layout
+and handed out by name.
 
-Ranks are laid out by reshaping ``arange(world_size)`` into the grid with the last axis varying fastest
-(``pipe, data, model`` by default, as DeepSpeed's ``PipeModelDataParallelTopology``), so tensor-parallel
-peers are neighbours. A grid is cut from a ``ParallelDims`` (``ParallelGrid.from_dims``), the one record
-of every axis's size, and hands its groups out by name: ``grid.group(axis)``, ``grid.size(axis)``,
-``grid.axis_rank(axis)`` for ``data``, ``pipe``, ``model`` (tensor), ``sequence``, ``sequence_data``,
-``model_parallel`` (pipe x tensor, DeepSpeed's ``get_model_parallel_*``), ``expert`` and
-``expert_data``; ``grid.tied_group(stages)`` for layers tied across pipeline stages. The groups the
-project uses are created here (and in ``shardwise.comm``), nowhere else: a test walks the sources.
+A ``ParallelGrid`` is built from a ``ParallelDims`` (``ParallelGrid.from_dims``), the one record of every
+axis's size, once the plan knows every size (``shardwise/runtime/plan.py``). Its rank layout is a
+``ProcessTopology`` (``shardwise/rank_layout.py``: rank arithmetic only). It hands its groups out by name:
+``grid.group(axis)``, ``grid.size(axis)``, ``grid.axis_rank(axis)`` for ``data``, ``pipe``, ``model``
+(tensor), ``sequence``, ``sequence_data``, ``model_parallel`` (pipe x tensor, DeepSpeed's
+``get_model_parallel_*``), ``expert`` and ``expert_data``; ``grid.tied_group(stages)`` for layers tied across
+pipeline stages. The groups the project uses are created here (and in ``shardwise.comm``), nowhere else: a
+test walks the sources.
 
 Every group is created collectively: every rank creates every group of an axis, in the same order (a
-rank keeps the one it belongs to). Groups created after the grid (a tied group, the expert groups of a
-second ``ep_size``) are created on demand, but the demand is the same on every rank (the same model, the
-same plan), so the order still agrees.
+rank keeps the one it belongs to). A group is created once per list of ranks and world (``_group``): a grid
+built for the same ranks again (the engine's grid after the one a ``PipelineModule`` or
+``register_with_transformers`` needed earlier) finds the groups that exist. Groups asked for after the grid
+(a tied group, the expert groups of a second ``ep_size``) are created on demand, but the demand is the same
+on every rank (the same model, the same plan), so the order still agrees.
 
 Building a grid changes nothing else: the grid is handed explicitly to what needs it. Code that takes no
-grid argument (tensor-parallel layers built without ``group=``, DeepSpeed's ``deepspeed.utils.groups`` and
-``parallel_state_sp`` accessors, Megatron-style ``mpu.get_*`` calls, an MoE layer built outside an
-engine) asks the *active* grid (``active_grid()``): the one inside a ``with grid.active():`` scope,
-else the activated one. Two callers activate a grid: ``shardwise.initialize`` (the engine's grid) and
-``parallel_state_sp.initialize_sequence_parallel`` (the groups ``register_with_transformers`` lays out
-before there is an engine); a user may too (``grid.activate()``, e.g. around building tensor-parallel
-layers). ``comm.destroy_process_group`` forgets it, since its groups die with the world.
+grid argument (tensor-parallel layers built without ``group=``, DeepSpeed's group accessors in the compat
+package, an MoE layer built outside an engine) asks the *active* grid (``active_grid()``): the one inside
+a ``with grid.active():`` scope, else the activated one. Two callers activate a grid: ``shardwise.initialize``
+(the engine's grid) and ``shardwise.runtime.sequence_parallel.groups.sequence_parallel_grid`` (the groups
+``register_with_transformers`` lays out before there is an engine); a user may too (``grid.activate()``,
+e.g. around building tensor-parallel layers). ``comm.destroy_process_group`` forgets it, since its groups
+die with the world.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from collections import namedtuple
 from itertools import product
 
 from shardwise import comm
 from shardwise.parallel_dims import ParallelDims, check_expert_size
-
-
-class _Count(int):
-    """A rank count that can also be called: ``topology.world_size`` and DeepSpeed's ``world_size()``."""
-
-    def __call__(self) -> int:
-        return int(self)
-
-
-def _coord_type(axes: tuple[str, ...]) -> type:
-    """DeepSpeed's ``ProcessCoord`` named tuple for ``axes``, also read by axis name like a dict."""
-
-    class ProcessCoord(namedtuple("ProcessCoord", axes)):
-        __slots__ = ()
-
-        def __getitem__(self, key):
-            return getattr(self, key) if isinstance(key, str) else super().__getitem__(key)
-
-        def get(self, axis: str, default=None):
-            return getattr(self, axis, default)
-
-        def keys(self):  # so that ``get_rank(**coord)`` works
-            return self._fields
-
-    return ProcessCoord
-
-
-@dataclass(frozen=True)
-class ProcessTopology:
-    """Ranks laid out row-major over named axes (the last axis varies fastest), with DeepSpeed's
-    methods: ``get_rank(**coord)``, ``get_coord(rank)`` (a ``ProcessCoord`` named tuple),
-    ``get_axis_list``, ``filter_match``, ``get_rank_repr``, ``get_axis_comm_lists``, ``world_size``."""
-
-    axes: tuple[str, ...]
-    dims: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "axes", tuple(self.axes))  # DeepSpeed's callers pass lists
-        object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
-        object.__setattr__(self, "ProcessCoord", _coord_type(self.axes))
-        if len(self.axes) != len(self.dims):
-            raise ValueError(f"topology axes {self.axes} and dims {self.dims} differ in length")
-        if any(d < 1 for d in self.dims):
-            raise ValueError(f"topology dims must be >= 1, got {dict(zip(self.axes, self.dims))}")
-
-    def __reduce__(self):  # ProcessCoord is made per instance: rebuild it rather than pickle it
-        return type(self), (self.axes, self.dims)
-
-    @classmethod
-    def for_world(cls, world_size: int, *, pipe: int = 1, model: int = 1) -> "ProcessTopology":
-        if world_size % (pipe * model):
-            raise ValueError(
-                f"world size {world_size} is not divisible by pipeline ({pipe}) x model ({model}) parallel sizes"
-            )
-        return cls(("pipe", "data", "model"), (pipe, world_size // (pipe * model), model))
-
-    @classmethod
-    def from_dims(cls, dims: ParallelDims) -> "ProcessTopology":
-        """The layout of ``dims``'s sizes, as DeepSpeed lays ranks out: pipe outermost, tensor fastest; with
-        sequence parallelism (data, sequence), sequence fastest, and with pipe or tensor too (pipe, data,
-        sequence, model): tensor peers stay neighbours, then sequence peers."""
-        if dims.sequence > 1 and dims.pipe * dims.tensor == 1:
-            return cls(("data", "sequence"), (dims.data, dims.sequence))
-        if dims.sequence > 1:
-            return cls(("pipe", "data", "sequence", "model"), (dims.pipe, dims.data, dims.sequence, dims.tensor))
-        return cls(("pipe", "data", "model"), (dims.pipe, dims.data, dims.tensor))
-
-    @property
-    def world_size(self) -> int:
-        n = 1
-        for d in self.dims:
-            n *= d
-        return _Count(n)
-
-    def get_dim(self, axis: str) -> int:
-        return self.dims[self.axes.index(axis)]
-
-    def get_coord(self, rank: int):
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} not found in topology {dict(zip(self.axes, self.dims))}")
-        coord = []
-        for dim in reversed(self.dims):
-            coord.append(rank % dim)
-            rank //= dim
-        return self.ProcessCoord(*reversed(coord))
-
-    def get_axis_list(self, axis: str, idx: int) -> list[int]:
-        """The ranks whose coordinate along ``axis`` is ``idx``."""
-        return self.filter_match(**{axis: idx})
-
-    def filter_match(self, **coord: int) -> list[int]:
-        """The ranks whose coordinates match every ``axis=value`` given, in rank order."""
-        unknown = [a for a in coord if a not in self.axes]
-        if unknown:
-            raise ValueError(f"filter_match: no axis {unknown[0]!r} in topology {dict(zip(self.axes, self.dims))}")
-        free = [a for a in self.axes if a not in coord]
-        return sorted(self.get_rank(**coord, **dict(zip(free, values)))
-                      for values in product(*[range(self.get_dim(a)) for a in free]))
-
-    def get_rank_repr(self, rank: int, omit_axes=("data", "pipe"), inner_sep: str = "_", outer_sep: str = "-") -> str:
-        """``rank``'s coordinates as text, e.g. ``model_01`` (DeepSpeed's checkpoint file names)."""
-        coord = self.get_coord(rank)
-        return outer_sep.join(f"{a}{inner_sep}{coord[a]:02d}" for a in self.axes if a not in set(omit_axes))
-
-    def get_rank(self, **coord: int) -> int:
-        rank = 0
-        for axis, dim in zip(self.axes, self.dims):
-            rank = rank * dim + coord.get(axis, 0)
-        return rank
-
-    def get_axis_names(self) -> list[str]:
-        return list(self.axes)
-
-    def get_axis_comm_lists(self, axis: str) -> list[list[int]]:
-        """DeepSpeed's name for ``axis_groups`` (empty for an axis the topology lacks)."""
-        return self.axis_groups(axis) if axis in self.axes else []
-
-    def axis_groups(self, axis: str) -> list[list[int]]:
-        """Lists of ranks that differ only in their coordinate along ``axis``."""
-        others = [a for a in self.axes if a != axis]
-        ranges = [range(self.get_dim(a)) for a in others]
-        groups = []
-        for fixed in product(*ranges):
-            base = dict(zip(others, fixed))
-            groups.append([self.get_rank(**base, **{axis: i}) for i in range(self.get_dim(axis))])
-        return groups
-
-
-class _Activatable:
-    """``active()`` / ``activate()`` for a grid or a grid view (see the module docstring)."""
-
-    @contextlib.contextmanager
-    def active(self):
-        """Make this grid the active one inside the ``with`` block (e.g. while building a model from
-        tensor-parallel layers, or running its forward)."""
-        _SCOPES.append(self)
-        try:
-            yield self
-        finally:
-            _SCOPES.pop()
-
-    def activate(self) -> None:
-        """Make this grid the active one outside any ``with grid.active()`` scope, until another is
-        activated or the process group is destroyed (what ``initialize`` does with the engine's grid)."""
-        _DEFAULT[0] = self
-
-    def _alive(self) -> bool:
-        return True
-
-    @property
-    def dims(self) -> ParallelDims:
-        return ParallelDims(data=self.size("data"), pipe=self.size("pipe"), tensor=self.size("model"),
-                            sequence=self.size("sequence"), expert=self.expert_size)
-
-    # -- expert groups (MoE): a sub-axis of every stage's data x sequence (x tensor) ranks ----------------
-    expert_size = 1  # the plan's expert-parallel size (``ParallelDims.expert``); see ``add_expert_axis``
-
-    def add_expert_axis(self, ep_size: int) -> None:
-        """Make ``ep_size`` this grid's expert axis (``group("expert")``, ``group("expert_data")``) and create
-        its groups (collective). The expert axis is a sub-axis of data: adding it changes no other group."""
-        self.expert_groups(ep_size)
-        self.expert_size = int(ep_size)
-
-    def expert_groups(self, ep_size: int | None = None, *, data_before_expert: bool = False,
-                      create: bool = True) -> "ExpertGroups | None":
-        """This rank's expert-parallel and expert-data-parallel groups for ``ep_size`` (default: the grid's
-        expert size), created on first use (collective: every rank asks for the same sizes in the same
-        order, as the same model's MoE layers do). ``create=False``: None when they do not exist yet."""
-        ep = self.expert_size if ep_size is None else int(ep_size)
-        key = (ep, bool(data_before_expert))
-        made = self.__dict__.setdefault("_experts", {})
-        if key not in made and create:
-            made[key] = _cut_expert_groups(self._expert_rank_lists(), ep, bool(data_before_expert))
-        return made.get(key)
-
-    def created_expert_groups(self) -> dict:
-        """``{ep_size: ExpertGroups}`` of the groups created so far on this grid (DeepSpeed's name-keyed views)."""
-        return {ep: g for (ep, _), g in sorted(self.__dict__.get("_experts", {}).items())}
-
-    def _expert_rank_lists(self) -> list[list[int]]:
-        raise NotImplementedError
-
+from shardwise.rank_layout import (  # noqa: F401 (the layout's names, where callers import them from)
+    PipeDataParallelTopology,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+    expert_rank_lists,
+    split_data_ranks,
+    stage_expert_ranks,
+)
 
 _AXES = ("pipe", "data", "model", "sequence")  # the axes of the rank layout (each has a group per rank)
 _EXPERT_AXES = ("expert", "expert_data")  # cut from the data axis (``ParallelGrid.expert_groups``)
@@ -225,6 +52,16 @@ _EXPERT_AXES = ("expert", "expert_data")  # cut from the data axis (``ParallelGr
 # and a name in ``group()``/``size()``/``axis_rank()``; nothing outside this module creates a group.
 _SCOPES: list = []
 _DEFAULT: list = [None]
+_GROUPS: dict = {}  # every group created, by its ranks (this world's; forgotten with it)
+
+
+def _group(ranks):
+    """The process group of ``ranks`` (sorted or in the order given), created on first use. Collective: every
+    rank asks for every group of an axis in the same order, so every rank creates it, or none does."""
+    key = tuple(int(r) for r in ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = comm.new_group(list(key))
+    return _GROUPS[key]
 
 
 def active_grid():
@@ -236,6 +73,22 @@ def active_grid():
         _forget_grids()
         return None
     return grid
+
+
+_VIEWS: dict = {}  # id(object) -> (object, resolve): objects that stand for a grid (``register_grid_view``)
+
+
+def register_grid_view(view, resolve) -> None:
+    """Declare that ``view`` (an object or module answering group accessors, e.g. DeepSpeed's
+    ``parallel_state_sp`` in the compat package) stands for the grid ``resolve()`` returns: ``initialize(mpu=view)``
+    takes that grid's sizes and groups."""
+    _VIEWS[id(view)] = (view, resolve)
+
+
+def grid_of_view(view):
+    """The grid a registered view stands for (``register_grid_view``), or None for any other object."""
+    entry = _VIEWS.get(id(view))
+    return entry[1]() if entry is not None and entry[0] is view else None
 
 
 def expert_groups(ep_size: int, *, data_before_expert: bool = False, grid=None) -> "ExpertGroups":
@@ -260,7 +113,6 @@ def created_expert_groups() -> dict:
 
 
 _WORLD_EXPERTS: dict = {}  # expert groups cut with no grid active (forgotten with the world)
-comm.on_destroy(_WORLD_EXPERTS.clear)
 
 
 def _forget_grids() -> None:
@@ -268,13 +120,19 @@ def _forget_grids() -> None:
     _DEFAULT[0] = None
 
 
+def _forget_world() -> None:
+    _GROUPS.clear()
+    _WORLD_EXPERTS.clear()
+
+
+comm.on_destroy(_forget_world)
 comm.on_destroy(_forget_grids)
 
 
 @dataclass(frozen=True)
 class ExpertGroups:
     """The expert groups of one ``ep_size``, as this rank sees them. With a stage's data ranks
-    d_0..d_{D-1} (DeepSpeed's order, see ``_stage_expert_ranks``) and expert-parallel size E, the
+    d_0..d_{D-1} (DeepSpeed's order, see ``rank_layout.stage_expert_ranks``) and expert-parallel size E, the
     expert-parallel groups are consecutive blocks [d_0..d_{E-1}], ... (tokens are exchanged within one),
     the expert-data-parallel groups strided ones [d_0, d_E, ...], ... (expert gradients are reduced over
     one). ``layout``: every stage's (expert-parallel, expert-data-parallel) rank lists."""
@@ -299,19 +157,6 @@ class ExpertGroups:
         return self.data_ranks.index(comm.get_rank())
 
 
-def split_data_ranks(data_ranks: list[int], ep: int, data_before_expert: bool = False):
-    """(expert-parallel rank lists, expert-data-parallel rank lists) cut from one stage's data ranks."""
-    blocks = len(data_ranks) // ep
-    if data_before_expert:  # data-parallel replicas are the consecutive blocks instead
-        return ([data_ranks[i::blocks] for i in range(blocks)],
-                [data_ranks[i * blocks:(i + 1) * blocks] for i in range(ep)])
-    return [data_ranks[i * ep:(i + 1) * ep] for i in range(blocks)], [data_ranks[i::ep] for i in range(ep)]
-
-
-# Expert groups by layout, shared by every grid of the same world with the same layout (zero.Init cuts
-# them before the engine's grid exists; the engine's grid then finds the same groups). Forgotten with the world.
-_EXPERT_GROUPS_BY_LAYOUT: dict = {}
-
 
 def _cut_expert_groups(stage_ranks: list[list[int]], ep: int, data_before_expert: bool) -> ExpertGroups:
     if ep < 1:
@@ -322,62 +167,24 @@ def _cut_expert_groups(stage_ranks: list[list[int]], ep: int, data_before_expert
         ep_lists, edp_lists = split_data_ranks(data_ranks, ep, data_before_expert)
         layout.append((tuple(map(tuple, ep_lists)), tuple(map(tuple, edp_lists))))
     layout = tuple(layout)
-    key = (ep, layout)
-    if key in _EXPERT_GROUPS_BY_LAYOUT:  # the same on every rank: every rank skips creating, or none does
-        return _EXPERT_GROUPS_BY_LAYOUT[key]
     rank = comm.get_rank()
     mine = {}
     for ep_lists, edp_lists in layout:
         for kind, lists in (("data", edp_lists), ("expert", ep_lists)):  # every rank creates every group, in order
             for ranks in lists:
-                group = comm.new_group(list(ranks))
+                group = _group(ranks)
                 if rank in ranks:
                     mine[kind] = (group, ranks)
-    made = ExpertGroups(ep, mine["expert"][0], mine["expert"][1], mine["data"][0], mine["data"][1], layout)
-    _EXPERT_GROUPS_BY_LAYOUT[key] = made
-    return made
+    return ExpertGroups(ep, mine["expert"][0], mine["expert"][1], mine["data"][0], mine["data"][1], layout)
 
 
-comm.on_destroy(_EXPERT_GROUPS_BY_LAYOUT.clear)
 
 
-def _stage_expert_ranks(topology: ProcessTopology) -> list[list[int]]:
-    """Per pipeline stage, the ranks experts are split over, in DeepSpeed's order: tensor rank 0's data
-    ranks, then tensor rank 1's, ... (TP-strided), each data rank followed by its sequence peers. With
-    sequence parallelism every rank routes its own tokens; with tensor parallelism every tensor rank runs
-    1 / tensor of each expert's slots. So expert-parallel groups (consecutive blocks) stay within one tensor
-    rank, and an expert-data-parallel group spans the tensor ranks."""
-    stages: dict[int, list[int]] = {}
-    for rank in range(topology.world_size):
-        stages.setdefault(topology.get_coord(rank).get("pipe", 0), []).append(rank)
+class ParallelGrid:
+    """The process groups of the current rank along each axis of a topology, and its expert axis (``expert``
+    ranks of every stage's data x sequence ranks share a layer's experts; 1: none)."""
 
-    def order(rank):
-        c = topology.get_coord(rank)
-        return c.get("model", 0), c.get("data", 0), c.get("sequence", 0)
-
-    return [sorted(ranks, key=order) for _, ranks in sorted(stages.items())]
-
-
-def expert_rank_lists(world_size: int, tensor: int, ep: int, pipe: int = 1, data_before_expert: bool = False):
-    """The expert-parallel and expert-data-parallel rank lists of a (pipe, data, tensor) layout, stage by stage
-    (rank arithmetic only: no group is created)."""
-    model = tensor * pipe
-    if world_size % model:
-        raise ValueError(f"world size {world_size} is not divisible by tensor {tensor} x pipe {pipe}")
-    check_expert_size(ep, world_size // model)
-    topology = ProcessTopology(("pipe", "data", "model"), (pipe, world_size // model, tensor))
-    ep_all, edp_all = [], []
-    for data_ranks in topology.axis_groups("data"):
-        ep_lists, edp_lists = split_data_ranks(data_ranks, ep, data_before_expert)
-        ep_all += ep_lists
-        edp_all += edp_lists
-    return ep_all, edp_all
-
-
-class ParallelGrid(_Activatable):
-    """The process groups of the current rank along each axis of a topology."""
-
-    def __init__(self, topology: ProcessTopology, rank: int | None = None) -> None:
+    def __init__(self, topology: ProcessTopology, rank: int | None = None, *, expert: int = 1) -> None:
         self.topology = topology
         self.rank = comm.get_rank() if rank is None else rank
         self._world = comm.get_world_group() if comm.is_initialized() else None
@@ -392,13 +199,13 @@ class ParallelGrid(_Activatable):
                 # A size-1 axis gets a group of its own too: None means the whole world everywhere
                 # (the ZeRO strategy reducing over a size-1 data axis, a user's all-reduce over the
                 # tensor group at tensor size 1), as in Megatron's and DeepSpeed's grids.
-                g = comm.new_group(ranks)
+                g = _group(ranks)
                 if self.rank in ranks:
                     self._groups[axis] = g
         for axis in _AXES:  # an axis the topology lacks has size 1: each rank a group of its own
             if axis not in topology.axes:
                 for r in range(topology.world_size):
-                    g = comm.new_group([r])
+                    g = _group([r])
                     if r == self.rank:
                         self._groups[axis] = g
         self.coord = topology.get_coord(self.rank)
@@ -406,21 +213,65 @@ class ParallelGrid(_Activatable):
         self._seq_data_group = self._groups.get("data")
         if "sequence" in topology.axes and topology.get_dim("sequence") > 1:
             self._seq_data_group = self._sequence_data_groups(whole_world)
+        self.expert_size = int(expert)
+        if self.expert_size > 1:
+            self.expert_groups(self.expert_size)  # the expert axis: a sub-axis of data (collective)
 
     def _alive(self) -> bool:
         return comm.is_initialized() and self._world is comm.get_world_group()
 
     @classmethod
-    def from_dims(cls, dims: ParallelDims) -> "ParallelGrid":
-        """The grid of ``dims``'s sizes (collective: every rank builds every group), laid out by
-        ``ProcessTopology.from_dims``."""
-        grid = cls(ProcessTopology.from_dims(dims))
-        if dims.expert > 1:
-            grid.add_expert_axis(dims.expert)
-        return grid
+    def from_dims(cls, dims: ParallelDims, topology: ProcessTopology | None = None) -> "ParallelGrid":
+        """The grid of ``dims``'s sizes, expert axis included (collective: every rank builds every group), laid
+        out by ``topology`` (a ``PipelineModule``'s or a user's grid's) or else ``ProcessTopology.from_dims``."""
+        if topology is None:
+            topology = ProcessTopology.from_dims(dims)
+        else:
+            has = {a: topology.get_dim(a) if a in topology.axes else 1 for a in _AXES}
+            want = {"pipe": dims.pipe, "data": dims.data, "model": dims.tensor, "sequence": dims.sequence}
+            if has != want:
+                raise ValueError(f"topology {dict(zip(topology.axes, topology.dims))} does not have the sizes {want}")
+        return cls(topology, expert=dims.expert)
 
     def _expert_rank_lists(self) -> list[list[int]]:
-        return _stage_expert_ranks(self.topology)
+        return stage_expert_ranks(self.topology)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Make this grid the active one inside the ``with`` block (e.g. while building a model from
+        tensor-parallel layers, or running its forward)."""
+        _SCOPES.append(self)
+        try:
+            yield self
+        finally:
+            _SCOPES.pop()
+
+    def activate(self) -> None:
+        """Make this grid the active one outside any ``with grid.active()`` scope, until another is
+        activated or the process group is destroyed (what ``initialize`` does with the engine's grid)."""
+        _DEFAULT[0] = self
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(data=self.size("data"), pipe=self.size("pipe"), tensor=self.size("model"),
+                            sequence=self.size("sequence"), expert=self.expert_size)
+
+    # -- expert groups (MoE): a sub-axis of every stage's data x sequence (x tensor) ranks ----------------
+    def expert_groups(self, ep_size: int | None = None, *, data_before_expert: bool = False,
+                      create: bool = True) -> "ExpertGroups | None":
+        """This rank's expert-parallel and expert-data-parallel groups for ``ep_size`` (default: the grid's
+        expert size), created on first use (collective: every rank asks for the same sizes in the same
+        order, as the same model's MoE layers do). ``create=False``: None when they do not exist yet."""
+        ep = self.expert_size if ep_size is None else int(ep_size)
+        key = (ep, bool(data_before_expert))
+        made = self.__dict__.setdefault("_experts", {})
+        if key not in made and create:
+            made[key] = _cut_expert_groups(self._expert_rank_lists(), ep, bool(data_before_expert))
+        return made.get(key)
+
+    def created_expert_groups(self) -> dict:
+        """``{ep_size: ExpertGroups}`` of the groups created so far on this grid (DeepSpeed's name-keyed views)."""
+        return {ep: g for (ep, _), g in sorted(self.__dict__.get("_experts", {}).items())}
 
     def tied_group(self, stages) -> tuple:
         """``(group, ranks)``: the group of the pipeline ``stages`` at this rank's other coordinates (layers
@@ -435,7 +286,7 @@ class ParallelGrid(_Activatable):
             for column in topo.axis_groups("pipe"):  # one group per (data, model) coordinate
                 base = {a: v for a, v in topo.get_coord(column[0])._asdict().items() if a in others}
                 ranks = [topo.get_rank(**base, pipe=s) for s in stages]
-                group = comm.new_group(ranks)
+                group = _group(ranks)
                 if self.rank in ranks:
                     mine = (group, ranks)
             made[stages] = mine
@@ -452,7 +303,7 @@ class ParallelGrid(_Activatable):
             fixed = {a: v for a, v in (("data", d), ("sequence", s)) if a in topo.axes}
             ranks = sorted(topo.get_rank(**fixed, **dict(zip(others, free)))  # O(group size), not O(world)
                            for free in product(*[range(topo.get_dim(a)) for a in others]))
-            g = comm.new_group(ranks)
+            g = _group(ranks)
             if self.rank in ranks:
                 mine = g
         return mine
@@ -468,7 +319,7 @@ class ParallelGrid(_Activatable):
             ranks = sorted(self.topology.get_rank(**base, data=d, sequence=s)
                            for d in range(self.topology.get_dim("data"))
                            for s in range(self.topology.get_dim("sequence")))
-            g = comm.new_group(ranks)
+            g = _group(ranks)
             if self.rank in ranks:
                 mine = g
         return mine
@@ -662,144 +513,9 @@ def tensor_parallel_group_and_size(group=TENSOR_AXIS):
     return grid.group("model"), grid.size("model")  # None when the tensor axis is the whole world
 
 
-def PipeDataParallelTopology(num_pp: int, num_dp: int) -> ProcessTopology:  # noqa: N802 (DeepSpeed's name)
-    """Pipeline stages outermost, data-parallel replicas adjacent (DeepSpeed's class of the same name)."""
-    return ProcessTopology(("pipe", "data"), (num_pp, num_dp))
-
-
-def PipeModelDataParallelTopology(num_pp: int, num_mp: int, num_dp: int) -> ProcessTopology:  # noqa: N802
-    return ProcessTopology(("pipe", "data", "model"), (num_pp, num_dp, num_mp))
-
-
 def PipelineParallelGrid(topology: ProcessTopology | None = None, process_group=None) -> ParallelGrid:  # noqa: N802
     """DeepSpeed's grid class name: the grid of ``topology`` (default: data parallelism over every rank)."""
     if process_group is not None:
         raise ValueError("PipelineParallelGrid(process_group=...) is not supported (DeepSpeed ignores it too)")
     return ParallelGrid.for_topology(topology or ProcessTopology.for_world(comm.get_world_size()))
 
-
-_MPU_AXES = ("data", "pipe", "model", "sequence")
-
-
-class MpuGrid(_Activatable):
-    """Adapter for a user's Megatron-style ``mpu`` object passed to ``initialize``.
-
-    A sequence-parallel mpu (``shardwise.runtime.sequence_parallel.parallel_state_sp``, what
-    ``UlyssesSPAttentionHF.register_with_transformers`` returns) has no data-parallel functions, as in
-    DeepSpeed: its data-parallel size is world / sequence-parallel size, and ZeRO reduces over its
-    sequence-data-parallel group.
-    """
-
-    def __init__(self, mpu) -> None:
-        self.mpu = mpu
-        self.expert_size = 1
-        self._sequence_only = (hasattr(mpu, "get_sequence_parallel_world_size")
-                               and not hasattr(mpu, "get_data_parallel_world_size"))
-
-    def get_data_parallel_group(self):
-        if self._sequence_only:
-            return self.mpu.get_sequence_data_parallel_group()  # no data-only group; not used for reductions
-        return self.mpu.get_data_parallel_group()
-
-    def get_data_parallel_world_size(self) -> int:
-        if self._sequence_only:
-            return self.mpu.get_sequence_data_parallel_world_size() // self.mpu.get_sequence_parallel_world_size()
-        return self.mpu.get_data_parallel_world_size()
-
-    def get_data_parallel_rank(self) -> int:
-        if self._sequence_only:
-            return self.mpu.get_sequence_data_parallel_rank() // self.mpu.get_sequence_parallel_world_size()
-        return self.mpu.get_data_parallel_rank()
-
-    def get_model_parallel_world_size(self) -> int:
-        return 1 if self._sequence_only else self.mpu.get_model_parallel_world_size()
-
-    def get_model_parallel_rank(self) -> int:
-        return 0 if self._sequence_only else self.mpu.get_model_parallel_rank()
-
-    def get_model_parallel_group(self):
-        fn = getattr(self.mpu, "get_model_parallel_group", None)
-        return fn() if fn else None
-
-    def get_tensor_model_parallel_world_size(self) -> int:
-        fn = getattr(self.mpu, "get_tensor_model_parallel_world_size", None)
-        return fn() if fn else self.get_model_parallel_world_size()
-
-    def get_tensor_model_parallel_rank(self) -> int:
-        fn = getattr(self.mpu, "get_tensor_model_parallel_rank", None)
-        return fn() if fn else self.get_model_parallel_rank()
-
-    def get_tensor_model_parallel_group(self):
-        fn = getattr(self.mpu, "get_tensor_model_parallel_group", None)
-        return fn() if fn else self.get_model_parallel_group()
-
-    def get_pipe_parallel_world_size(self) -> int:
-        fn = getattr(self.mpu, "get_pipe_parallel_world_size", None)
-        return fn() if fn else 1
-
-    def get_pipe_parallel_rank(self) -> int:
-        fn = getattr(self.mpu, "get_pipe_parallel_rank", None)
-        return fn() if fn else 0
-
-    def get_pipe_parallel_group(self):
-        fn = getattr(self.mpu, "get_pipe_parallel_group", None)
-        return fn() if fn else None
-
-    def _expert_rank_lists(self) -> list[list[int]]:
-        """Every data-parallel group's ranks, gathered (the mpu's layout is not known here). Collective."""
-        import torch.distributed as dist
-
-        group = self.get_data_parallel_group()
-        mine = dist.get_process_group_ranks(group) if group is not None else list(range(comm.get_world_size()))
-        everyone = [None] * comm.get_world_size()
-        dist.all_gather_object(everyone, sorted(mine))
-        return [list(r) for r in sorted({tuple(r) for r in everyone})]
-
-    def size(self, axis: str) -> int:
-        if axis == "expert":
-            return self.expert_size
-        if axis == "expert_data":
-            return self.expert_groups().data_size
-        return {"data": self.get_data_parallel_world_size, "pipe": self.get_pipe_parallel_world_size,
-                "model": self.get_tensor_model_parallel_world_size,
-                "sequence": self.get_sequence_parallel_world_size}[axis]() if axis in _MPU_AXES else 1
-
-    def axis_rank(self, axis: str) -> int:
-        if axis in _EXPERT_AXES:
-            return self.expert_groups().rank if axis == "expert" else self.expert_groups().data_rank
-        return {"data": self.get_data_parallel_rank, "pipe": self.get_pipe_parallel_rank,
-                "model": self.get_tensor_model_parallel_rank,
-                "sequence": self.get_sequence_parallel_rank}[axis]() if axis in _MPU_AXES else 0
-
-    def group(self, axis: str):
-        if axis in _EXPERT_AXES:
-            return self.expert_groups().group if axis == "expert" else self.expert_groups().data_group
-        if axis == "sequence_data":
-            return self.get_sequence_data_parallel_group()
-        return {"data": self.get_data_parallel_group, "pipe": self.get_pipe_parallel_group,
-                "model": self.get_tensor_model_parallel_group,
-                "sequence": self.get_sequence_parallel_group}[axis]() if axis in _MPU_AXES else None
-
-    def get_sequence_parallel_world_size(self) -> int:
-        fn = getattr(self.mpu, "get_sequence_parallel_world_size", None)
-        return fn() if fn else 1
-
-    def get_sequence_parallel_group(self):
-        fn = getattr(self.mpu, "get_sequence_parallel_group", None)
-        return fn() if fn else None
-
-    def get_sequence_parallel_rank(self) -> int:
-        fn = getattr(self.mpu, "get_sequence_parallel_rank", None)
-        return fn() if fn else 0
-
-    def get_sequence_data_parallel_group(self):
-        fn = getattr(self.mpu, "get_sequence_data_parallel_group", None)
-        return fn() if fn else self.get_data_parallel_group()
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        fn = getattr(self.mpu, "get_sequence_data_parallel_world_size", None)
-        return fn() if fn else self.get_data_parallel_world_size()
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        fn = getattr(self.mpu, "get_sequence_data_parallel_rank", None)
-        return fn() if fn else self.get_data_parallel_rank()

@@ -97,9 +97,19 @@ def _named_groups(rank, world):
     pipe = ParallelGrid.from_dims(ParallelDims(pipe=2, data=2))
     group, ranks = pipe.tied_group([1, 0])
     out["tied"] = (_ranks(group), ranks, pipe.tied_group((0, 1))[0] is group)
-    pipe.add_expert_axis(2)  # the plan adds the expert size to a grid built before it (a PipelineModule's)
-    out["pipe experts"] = (_ranks(pipe.group("expert")), _ranks(pipe.group("expert_data")), pipe.dims.expert)
-    out["pipe model_parallel"] = (_ranks(pipe.group("model_parallel")), pipe.size("model_parallel"))
+    # the plan builds the engine's grid once every size is known, in the layout of the grid a route built
+    # earlier (a PipelineModule's): the groups that exist are found again, only the expert groups are new
+    made["n"] = 0
+    comm.new_group = counted
+    try:
+        planned = ParallelGrid.from_dims(ParallelDims(pipe=2, data=2, expert=2), topology=pipe.topology)
+    finally:
+        comm.new_group = real
+    out["pipe experts"] = (_ranks(planned.group("expert")), _ranks(planned.group("expert_data")),
+                           planned.dims.expert, pipe.dims.expert)
+    out["pipe reused"] = (planned.group("pipe") is pipe.group("pipe"), planned.group("data") is pipe.group("data"),
+                          planned.tied_group([0, 1])[0] is group, made["n"])
+    out["pipe model_parallel"] = (_ranks(planned.group("model_parallel")), planned.size("model_parallel"))
 
     # data 1 x sequence 2 x tensor 2: the sequence-data group ZeRO reduces over
     seq = ParallelGrid.from_dims(ParallelDims(sequence=2, tensor=2))
@@ -125,7 +135,10 @@ def test_the_grid_hands_out_every_group_by_name():
         d = rank % 2  # pipe outermost: stage s, data d is rank 2 s + d
         assert out["tied"] == ([d, d + 2], [d, d + 2], True), (rank, out["tied"])
         stage = [0, 1] if rank < 2 else [2, 3]
-        assert out["pipe experts"] == (stage, [rank], 2), (rank, out["pipe experts"])
+        assert out["pipe experts"] == (stage, [rank], 2, 1), (rank, out["pipe experts"])
+        # every group of the planned grid exists already: the expert groups are the stages' data ranks ([0, 1],
+        # [2, 3], the data axis's groups) and single ranks (the size-1 model axis's), so none is created
+        assert out["pipe reused"] == (True, True, True, 0), (rank, out["pipe reused"])
         assert out["pipe model_parallel"] == ([d, d + 2], 2)
         # (data, sequence, model): tensor fastest, then sequence
         assert out["seq"][0] == ([rank % 2, rank % 2 + 2]) and out["seq"][1] == ([0, 1] if rank < 2 else [2, 3])
@@ -147,7 +160,7 @@ def test_expert_axis_is_part_of_the_dims():
 
 # Who may make a grid the active one (docs/engine.md, "The active grid"): initialize (the engine's grid) and
 # the sequence-parallel groups register_with_transformers lays out before there is an engine.
-ACTIVATORS = ("shardwise/__init__.py", "shardwise/runtime/sequence_parallel/parallel_state_sp.py")
+ACTIVATORS = ("shardwise/__init__.py", "shardwise/runtime/sequence_parallel/groups.py")
 
 
 def test_only_initialize_and_the_sequence_groups_activate_a_grid():

@@ -43,7 +43,7 @@ class PipelineEngine(EngineBase):
     def __init__(self, *, model: PipelineModule, config, grid=None, **kwargs) -> None:
         if not isinstance(model, PipelineModule):
             raise TypeError(f"PipelineEngine needs a shardwise.pipe.PipelineModule, got {type(model).__name__}")
-        grid = model.mpu() if grid is None else grid  # (initialize passes the module's grid)
+        grid = model.mpu() if grid is None else grid  # (initialize passes the grid it planned)
         super().__init__(model=model, config=config, grid=grid, **kwargs)
         if config.pipeline.use_reentrant is False:  # whatever the interval: set_checkpoint_interval may enable it
             model.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint

@@ -1,11 +1,15 @@
-"""The parallel plan of one ``initialize`` call: the ``ParallelDims`` every source asks for, validated
-once, and the one grid cut from it.
+"""The parallel plan of one ``initialize`` call: the ``ParallelDims`` every source contributes sizes to,
+validated once, and the one grid built from it.
 
-The sizes come from whichever the user gave: a ``PipelineModule``'s topology, the ``mpu`` argument
-(a shardwise grid, ``parallel_state_sp`` from ``register_with_transformers``, or a Megatron-style
-mpu), the config (``tensor_parallel.autotp_size``, ``sequence_parallel_size``), or a grid the user
-activated while building tensor-parallel layers. Two sources that disagree are named in the error;
-a combination the table refuses (``shardwise/parallel_dims.py``) is named by ``validate()``.
+Each route into the plan contributes sizes: a ``PipelineModule`` its topology (pipe, data, model), ``mpu=``
+(a shardwise grid, a registered grid view such as the compat package's ``parallel_state_sp``, or a
+Megatron-style mpu) its sizes, the grid ``register_with_transformers`` laid out its sequence and tensor sizes,
+the config ``tensor_parallel.autotp_size`` and ``sequence_parallel_size``, the model and the config the expert
+size (``config_features``). Two sources that disagree are named in the error; a combination the table refuses
+(``shardwise/parallel_dims.py``) is named by ``validate()``. Then the grid is built once
+(``ParallelGrid.from_dims``), laid out as the route's topology says; groups a route already needed (the
+pipeline module's tensor group, the registered sequence group) are found again, not re-created. A route's
+grid that already is the grid of those sizes (expert axis included) is used as it is.
 """
 
 from __future__ import annotations
@@ -14,53 +18,106 @@ import torch
 
 from shardwise import comm
 from shardwise.parallel_dims import ParallelDims
-from shardwise.topology import MpuGrid, ParallelGrid, active_grid
+from shardwise.topology import ParallelGrid, active_grid, grid_of_view
 
 
 def plan_grid(cfg, *, mpu=None, model=None, optimizer=None):
-    """``(grid, dims)`` for this configuration: ``dims`` validated, ``grid`` built (or the user's)."""
+    """``(grid, dims)`` for this configuration: ``dims`` validated, ``grid`` built once from them."""
     world = comm.get_world_size()
     features = config_features(cfg, model=model, optimizer=optimizer)
     tp = max(1, cfg.tensor_parallel.autotp_size)
     sp = max(1, cfg.sequence_parallel_size)
-    pipeline_grid = model.mpu() if _is_pipeline_module(model) else None
-    if pipeline_grid is not None:
+    sizes, route_grid, megatron = _route(mpu, model, tp=tp, sp=sp, world=world)
+    _requested(sizes, tensor=tp, sequence=sp, features=features).validate()  # a refused pair before a mismatch
+    dims = sizes.replace(**features).validate(world)
+    grid = _build(dims, route_grid)
+    if megatron is not None:
+        _check_same_groups(megatron, grid)
+    return grid, dims
+
+
+def _route(mpu, model, *, tp: int, sp: int, world: int):
+    """``(sizes, grid or None, Megatron mpu or None)``: the sizes the user's route gives, and the grid it built
+    (whose layout the plan keeps)."""
+    if _is_pipeline_module(model):
         if mpu is not None:
             raise ValueError("initialize(mpu=...) cannot be combined with a PipelineModule: its topology "
                              "defines the process groups")
-        grid = pipeline_grid
-        _requested(grid.dims, tensor=tp, sequence=sp, features=features).validate()
-    elif mpu is not None:
-        grid = _grid_of_mpu(mpu)
-        _requested(grid.dims, tensor=tp, sequence=sp, features=features).validate()
-        source = _REGISTERED if _is_sequence_mpu(mpu) else "the mpu passed to initialize()"
-        _agree("tensor_parallel.autotp_size", tp, source, grid.dims.tensor)
-        _agree("sequence_parallel_size", sp, source, grid.dims.sequence)
-    elif sp > 1:
+        grid = model.mpu()
+        return grid.dims, grid, None
+    if mpu is not None:
+        grid = mpu if isinstance(mpu, ParallelGrid) else grid_of_view(mpu)
+        source = _REGISTERED if grid is not None and grid.size("sequence") > 1 else "the mpu passed to initialize()"
+        sizes = grid.dims if grid is not None else megatron_sizes(mpu, world)
+        _agree("tensor_parallel.autotp_size", tp, source, sizes.tensor)
+        _agree("sequence_parallel_size", sp, source, sizes.sequence)
+        return sizes, grid, (mpu if grid is None else None)
+    if sp > 1:
         grid = _registered_sequence_grid(sp)
-        _requested(grid.dims, tensor=tp, sequence=sp, features=features).validate()
         _agree("tensor_parallel.autotp_size", tp, _REGISTERED, grid.dims.tensor)
         _agree("sequence_parallel_size", sp, _REGISTERED, grid.dims.sequence)
-    elif tp > 1:
+        return grid.dims, grid, None
+    if tp > 1:
         if world % tp:
             raise ValueError(f"tensor_parallel.autotp_size {tp} does not divide the world size {world}")
-        dims = ParallelDims(data=world // tp, tensor=tp, **features).validate(world)
-        return _with_experts(_reuse_or_build(dims), dims), dims
-    else:
-        grid = _active_tensor_grid(world)
-        if grid is None:
-            dims = ParallelDims(data=world, **features).validate(world)
-            return ParallelGrid.from_dims(dims), dims
-    dims = grid.dims.replace(**features).validate(world)
-    return _with_experts(grid, dims), dims
+        return ParallelDims(data=world // tp, tensor=tp), _active_grid_of(ParallelDims(data=world // tp, tensor=tp)), None
+    grid = _active_tensor_grid(world)
+    return (grid.dims, grid, None) if grid is not None else (ParallelDims(data=world), None, None)
 
 
-def _with_experts(grid, dims: ParallelDims):
-    """A grid built before the plan knew the expert size (a PipelineModule's, the mpu's, the registered
-    sequence-parallel one) gets its expert axis: a sub-axis of data, so no other group changes."""
-    if dims.expert > 1 and grid.expert_size != dims.expert:
-        grid.add_expert_axis(dims.expert)
-    return grid
+def _build(dims: ParallelDims, route_grid) -> ParallelGrid:
+    """The engine's grid: the route's grid when it is the grid of ``dims`` (expert axis included), else built once
+    from ``dims`` in the route grid's layout."""
+    if route_grid is not None and route_grid.dims == dims.replace(**_NO_FEATURES) and route_grid.rank == comm.get_rank():
+        return route_grid
+    return ParallelGrid.from_dims(dims, topology=route_grid.topology if route_grid is not None else None)
+
+
+_NO_FEATURES = {f: v for f, v in vars(ParallelDims()).items() if f not in ("data", "pipe", "tensor", "sequence",
+                                                                            "expert")}
+
+
+def megatron_sizes(mpu, world: int) -> ParallelDims:
+    """The sizes of a Megatron-style mpu (``get_data_parallel_world_size()`` & co.). One with sequence-parallel
+    functions and no data-parallel ones (DeepSpeed's ``parallel_state_sp`` shape) has data = world / the rest."""
+    def size(*names):
+        for name in names:
+            fn = getattr(mpu, name, None)
+            if fn is not None:
+                return int(fn())
+        return None
+
+    sequence = size("get_sequence_parallel_world_size") or 1
+    data = size("get_data_parallel_world_size")
+    if data is None and sequence == 1:
+        raise ValueError(f"initialize(mpu=...): {type(mpu).__name__} has no get_data_parallel_world_size() (a "
+                         "Megatron-style mpu, a shardwise grid or the grid register_with_transformers returns)")
+    pipe = size("get_pipe_parallel_world_size", "get_pipeline_model_parallel_world_size") or 1
+    tensor = size("get_tensor_model_parallel_world_size")
+    if tensor is None:  # Megatron's older name; the sequence-only shape aliases it to the sequence size
+        tensor = (size("get_model_parallel_world_size") or 1) if data is not None else 1
+    if data is None:
+        data = world // (pipe * tensor * sequence)
+    return ParallelDims(data=data, pipe=pipe, tensor=tensor, sequence=sequence)
+
+
+def _check_same_groups(mpu, grid: ParallelGrid) -> None:
+    """The grid is laid out as Megatron lays ranks out (tensor fastest, then data, then pipe); a user's mpu laid
+    out otherwise would have the engine reduce over other ranks than the user's code: refuse it, naming the axis."""
+    import torch.distributed as dist
+
+    for axis, name in (("data", "get_data_parallel_group"), ("model", "get_tensor_model_parallel_group")):
+        fn = getattr(mpu, name, None)
+        theirs = fn() if fn is not None else None
+        if not isinstance(theirs, dist.ProcessGroup):
+            continue
+        ours = grid.group(axis)
+        ours = list(range(comm.get_world_size())) if ours is None else dist.get_process_group_ranks(ours)
+        if sorted(dist.get_process_group_ranks(theirs)) != sorted(ours):
+            raise ValueError(f"initialize(mpu=...): the mpu's {name}() holds ranks "
+                             f"{sorted(dist.get_process_group_ranks(theirs))} on rank {comm.get_rank()}, but shardwise "
+                             f"lays the {axis} axis out as {sorted(ours)} (tensor ranks fastest, then data, then pipe, "
+                             "as Megatron does): lay the mpu's groups out that way, or pass a shardwise grid")
 
 
 def config_features(cfg, *, model=None, optimizer=None) -> dict:
@@ -134,38 +191,24 @@ def _agree(key: str, wanted: int, source: str, has: int) -> None:
                          f"{has}{hint}")
 
 
-def _is_sequence_mpu(mpu) -> bool:
-    from shardwise.runtime.sequence_parallel import parallel_state_sp
-
-    return mpu is parallel_state_sp
-
-
-def _grid_of_mpu(mpu):
-    if isinstance(mpu, (ParallelGrid, MpuGrid)):
-        return mpu
-    from shardwise.runtime.sequence_parallel import parallel_state_sp
-
-    if mpu is parallel_state_sp:
-        return parallel_state_sp.get_grid()
-    return MpuGrid(mpu)
-
-
 def _registered_sequence_grid(sp: int):
-    from shardwise.runtime.sequence_parallel import parallel_state_sp
+    from shardwise.runtime.sequence_parallel.groups import registered_grid
 
-    if not parallel_state_sp.is_initialized():
+    grid = registered_grid()
+    if grid is None:
         raise ValueError(f"config key sequence_parallel_size is {sp} but there are no sequence-parallel groups: "
                          "call shardwise.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF."
-                         "register_with_transformers(...) first and pass the mpu it returns to initialize(mpu=...)")
-    return parallel_state_sp.get_grid()
+                         "register_with_transformers(...) first and pass the grid it returns to initialize(mpu=...)")
+    return grid
 
 
-def _reuse_or_build(dims: ParallelDims) -> ParallelGrid:
+def _active_grid_of(sizes: ParallelDims):
+    """The active grid when it is laid out for exactly these sizes (its groups exist already), else None."""
     current = active_grid()
-    if isinstance(current, ParallelGrid) and current.dims == ParallelDims(data=dims.data, tensor=dims.tensor) \
+    if isinstance(current, ParallelGrid) and current.dims.replace(expert=1) == sizes \
             and current.topology.axes == ("pipe", "data", "model"):
         return current
-    return ParallelGrid.from_dims(dims)
+    return None
 
 
 def _active_tensor_grid(world: int):

@@ -6,7 +6,9 @@
   back. Both exchanges are differentiable (the backward of an all-to-all is the reverse all-to-all).
 - ``UlyssesSPAttentionHF.register_with_transformers(...)``: installs the wrapper in place of a core
   attention implementation (``sdpa``, ``flash_attention_2``, ``flex_attention``, ...) and returns the
-  ``mpu`` (``parallel_state_sp``) to pass to ``shardwise.initialize(mpu=...)``.
+  grid of the sequence-parallel groups (``shardwise.topology.ParallelGrid``) to pass to
+  ``shardwise.initialize(mpu=...)`` (the compat package's ``deepspeed`` returns DeepSpeed's
+  ``parallel_state_sp`` module instead, a view of the same grid).
 - ``UlyssesSPDataLoaderAdapter``: gives each rank its slice of every sequence, with pre-shifted
   ``shift_labels`` and ``position_ids``.
 
@@ -190,7 +192,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                                    disable_in_eval=False, max_length=None, *, tensor_parallel_size=None,
                                    config=None):
         """Install Ulysses attention in place of ``core_attn_implementation`` in Transformers and return
-        the mpu (``parallel_state_sp``) for ``shardwise.initialize(mpu=...)``; ``None`` when
+        the grid of its groups (it answers ``get_sequence_parallel_group()`` & co., as DeepSpeed's mpu does)
+        for ``shardwise.initialize(mpu=...)``; ``None`` when
         ``sequence_parallel_size`` is 1.
 
         ``model_name_or_path``: a loaded model (anything with ``.config``), or a hub name or local path
@@ -215,10 +218,10 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         from transformers import AutoConfig
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        from shardwise.runtime.sequence_parallel import parallel_state_sp as mpu
+        from shardwise.runtime.sequence_parallel.groups import sequence_parallel_grid
 
         tp = _tensor_size(tensor_parallel_size, config)
-        mpu.initialize_sequence_parallel(sequence_parallel_size=sequence_parallel_size, tensor_parallel_size=tp)
+        grid = sequence_parallel_grid(sequence_parallel_size, tensor_parallel_size=tp)
 
         loaded = hasattr(model_name_or_path, "config")
         hf_config = model_name_or_path.config if loaded else AutoConfig.from_pretrained(model_name_or_path)
@@ -255,7 +258,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                              f"{kv_heads}; both must be divisible by the tensor-parallel size {tp}")
         uattn = cls(attn=core, batch_size=micro_batch_size, attn_head_count=heads // tp,  # this tensor rank's heads
                     attn_head_size=head_dim, kv_head_count=kv_heads // tp,
-                    num_hidden_layers=text.num_hidden_layers, process_group=mpu.get_sequence_parallel_group(),
+                    num_hidden_layers=text.num_hidden_layers, process_group=grid.get_sequence_parallel_group(),
                     seq_length_is_variable=seq_length_is_variable, local_seq_length=local_seq_length,
                     global_seq_length=global_seq_length, disable_in_eval=disable_in_eval)
         uattn.core_attn_implementation = core_attn_implementation
@@ -272,7 +275,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         # branch Transformers takes on the implementation's name still runs (as DeepSpeed does).
         ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = ulysses_attention
         ulysses_attention.ulysses = uattn
-        return mpu
+        return grid
 
 
 def _tensor_size(explicit, config) -> int:
