@@ -1,29 +1,34 @@
 """The walk of one ZeRO-2 gradient and of one pipeline micro-batch through shardwise's files, measured:
 which files the calls cross, how many crossings, and which pairs of files call each other both ways.
 
-    python benchmarks/engine_walk.py [--tree DIR]
+    python benchmarks/engine_walk.py [--what zero2|pipe] [--tree DIR]
 
 Two CPU ranks over gloo (``torchrun``), the reference GPT (shardwise.models.gpt). ZeRO-2: data 2, one
 ``engine.backward(loss)`` and ``engine.step()`` at the accumulation boundary, traced on rank 0 (the forward
 is not traced). Pipeline: 2 stages, ZeRO-1, one ``train_batch`` of one micro-batch, traced on both stages
-(the files are the union). ``sys.setprofile`` sees every Python call; a crossing is a call whose nearest
+(the files are the union), and the Python calls (``cProfile``) of a further ``train_batch`` per stage.
+``sys.setprofile`` sees every Python call; a crossing is a call whose nearest
 shardwise caller frame is in another shardwise file. "Gradient path" leaves out the bookkeeping files
-(timers, monitors, logging, config reads, the accelerator shim) that a step also calls, and the model's
-own code (the reference GPT's layers and loss, whose backward autograd runs).
+(timers, monitors, logging, config reads, the accelerator shim, the grid's rank arithmetic, the engine's
+liveness checks) that a step also calls, and the model's own code (the reference GPT's layers and loss,
+whose backward autograd runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOOKKEEPING = ("runtime/timers.py", "monitor/", "runtime/progress.py", "training_state.py", "config/",
                "utils/logging.py", "accelerator/", "runtime/engine_compat.py", "runtime/data_efficiency.py",
-               "topology.py", "parallel_dims.py", "models/", "tensor_parallel/", "sequence/")
+               "topology.py", "rank_layout.py", "parallel_dims.py", "runtime/lifecycle.py", "models/",
+               "tensor_parallel/", "sequence/")
 
 
 class _Walk:
@@ -97,31 +102,38 @@ def worker(args) -> None:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}
         model = gpt_pipeline_module(cfg, num_stages=2, partition_method="uniform")
         engine = shardwise.initialize(model=model, config=ds)[0]
-        for step in range(2):
-            if step:
-                sys.setprofile(walk)
-            engine.train_batch(iter([(x, y)]))
-            sys.setprofile(None)
+        engine.train_batch(iter([(x, y)]))
+        sys.setprofile(walk)
+        engine.train_batch(iter([(x, y)]))
+        sys.setprofile(None)
+        profile = cProfile.Profile()  # the Python calls of the same train_batch, untraced otherwise
+        profile.runcall(engine.train_batch, iter([(x, y)]))
+        calls = pstats.Stats(profile).total_calls
     rows = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(rows, {"files": sorted(walk.files), "crossings": walk.crossings})
+    torch.distributed.all_gather_object(rows, {"files": sorted(walk.files), "crossings": walk.crossings,
+                                               "calls": locals().get("calls")})
     if rank == 0:
         merged = _Walk("")
         for r in rows:
             merged.files |= set(r["files"])
             merged.crossings += [tuple(c) for c in r["crossings"]]
-        print("RESULT " + json.dumps(_summary(merged)), flush=True)
+        summary = _summary(merged)
+        if rows[0]["calls"] is not None:
+            summary["all"]["python calls per rank"] = [r["calls"] for r in rows]
+        print("RESULT " + json.dumps(summary), flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--what", default="zero2", choices=["zero2", "pipe"])
+    p.add_argument("--what", default=None, choices=["zero2", "pipe"], help="one walk (default: both)")
     p.add_argument("--tree", default=ROOT)
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
-    for what, title in (("zero2", "one ZeRO-2 gradient (backward + step)"), ("pipe", "one pipeline micro-batch")):
+    walks = (("zero2", "one ZeRO-2 gradient (backward + step)"), ("pipe", "one pipeline micro-batch"))
+    for what, title in [w for w in walks if args.what in (None, w[0])]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                os.path.abspath(__file__), "--worker", "--what", what]
         env = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -136,6 +148,8 @@ def main() -> None:
             print(f"{name}: {len(r['files'])} files, {r['crossings']} crossings ({r['distinct crossings']} distinct), "
                   f"{len(r['both ways'])} pairs both ways")
             print("  files: " + ", ".join(r["files"]))
+            if "python calls per rank" in r:
+                print("  Python calls of one train_batch (cProfile), per stage: " + str(r["python calls per rank"]))
             if r["both ways"]:
                 print("  both ways: " + "; ".join(r["both ways"]))
             if name == "gradient path":

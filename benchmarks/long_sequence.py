@@ -108,7 +108,6 @@ def _rank(rank: int, world: int, port: int, length: int, steps: int, cap: int, p
     torch.set_num_threads(1)
     import shardwise
     from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
-    from shardwise.runtime.sequence_parallel import parallel_state_sp as sp_state
     from transformers import AutoModelForCausalLM
 
     shardwise.init_distributed("gloo")
@@ -126,8 +125,8 @@ def _rank(rank: int, world: int, port: int, length: int, steps: int, cap: int, p
     samples = [{"input_ids": (ids := torch.randint(0, 32000, (1, length), generator=g)),
                 "position_ids": torch.arange(length)[None], "labels": ids.clone()} for _ in range(steps)]
     if sp > 1:
-        loader = UlyssesSPDataLoaderAdapter(samples, sp_rank=sp_state.get_sequence_parallel_rank(),
-                                            sp_group=sp_state.get_sequence_parallel_group(), sp_world_size=sp,
+        loader = UlyssesSPDataLoaderAdapter(samples, sp_rank=mpu.get_sequence_parallel_rank(),
+                                            sp_group=mpu.get_sequence_parallel_group(), sp_world_size=sp,
                                             device=engine.device)
     else:
         loader = [dict(s, shift_labels=torch.cat([s["labels"][:, 1:], torch.tensor([[-100]])], 1)) for s in samples]
@@ -147,8 +146,8 @@ def _rank(rank: int, world: int, port: int, length: int, steps: int, cap: int, p
             del logits
         if sp > 1:
             good = (shift_labels != -100).sum()
-            total = torch.distributed.nn.functional.all_reduce(loss * good, group=sp_state.get_sequence_parallel_group())
-            loss = total / torch.distributed.nn.functional.all_reduce(good, group=sp_state.get_sequence_parallel_group())
+            total = torch.distributed.nn.functional.all_reduce(loss * good, group=mpu.get_sequence_parallel_group())
+            loss = total / torch.distributed.nn.functional.all_reduce(good, group=mpu.get_sequence_parallel_group())
         engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - t0)

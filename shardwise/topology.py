@@ -511,11 +511,3 @@ def tensor_parallel_group_and_size(group=TENSOR_AXIS):
     if grid is None or grid.size("model") == 1:
         return ONE_RANK, 1
     return grid.group("model"), grid.size("model")  # None when the tensor axis is the whole world
-
-
-def PipelineParallelGrid(topology: ProcessTopology | None = None, process_group=None) -> ParallelGrid:  # noqa: N802
-    """DeepSpeed's grid class name: the grid of ``topology`` (default: data parallelism over every rank)."""
-    if process_group is not None:
-        raise ValueError("PipelineParallelGrid(process_group=...) is not supported (DeepSpeed ignores it too)")
-    return ParallelGrid.for_topology(topology or ProcessTopology.for_world(comm.get_world_size()))
-

@@ -133,7 +133,6 @@ def _engine_case(stage: int, rank: int):
     """Three SGD steps (so a wrong gradient scale shows) of the engine at sequence parallel 2, the slices'
     losses added over the group, give one process's losses and weights."""
     import shardwise
-    from shardwise.runtime.sequence_parallel import parallel_state_sp
     from shardwise.sequence.autosp import auto_wrap_model_for_sp
     from shardwise.sequence.layer import sequence_sum
 
@@ -149,6 +148,9 @@ def _engine_case(stage: int, rank: int):
         loss.backward()
         opt.step()
         ref_losses.append(loss.item())
+
+    sys.path.insert(0, COMPAT)  # DeepSpeed's mpu module (compat/deepspeed): a view of the grid shardwise lays out
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     parallel_state_sp.initialize_sequence_parallel(2)
     group = parallel_state_sp.get_sequence_parallel_group()

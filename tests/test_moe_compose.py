@@ -184,7 +184,6 @@ def _sp_reference():
 def _sp_autoep(stage, rank, world):
     import shardwise
     from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
-    from shardwise.runtime.sequence_parallel import parallel_state_sp as sp_state
     from shardwise.utils import safe_get_full_fp32_param
 
     model = _qwen3_moe()
@@ -196,8 +195,8 @@ def _sp_autoep(stage, rank, world):
         "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": world, "gradient_clipping": 0.5,
         "zero_optimization": {"stage": stage}, "expert_parallel": {"enabled": True, "autoep_size": 2}})
     assert engine.dims.expert == 2 and engine.dims.sequence == world and engine.dims.data == 1
-    batches = UlyssesSPDataLoaderAdapter(SAMPLES[rank::world], sp_rank=sp_state.get_sequence_parallel_rank(),
-                                         sp_group=sp_state.get_sequence_parallel_group(), sp_world_size=world,
+    batches = UlyssesSPDataLoaderAdapter(SAMPLES[rank::world], sp_rank=mpu.get_sequence_parallel_rank(),
+                                         sp_group=mpu.get_sequence_parallel_group(), sp_world_size=world,
                                          device=engine.device)
     losses = []
     for batch in batches:
@@ -206,8 +205,8 @@ def _sp_autoep(stage, rank, world):
         logits = engine(**batch).logits
         loss = engine.module.loss_function(logits=logits, labels=None, shift_labels=shift_labels, vocab_size=VOCAB)
         good = (shift_labels != -100).view(-1).sum()  # the whole sequence's loss: shards weighted by their tokens
-        per_rank = torch.distributed.nn.functional.all_gather(loss, group=sp_state.get_sequence_parallel_group())
-        counts = torch.distributed.nn.functional.all_gather(good, group=sp_state.get_sequence_parallel_group())
+        per_rank = torch.distributed.nn.functional.all_gather(loss, group=mpu.get_sequence_parallel_group())
+        counts = torch.distributed.nn.functional.all_gather(good, group=mpu.get_sequence_parallel_group())
         loss = sum(per_rank[r] * counts[r] for r in range(world)) / sum(counts)
         engine.backward(loss)
         engine.step()

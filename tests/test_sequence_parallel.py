@@ -92,8 +92,8 @@ def _sp_engine(stage: int, path: str, world: int):
 
 def _sp_batches(engine, data_of_rank) -> list[dict]:
     from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-    from shardwise.runtime.sequence_parallel import parallel_state_sp as sp_state
 
+    sp_state = engine.grid
     return list(UlyssesSPDataLoaderAdapter(data_of_rank, sp_rank=sp_state.get_sequence_parallel_rank(),
                                            sp_group=sp_state.get_sequence_parallel_group(),
                                            sp_world_size=sp_state.get_sequence_parallel_world_size(),
@@ -101,8 +101,7 @@ def _sp_batches(engine, data_of_rank) -> list[dict]:
 
 
 def _sp_train(engine, batches: list[dict], world: int):
-    from shardwise.runtime.sequence_parallel import parallel_state_sp as sp_state
-
+    sp_state = engine.grid
     sp_group = sp_state.get_sequence_parallel_group()
     sp_size = sp_state.get_sequence_parallel_world_size()
     losses, norms = [], []
@@ -183,9 +182,10 @@ def _load_on_one_rank(rank: int, world: int, path: str, ckpt: str):
 
 def _adapter_shards(rank: int, world: int):
     """The adapter's shards of two rounds of batches of different lengths (8 and 12 tokens per rank)."""
+    from shardwise.runtime.sequence_parallel.groups import registered_grid
     from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-    from shardwise.runtime.sequence_parallel import parallel_state_sp as sp_state
 
+    sp_state = registered_grid()
     mine = [dict(_sample(10 + rank, 8 + 4 * rank), tag=f"r{rank}"), dict(_sample(20 + rank, 4), tag=f"s{rank}")]
     dl = UlyssesSPDataLoaderAdapter(mine, sp_rank=sp_state.get_sequence_parallel_rank(),
                                     sp_group=sp_state.get_sequence_parallel_group(),
@@ -231,8 +231,10 @@ def _qkv():
 
 def _distributed_attention(rank: int):
     """DeepSpeed's older shardwise.sequence.layer.DistributedAttention: this rank's output and input gradients."""
+    from shardwise.runtime.sequence_parallel.groups import registered_grid
     from shardwise.sequence.layer import DistributedAttention
-    from shardwise.runtime.sequence_parallel import parallel_state_sp as sp_state
+
+    sp_state = registered_grid()
 
     attn = DistributedAttention(_causal_attention, sp_state.get_sequence_parallel_group(), scatter_idx=2, gather_idx=0)
     *qkv, w = _qkv()
@@ -243,9 +245,9 @@ def _distributed_attention(rank: int):
 
 
 def _two_ranks(rank: int, world: int, paths: dict, data):
-    from shardwise.runtime.sequence_parallel import parallel_state_sp
+    from shardwise.runtime.sequence_parallel.groups import sequence_parallel_grid
 
-    parallel_state_sp.initialize_sequence_parallel(2)
+    sequence_parallel_grid(2)
     shards = _adapter_shards(rank, world)
     trained = run_subtests(_train_sp, TWO_RANK_CASES, rank, world, paths, data)
     return (shards, trained, _eval_full_sequence(paths["gqa"]), _flex_forward(rank, paths["gqa"]),
