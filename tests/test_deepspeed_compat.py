@@ -495,6 +495,14 @@ assert ds_groups._get_expert_parallel_group_dict() == {} and ds_groups._get_max_
 with pytest.raises(KeyError, match="ep_size_2"):
     ds_groups._get_expert_parallel_group("ep_size_2")
 assert ds_groups._get_expert_parallel_ranks(16, 2, 4)[0] == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+# DeepSpeed's sequence-parallel mpu: compat views of the grid shardwise lays out; DeepSpeed's register_with_transformers
+from deepspeed.runtime.sequence_parallel import parallel_state_sp, ulysses_sp
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+import shardwise.runtime.sequence_parallel.ulysses_sp as sw_ulysses
+assert parallel_state_sp.__name__ == "deepspeed.runtime.sequence_parallel.parallel_state_sp" and not parallel_state_sp.is_initialized()
+assert issubclass(ulysses_sp.UlyssesSPAttentionHF, sw_ulysses.UlyssesSPAttentionHF) and ulysses_sp.TiledMLP is sw_ulysses.TiledMLP
+assert ulysses_sp.UlyssesSPAttentionHF.register_with_transformers("x", "sdpa", 1, 1) is None
+assert not hasattr(shardwise.topology, "PipelineParallelGrid") and callable(PipelineParallelGrid)
 import deepspeed.runtime.domino  # DeepSpeed's module tree imports whole; what shardwise lacks raises when used
 with pytest.raises(NotImplementedError, match="deepspeed.runtime.domino.transformer.DominoModule is not supported"):
     deepspeed.runtime.domino.transformer.DominoModule()

@@ -116,6 +116,37 @@ def _named_groups(rank, world):
     out["seq"] = (_ranks(seq.group("sequence")), _ranks(seq.group("model")), _ranks(seq.group("sequence_data")),
                   seq.size("sequence_data"))
 
+    # a Megatron-style mpu contributes its sizes; the plan builds the grid from them and checks the mpu's groups
+    # hold the same ranks (here they are the same groups: one group per rank list)
+    from shardwise.config import load_config
+    from shardwise.runtime.plan import plan_grid
+
+    class Mpu:
+        def __init__(self, data_group, tensor_group):
+            self.groups = data_group, tensor_group
+
+        def get_data_parallel_world_size(self):
+            return 2
+
+        def get_tensor_model_parallel_world_size(self):
+            return 2
+
+        def get_data_parallel_group(self):
+            return self.groups[0]
+
+        def get_tensor_model_parallel_group(self):
+            return self.groups[1]
+
+    laid = ParallelGrid.from_dims(ParallelDims(data=2, tensor=2))
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1})
+    planned, dims = plan_grid(cfg, mpu=Mpu(laid.group("data"), laid.group("model")))
+    out["megatron"] = (dims.data, dims.tensor, planned.group("data") is laid.group("data"))
+    try:  # its axes swapped: the engine would reduce over other ranks than the user's code
+        plan_grid(cfg, mpu=Mpu(laid.group("model"), laid.group("data")))
+        out["megatron swapped"] = None
+    except ValueError as e:
+        out["megatron swapped"] = str(e)
+
     # inference tensor groups: the grid's tensor axis
     out["inference tp"] = _ranks(InferenceEngine._tensor_group(2, None, None))
     return out
@@ -144,6 +175,8 @@ def test_the_grid_hands_out_every_group_by_name():
         assert out["seq"][0] == ([rank % 2, rank % 2 + 2]) and out["seq"][1] == ([0, 1] if rank < 2 else [2, 3])
         assert out["seq"][2:] == ([rank % 2, rank % 2 + 2], 2), (rank, out["seq"])
         assert out["inference tp"] == ([0, 1] if rank < 2 else [2, 3])
+        assert out["megatron"] == (2, 2, True)
+        assert "get_data_parallel_group() holds ranks" in out["megatron swapped"], out["megatron swapped"]
 
 
 def test_expert_axis_is_part_of_the_dims():
