@@ -27,8 +27,11 @@ def plan_grid(cfg, *, mpu=None, model=None, optimizer=None):
     features = config_features(cfg, model=model, optimizer=optimizer)
     tp = max(1, cfg.tensor_parallel.autotp_size)
     sp = max(1, cfg.sequence_parallel_size)
-    sizes, route_grid, megatron = _route(mpu, model, tp=tp, sp=sp, world=world)
+    sizes, route_grid, megatron, source = _route(mpu, model, tp=tp, sp=sp, world=world)
     _requested(sizes, tensor=tp, sequence=sp, features=features).validate()  # a refused pair before a mismatch
+    if source is not None:  # the config's sizes must be the route's
+        _agree("tensor_parallel.autotp_size", tp, source, sizes.tensor)
+        _agree("sequence_parallel_size", sp, source, sizes.sequence)
     dims = sizes.replace(**features).validate(world)
     grid = _build(dims, route_grid)
     if megatron is not None:
@@ -37,32 +40,29 @@ def plan_grid(cfg, *, mpu=None, model=None, optimizer=None):
 
 
 def _route(mpu, model, *, tp: int, sp: int, world: int):
-    """``(sizes, grid or None, Megatron mpu or None)``: the sizes the user's route gives, and the grid it built
-    (whose layout the plan keeps)."""
+    """``(sizes, grid or None, Megatron mpu or None, source)``: the sizes the user's route gives, the grid it
+    built (whose layout the plan keeps), and the source the config's sizes must agree with."""
     if _is_pipeline_module(model):
         if mpu is not None:
             raise ValueError("initialize(mpu=...) cannot be combined with a PipelineModule: its topology "
                              "defines the process groups")
         grid = model.mpu()
-        return grid.dims, grid, None
+        return grid.dims, grid, None, None
     if mpu is not None:
         grid = mpu if isinstance(mpu, ParallelGrid) else grid_of_view(mpu)
         source = _REGISTERED if grid is not None and grid.size("sequence") > 1 else "the mpu passed to initialize()"
         sizes = grid.dims if grid is not None else megatron_sizes(mpu, world)
-        _agree("tensor_parallel.autotp_size", tp, source, sizes.tensor)
-        _agree("sequence_parallel_size", sp, source, sizes.sequence)
-        return sizes, grid, (mpu if grid is None else None)
+        return sizes, grid, (mpu if grid is None else None), source
     if sp > 1:
         grid = _registered_sequence_grid(sp)
-        _agree("tensor_parallel.autotp_size", tp, _REGISTERED, grid.dims.tensor)
-        _agree("sequence_parallel_size", sp, _REGISTERED, grid.dims.sequence)
-        return grid.dims, grid, None
+        return grid.dims, grid, None, _REGISTERED
     if tp > 1:
         if world % tp:
             raise ValueError(f"tensor_parallel.autotp_size {tp} does not divide the world size {world}")
-        return ParallelDims(data=world // tp, tensor=tp), _active_grid_of(ParallelDims(data=world // tp, tensor=tp)), None
+        sizes = ParallelDims(data=world // tp, tensor=tp)
+        return sizes, _active_grid_of(sizes), None, None
     grid = _active_tensor_grid(world)
-    return (grid.dims, grid, None) if grid is not None else (ParallelDims(data=world), None, None)
+    return (grid.dims, grid, None, None) if grid is not None else (ParallelDims(data=world), None, None, None)
 
 
 def _build(dims: ParallelDims, route_grid) -> ParallelGrid:
