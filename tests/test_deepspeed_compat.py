@@ -500,6 +500,7 @@ from deepspeed.runtime.sequence_parallel import parallel_state_sp, ulysses_sp
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 import shardwise.runtime.sequence_parallel.ulysses_sp as sw_ulysses
 assert parallel_state_sp.__name__ == "deepspeed.runtime.sequence_parallel.parallel_state_sp" and not parallel_state_sp.is_initialized()
+assert sw_ulysses.__name__ == "shardwise.runtime.sequence_parallel.ulysses_sp"  # shardwise's package left as it was
 assert issubclass(ulysses_sp.UlyssesSPAttentionHF, sw_ulysses.UlyssesSPAttentionHF) and ulysses_sp.TiledMLP is sw_ulysses.TiledMLP
 assert ulysses_sp.UlyssesSPAttentionHF.register_with_transformers("x", "sdpa", 1, 1) is None
 assert not hasattr(shardwise.topology, "PipelineParallelGrid") and callable(PipelineParallelGrid)
@@ -672,7 +673,7 @@ def test_compat_package_paths_and_adapters(tmp_path):
     out of shardwise/, the config views, the launcher helpers, and names that refuse with a reason."""
     for moved in ("runtime/pipe", "runtime/zero", "module_inject", "runtime/lr_schedules.py", "launcher/runner.py",
                   "runtime/activation_checkpointing/checkpointing.py", "profiling/flops_profiler.py",
-                  "checkpoint/utils.py"):
+                  "checkpoint/utils.py", "runtime/sequence_parallel/parallel_state_sp.py"):
         assert not (REPO / "shardwise" / moved).exists(), f"shardwise/{moved} mirrors a DeepSpeed path: compat/ holds it"
     compat = REPO / "compat" / "deepspeed"
     probe = tmp_path / "probe.py"
