@@ -202,6 +202,13 @@ class Stage3Strategy(ZeroStrategy):
                 u.cast_(precision.param_dtype)
         self.param_store = None
         self._offload_params(param_offload, aio)
+        self.quantized_store = None  # zero_quantized_nontrainable_weights: frozen units' shards as int8 blocks
+        if zc is not None and zc.zero_quantized_nontrainable_weights and self.param_store is None:
+            frozen = [u for u in self.units if not any(p.requires_grad for p in u.params)]
+            if frozen:
+                self.quantized_store = zeropp.QuantizedShardStore()
+                for u in frozen:
+                    u.offload_to_nvme(self.quantized_store)
         self.gradients = UnitGradients(self.units, accum_dtype=precision.grad_accum_dtype)
         self.zeropp = zeropp.setup(zc, dp_group=dp_group)  # ZeRO++ (qwZ, hpZ, qgZ), None when off
         self._enable_zeropp()
@@ -365,7 +372,8 @@ class Stage3Strategy(ZeroStrategy):
 
     def memory_parts(self) -> dict[str, int]:
         return {
-            "params": sum(u.shard.nbytes for u in self.units),  # 0 when the shards are on NVMe
+            "params": sum(u.shard.nbytes for u in self.units)  # 0 when the shards are on NVMe
+            + (self.quantized_store.nbytes() if self.quantized_store is not None else 0),
             "grads": self.gradients.nbytes(),
             "master_params": self.partition.master_bytes(),
             "bucket_buffers": self.reducer.transient_bytes(torch.finfo(self.precision.param_dtype).bits // 8),

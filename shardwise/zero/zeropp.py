@@ -257,3 +257,41 @@ class HierarchicalReduceScatter:
             mine = partial[0]
         out.copy_(mine[:S])
         return _Done()
+
+
+# -- zero_quantized_nontrainable_weights ------------------------------------------------------------
+class _Ready:
+    def result(self):
+        return None
+
+
+class QuantizedShardStore:
+    """Where the shards of frozen units live under ``zero_quantized_nontrainable_weights``: as int8 blocks
+    with their scales (the qwZ layout of each shard), in memory. It answers the unit as the NVMe store does
+    (``Unit.offload_to_nvme``): a shard is dequantized into a buffer when it is read (a gather, a checkpoint),
+    and quantized again when written (a loaded checkpoint). Gathered with qwZ on, the int8 codes go out as
+    they are stored (quantizing dequantized values with the same blocks gives the same codes)."""
+
+    def __init__(self) -> None:
+        self.shards: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+
+    def write_async(self, name: str, tensor: torch.Tensor) -> _Ready:
+        n = tensor.numel()
+        block = q.weight_block_size(n)
+        padded = q.padded_numel(n, block)
+        flat = tensor.detach().reshape(-1)
+        x = flat if padded == n else F.pad(flat, (0, padded - n))
+        values, scales = q.quantize(x, block, 8)
+        self.shards[name] = (values, scales, block, n)
+        return _Ready()
+
+    def read_async(self, name: str, out: torch.Tensor) -> _Ready:
+        values, scales, block, n = self.shards[name]
+        out.copy_(q.dequantize(values, scales, block, 8)[:n])
+        return _Ready()
+
+    def nbytes(self) -> int:
+        return sum(v.nbytes + s.nbytes for v, s, _, _ in self.shards.values())
+
+    def disk_bytes(self) -> int:
+        return 0
