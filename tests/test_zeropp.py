@@ -211,3 +211,24 @@ def test_frozen_weights_kept_quantized(zeropp_runs):
         # the embedding's shard (32 x 16 + 8 x 16 elements over 4 ranks) is held as int8 (+ one scale)
         saved = r["frozen"]["param_bytes"] - r["frozen_pp"]["param_bytes"]
         assert saved >= 3 * (32 * 16 + 8 * 16) // 4 - 8, saved
+
+
+def test_comms_logger_counts_bytes_per_group_and_across_nodes():
+    from shardwise.comm.logger import CommsLogger
+    from shardwise.comm.ops import OpRecord
+
+    log = CommsLogger(rank=1)  # rank 1: node 0 of nodes of 2 ranks
+    def rec(name, group, size, nbytes):
+        r = OpRecord(name, 1, group, size, [], "float32", nbytes, False)
+        r.end = r.start + 1e-3
+        log.record(r)
+    rec("all_gather_into_tensor", "world", 4, 400)  # 100 from each of ranks 2, 3
+    rec("reduce_scatter_tensor", "ranks [0-1]", 2, 800)  # inside node 0
+    rec("all_to_all_single", "ranks [1,3]", 2, 64)  # 32 from rank 3
+    rec("all_reduce", "world", 4, 40)  # 2 * 40 / 4 from each of ranks 2, 3
+    rec("broadcast", "ranks [0-1]", 2, 1000)
+    assert log.group_bytes() == {"world": 440, "ranks [0-1]": 1800, "ranks [1,3]": 64}
+    assert log.cross_node_bytes(2, by_group=True) == {"world": 200 + 40, "ranks [0-1]": 0, "ranks [1,3]": 32}
+    assert log.cross_node_bytes(2) == 272
+    assert log.cross_node_bytes(4) == 0  # one node
+    assert log.cross_node_bytes(1) == 300 + 800 // 2 + 32 + 60 + 1000  # every peer on another node
