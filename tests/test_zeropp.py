@@ -134,11 +134,11 @@ def _zeropp_body(rank, world, tmp):
     out = {}
     for name, extra in [("plain", PLAIN), ("off", ALL_OFF), ("qw", QW), ("hpz", HPZ), ("qg", QG),
                         ("qg_loco", QG_LOCO), ("all", ALL)]:
-        out[name] = _train(rank, extra, 20 if name in ("off", "hpz") else STEPS)  # (hpZ alone: exact)
-    out["composed"] = _train(rank, PLAIN, 30, top=COMPOSED)
-    out["composed_pp"] = _train(rank, {**ALL, **QG_LOCO}, 30, top=COMPOSED)
-    out["frozen"] = _train(rank, PLAIN, 30, freeze=True)
-    out["frozen_pp"] = _train(rank, {**ALL, "zero_quantized_nontrainable_weights": True}, 30, freeze=True)
+        out[name] = _train(rank, extra, min(20, STEPS) if name in ("off", "hpz") else STEPS)  # (hpZ alone: exact)
+    out["composed"] = _train(rank, PLAIN, min(30, STEPS), top=COMPOSED)
+    out["composed_pp"] = _train(rank, {**ALL, **QG_LOCO}, min(30, STEPS), top=COMPOSED)
+    out["frozen"] = _train(rank, PLAIN, min(30, STEPS), freeze=True)
+    out["frozen_pp"] = _train(rank, {**ALL, "zero_quantized_nontrainable_weights": True}, min(30, STEPS), freeze=True)
     # checkpoints: ZeRO++ -> plain and plain -> ZeRO++ (the shards' layout is the same)
     _train(rank, ALL, 3, save=os.path.join(tmp, "pp"))
     _train(rank, PLAIN, 3, save=os.path.join(tmp, "plain"))
@@ -157,7 +157,7 @@ def zeropp_runs(tmp_path_factory):
 
 def test_all_off_is_plain_zero3_bitwise(zeropp_runs):
     for r in zeropp_runs:
-        assert r["off"]["losses"] == r["plain"]["losses"][:20]
+        assert r["off"]["losses"] == r["plain"]["losses"][:len(r["off"]["losses"])]
         assert r["off"]["hpz_secondary"] == 0
 
 
@@ -173,7 +173,7 @@ def test_each_part_tracks_zero3_within_one_percent(zeropp_runs, name):
 def test_hpz_alone_is_exact(zeropp_runs):
     """hpZ changes where the backward gathers come from, not the values: losses equal ZeRO-3's."""
     for r in zeropp_runs:
-        assert r["hpz"]["losses"] == r["plain"]["losses"][:20]
+        assert r["hpz"]["losses"] == r["plain"]["losses"][:len(r["hpz"]["losses"])]
 
 
 def test_cross_node_bytes_drop_below_a_third(zeropp_runs):
