@@ -99,7 +99,8 @@ def _refuse_zeropp_below_stage3(keys: dict[str, str], data: dict[str, Any], path
         on = value is True or value == 1 if key != "zero_hpz_partition_size" else \
             isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
         if on:
-            report.problem(f"{_join(path, key)} = {describe_value(value)}: ZeRO++ ({what}) works on ZeRO-3's "
+            shown = describe_value(value if key == "zero_hpz_partition_size" else True)
+            report.problem(f"{_join(path, key)} = {shown}: ZeRO++ ({what}) works on ZeRO-3's "
                            f"partitioned parameters; it needs {_join(path, 'stage')} 3 (stage is {stage})")
 
 
