@@ -228,3 +228,13 @@ def test_estimate_cli_shows_hpz(capsys):
     # 16 bytes x 8e9 / 16 ranks + 2 bytes x 8e9 / 8 = 8e9 + 2e9 bytes = 9.31 GiB
     assert "    3  none/none              9.31 GiB" in out
     assert "includes 1.86 GiB per rank of secondary weight partition" in out
+
+
+def test_docs_list_every_refused_key():
+    import os
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "config.md")).read()
+    for path, model in MODELS.items():
+        for key in model.refused:
+            full = ".".join((*path, key))
+            assert f"`{full}`" in text or f"(or `{key}`)" in text, full  # DeepSpeed's alias beside its stage3_ name
