@@ -96,11 +96,16 @@ def _refuse_zeropp_below_stage3(keys: dict[str, str], data: dict[str, Any], path
         return
     for key, what in keys.items():
         value = data.get(key)
-        on = value is True or value == 1 if key != "zero_hpz_partition_size" else \
-            isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
+        if key == "zero_hpz_partition_size":
+            on = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
+        elif key == "zeropp_loco_param":
+            on = value is not None and value != "auto"
+        else:
+            on = value is True or value == 1
         if on:
-            shown = describe_value(value if key == "zero_hpz_partition_size" else True)
-            report.problem(f"{_join(path, key)} = {shown}: ZeRO++ ({what}) works on ZeRO-3's "
+            shown = "" if key == "zeropp_loco_param" else \
+                f" = {describe_value(value if key == 'zero_hpz_partition_size' else True)}"
+            report.problem(f"{_join(path, key)}{shown}: ZeRO++ ({what}) works on ZeRO-3's "
                            f"partitioned parameters; it needs {_join(path, 'stage')} 3 (stage is {stage})")
 
 
@@ -176,9 +181,6 @@ class ZeroConfig(ConfigModel):
         "mics_hierarchical_params_gather": (is_default(False), "MiCS sharding was removed from DeepSpeed (refused "
                                             "since 0.19.8, https://github.com/deepspeedai/DeepSpeed/issues/8489) "
                                             "and is not implemented in shardwise: remove the key"),
-        "zeropp_loco_param": (is_default(None), "LoCo-Zero++ error feedback was removed from DeepSpeed (refused "
-                              "since 0.19.8, https://github.com/deepspeedai/DeepSpeed/issues/8489) and is not "
-                              "implemented in shardwise: remove the key; zero_quantized_gradients works without it"),
     }
 
     # ZeRO++ (docs/zero.md): key -> what it does, for the error below stage 3
@@ -187,6 +189,7 @@ class ZeroConfig(ConfigModel):
         "zero_quantized_nontrainable_weights": "qwZ, frozen parameters kept in int8",
         "zero_hpz_partition_size": "hpZ, a node-local secondary partition of the parameters",
         "zero_quantized_gradients": "qgZ, the quantized gradient all-to-all",
+        "zeropp_loco_param": "LoCo error feedback of qgZ",
     }
 
     # DeepSpeed's field names for the stage3_ keys (its pydantic aliases: both spellings are current)
