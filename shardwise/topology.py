@@ -223,8 +223,79 @@ _EXPERT_AXES = ("expert", "expert_data")  # cut from the data axis (``ParallelGr
 # (fault tolerance) features add are built here too: a method on ParallelGrid that cuts them from
 # ``self.topology`` (collective, every rank the same order, cached on the grid like ``expert_groups``)
 # and a name in ``group()``/``size()``/``axis_rank()``; nothing outside this module creates a group.
+_NODE_AXES = ("node", "inter_node")  # cut from the data axis by node (``ParallelGrid.node_groups``)
 _SCOPES: list = []
 _DEFAULT: list = [None]
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """The data-parallel ranks cut by node, as this rank sees them (ZeRO++'s hpZ and qgZ). A rank's node is
+    ``global_rank // node_size``. ``group``/``ranks``: the data ranks on this rank's node (hpZ's secondary
+    partition, qgZ's intra-node exchange); ``cross_group``/``cross_ranks``: the data ranks holding this
+    rank's place (k-th data rank of its node) on every node (qgZ's inter-node exchange)."""
+
+    node_size: int
+    group: object
+    ranks: tuple
+    cross_group: object
+    cross_ranks: tuple
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(comm.get_rank())
+
+    @property
+    def nodes(self) -> int:
+        return len(self.cross_ranks)
+
+    @property
+    def node(self) -> int:
+        return self.cross_ranks.index(comm.get_rank())
+
+
+_NODE_GROUPS: dict = {}  # (node_size, data rank lists) -> NodeGroups; forgotten with the world
+comm.on_destroy(_NODE_GROUPS.clear)
+
+
+def node_groups(data_rank_lists: list[list[int]], node_size: int) -> NodeGroups:
+    """This rank's ``NodeGroups`` for nodes of ``node_size`` ranks, cut from every data-parallel group's
+    ranks (``data_rank_lists``: all of them, the same on every rank). Collective the first time (every rank
+    creates every group in the same order); cached after."""
+    node_size = int(node_size)
+    if node_size < 1:
+        raise ValueError(f"node size must be >= 1, got {node_size}")
+    lists = tuple(tuple(sorted(r)) for r in data_rank_lists)
+    key = (node_size, lists)
+    if key in _NODE_GROUPS:
+        return _NODE_GROUPS[key]
+    me, mine = comm.get_rank(), {}
+    layouts = []
+    for ranks in lists:
+        by_node: dict[int, list[int]] = {}
+        for r in ranks:
+            by_node.setdefault(r // node_size, []).append(r)
+        per_node = {len(v) for v in by_node.values()}
+        if len(per_node) != 1:
+            raise ValueError(f"data-parallel ranks {list(ranks)} are spread unevenly over nodes of {node_size} "
+                             f"ranks ({ {n: len(v) for n, v in sorted(by_node.items())} } per node): ZeRO++ "
+                             "needs the same number of data ranks on every node")
+        local = [tuple(v) for _, v in sorted(by_node.items())]
+        cross = [tuple(node[i] for node in local) for i in range(len(local[0]))]
+        layouts.append((local, cross))
+    for local, cross in layouts:  # every rank creates every group, in order
+        for kind, lists_ in (("local", local), ("cross", cross)):
+            for ranks in lists_:
+                group = comm.new_group(list(ranks))
+                if me in ranks:
+                    mine[kind] = (group, ranks)
+    made = NodeGroups(node_size, mine["local"][0], mine["local"][1], mine["cross"][0], mine["cross"][1])
+    _NODE_GROUPS[key] = made
+    return made
 
 
 def active_grid():
@@ -486,14 +557,46 @@ class ParallelGrid(_Activatable):
             return current
         return cls(topology)
 
+    # -- node groups (ZeRO++): the data-parallel ranks cut by node ---------------------------------
+    node_size = None  # ranks per node once ``add_node_axis`` ran (``group("node")``, ``group("inter_node")``)
+
+    def data_rank_lists(self) -> list[list[int]]:
+        """Every data-parallel group's ranks (data x sequence with sequence parallelism: what ZeRO reduces over)."""
+        topo = self.topology
+        axes = [a for a in ("data", "sequence") if a in topo.axes]
+        others = [a for a in topo.axes if a not in axes]
+        return [sorted(topo.get_rank(**dict(zip(others, fixed)), **dict(zip(axes, free)))
+                       for free in product(*[range(topo.get_dim(a)) for a in axes]))
+                for fixed in product(*[range(topo.get_dim(a)) for a in others])]
+
+    def node_groups(self, node_size: int | None = None) -> NodeGroups:
+        """This rank's data-parallel ranks cut by nodes of ``node_size`` ranks (default: the node axis's);
+        collective on first use for a size, cached after (see ``topology.node_groups``)."""
+        size = self.node_size if node_size is None else int(node_size)
+        if size is None:
+            raise ValueError("this grid has no node axis: call grid.add_node_axis(ranks_per_node) first")
+        return node_groups(self.data_rank_lists(), size)
+
+    def add_node_axis(self, node_size: int) -> NodeGroups:
+        """Make nodes of ``node_size`` ranks this grid's node axis (``group("node")``: this rank's data
+        ranks on its node; ``group("inter_node")``: its peers on the other nodes) and create the groups."""
+        made = self.node_groups(node_size)
+        self.node_size = int(node_size)
+        return made
+
     def group(self, axis: str):
         """This rank's group along ``axis``: None when the axis spans the whole world (None is the
-        world everywhere), a group of this rank alone when the axis has size 1. Also ``sequence_data``
+        world everywhere), a group of this rank alone when the axis has size 1. Also ``node`` and
+        ``inter_node`` (after ``add_node_axis``: the data ranks on this rank's node, and its peers on the
+        other nodes), ``sequence_data``
         (the data x sequence ranks ZeRO reduces over with sequence parallelism), ``model_parallel``
         (pipe x tensor), ``expert`` and ``expert_data`` (of the grid's expert size)."""
         if axis in _EXPERT_AXES:
             experts = self.expert_groups()
             return experts.group if axis == "expert" else experts.data_group
+        if axis in _NODE_AXES:
+            nodes = self.node_groups()
+            return nodes.group if axis == "node" else nodes.cross_group
         if axis == "sequence_data":
             return self._seq_data_group
         if axis == "model_parallel":
@@ -503,6 +606,9 @@ class ParallelGrid(_Activatable):
     def size(self, axis: str) -> int:
         if axis == "expert":
             return self.expert_size
+        if axis in _NODE_AXES:
+            nodes = self.node_groups()
+            return nodes.size if axis == "node" else nodes.nodes
         if axis == "expert_data":
             return self.expert_groups().data_size
         if axis == "sequence_data":
@@ -514,6 +620,9 @@ class ParallelGrid(_Activatable):
     def axis_rank(self, axis: str) -> int:
         if axis == "expert":
             return self.expert_groups().rank
+        if axis in _NODE_AXES:
+            nodes = self.node_groups()
+            return nodes.rank if axis == "node" else nodes.node
         if axis == "expert_data":
             return self.expert_groups().data_rank
         if axis == "sequence_data":

@@ -5,10 +5,20 @@ seconds on a group of n ranks, the algorithmic bandwidth is S / t. The bus bandw
 scales it by what each rank's link really carries: 2(n-1)/n for all_reduce, (n-1)/n for
 all_gather and reduce_scatter (S is the whole gathered or scattered buffer), 1 for
 broadcast, 0 for barrier.
+
+Besides the table, the logger counts bytes per process group (``group_bytes()``) and, for a given node
+size, the bytes that cross node boundaries (``cross_node_bytes(node_size)``; a rank's node is
+``rank // node_size``). Both count what this rank receives, as if each collective were a direct exchange
+between the ranks of its group: for a message of S bytes on n ranks, S/n from each peer for an all-gather,
+a reduce-scatter and an all-to-all (equal splits), 2S/n from each peer for an all-reduce, S for a
+broadcast (from its source, assumed off-node when any peer is); point-to-point ops count S.
+Summed over the ranks this is the traffic over the links between nodes, whatever algorithm the backend
+runs (a ring moves the same bytes per rank across a node boundary at most once per hop).
 """
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 from shardwise.comm.ops import OpRecord, human_bytes
@@ -53,6 +63,7 @@ class CommsLogger:
         self.prof_ops = {ALIASES.get(o, o) for o in prof_ops}
         self.rank = rank
         self.data: dict[str, dict[int, _Stats]] = {}
+        self.traffic: dict[tuple[str, int, str, int], int] = {}  # (group, group size, op, bytes) -> count
 
     def wants(self, op: str) -> bool:
         return self.prof_all or op in self.prof_ops
@@ -62,6 +73,8 @@ class CommsLogger:
         algbw = rec.nbytes / latency
         busbw = algbw * bus_factor(rec.name, rec.group_size)
         name = rec.name + (f" | [Caller Func: {rec.caller}]" if rec.caller else "")
+        key = (rec.group, rec.group_size, rec.name, rec.nbytes)
+        self.traffic[key] = self.traffic.get(key, 0) + 1
         stats = self.data.setdefault(name, {}).setdefault(rec.nbytes, _Stats())
         stats.count += 1
         stats.total_latency += latency
@@ -91,6 +104,26 @@ class CommsLogger:
 
     def reset(self) -> None:
         self.data.clear()
+        self.traffic.clear()
+
+    def group_bytes(self) -> dict[str, int]:
+        """{group ("world", "ranks [0-1]"): bytes of the messages of the ops on it} (the table's message
+        sizes, summed)."""
+        out: dict[str, int] = {}
+        for (group, _, _, nbytes), count in self.traffic.items():
+            out[group] = out.get(group, 0) + nbytes * count
+        return out
+
+    def cross_node_bytes(self, node_size: int, *, by_group: bool = False):
+        """Bytes this rank received from ranks on other nodes (nodes of ``node_size`` ranks; see the module
+        docstring), in total or ``{group: bytes}``."""
+        out: dict[str, int] = {}
+        me = self.rank // node_size
+        for (group, size, op, nbytes), count in self.traffic.items():
+            ranks = group_ranks(group, size)
+            off = sum(1 for r in ranks if r // node_size != me)
+            out[group] = out.get(group, 0) + count * _received_off_node(op, nbytes, size, off)
+        return out if by_group else sum(out.values())
 
 
 def format_table(summary: dict, *, straggler: dict | None = None) -> str:
@@ -111,3 +144,26 @@ def format_table(summary: dict, *, straggler: dict | None = None) -> str:
                 row.append(f"{straggler.get((name, size), 0.0):.2f}")
             lines.append(" " * 22 + "".join(v.ljust(w) for v, w in zip(row, widths)))
     return "\n".join(lines)
+
+
+def _received_off_node(op: str, nbytes: int, size: int, off: int) -> int:
+    if off == 0 or size <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * nbytes * off // size
+    if op in ("broadcast", "broadcast_object", "send", "recv", "isend", "irecv"):
+        return nbytes
+    if op == "barrier":
+        return 0
+    return nbytes * off // size  # all-gather, reduce-scatter, all-to-all: S/n per peer
+
+
+def group_ranks(group: str, size: int) -> list[int]:
+    """The global ranks of a group as ``ops.describe_group`` names it ("world", "ranks [0,2-3]")."""
+    if group == "world":
+        return list(range(size))
+    out = []
+    for part in re.findall(r"\d+(?:-\d+)?", group):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out

@@ -76,7 +76,7 @@ def human_bytes(n: float) -> str:
 # ------------------------------------------------------------------------ shared state
 _lock = threading.Lock()
 _seq: dict[int, int] = {}  # id(process group) -> last sequence number issued on it
-_group_names: dict[int, tuple[str, int]] = {}
+_group_names: dict[int, tuple[object, tuple[str, int]]] = {}  # id -> (group, name)
 _in_flight: dict[int, OpRecord] = {}  # id(record) -> record
 _last: list[OpRecord | None] = [None]
 # Set by comm.configure(): the comms logger (or None) and hooks run around each op.
@@ -101,15 +101,15 @@ def describe_group(group) -> tuple[str, int]:
         return "world", 1
     pg = group if group is not None else dist.group.WORLD
     key = id(pg)
-    named = _group_names.get(key)
-    if named is None:
+    held = _group_names.get(key)
+    if held is None or held[0] is not pg:  # (a destroyed group's id may be reused by a new one)
         if pg is dist.group.WORLD:
             named = ("world", dist.get_world_size())
         else:
             ranks = dist.get_process_group_ranks(pg)
             named = (f"ranks {_ranges(ranks)}", len(ranks))
-        _group_names[key] = named
-    return named
+        held = _group_names[key] = (pg, named)
+    return held[1]
 
 
 def _ranges(ranks: Sequence[int]) -> str:

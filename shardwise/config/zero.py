@@ -135,6 +135,7 @@ class ZeroConfig(ConfigModel):
     zero_quantized_weights: bool = False
     zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False
+    zeropp_loco_param: dict | None = None  # LoCo error feedback of qgZ: {"err_beta": 0.8, "reset_T": 1024}
     mics_shard_size: Int = -1
     use_multi_rank_bucket_allreduce: bool = True
     memory_efficient_linear: bool = True

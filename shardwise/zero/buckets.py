@@ -92,10 +92,13 @@ class BucketReducer:
     ``on_reduced(bucket)``, if given, is called once a bucket's reduction is complete and stored.
     ``bucket_groups``, if given, is the process group of each bucket (stage 3: an expert unit reduces over
     its expert-data-parallel group); ``dp_group`` otherwise.
+    ``reduce_scatter(bucket, out, data, group)``, if given, replaces ``comm.reduce_scatter_tensor`` for the
+    scatter (ZeRO++'s quantized hierarchical one); it returns a handle with ``wait()``.
     """
 
     def __init__(self, groups: list[FlatGroup], store: GradientStore, *, reduce: ReduceSettings, dp_group,
-                 scatter: bool, on_reduced=None, bucket_groups: list | None = None, before_launch=None) -> None:
+                 scatter: bool, on_reduced=None, bucket_groups: list | None = None, before_launch=None,
+                 reduce_scatter=None) -> None:
         self.groups = groups
         self.store = store
         self.reduce = reduce
@@ -103,6 +106,7 @@ class BucketReducer:
         self.world = comm.get_world_size(dp_group)
         self.rank = comm.get_rank(dp_group)
         self.scatter = scatter
+        self.reduce_scatter = reduce_scatter
         self.max_in_flight = store.max_in_flight
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -217,7 +221,9 @@ class BucketReducer:
         pre = (world if r.prescale else r.predivide_factor) if r.average else r.predivide_factor
         if pre != 1.0:
             data.mul_(1.0 / pre)
-        if self.scatter:
+        if self.scatter and self.reduce_scatter is not None:
+            b.work = self.reduce_scatter(b, data[self.own_slice(b)], data, group)
+        elif self.scatter:
             b.work = comm.reduce_scatter_tensor(data[self.own_slice(b)], data, group=group, async_op=True)
         else:
             b.work = comm.all_reduce(data, group=group, async_op=True)

@@ -84,7 +84,27 @@ class Unit:
         self.exposed = False  # a forward with autograd used the buffer since the last end of pass
         self.store = None  # NvmeStore when the shard lives in a file (offload_param: nvme)
         self.coordinator = None  # (weakly) the ParamCoordinator that gathers and releases the unit
+        # ZeRO++ (zero/zeropp.py): int8 block size of the quantized gather (qwZ), node groups of hpZ's
+        # secondary partition and that partition (valid from a gather with autograd on to the end of the pass)
+        self.quant_block: int | None = None
+        self.hpz = None
+        self.secondary: torch.Tensor | None = None
+        self.secondary_valid = False
         self.release()
+
+    def enable_zeropp(self, *, quant_block: int | None, hpz_nodes) -> None:
+        """Gather as ZeRO++ says: int8 blocks of ``quant_block`` elements (qwZ), and hpZ's secondary
+        partition over ``hpz_nodes`` (a ``topology.NodeGroups``)."""
+        self.quant_block = quant_block
+        self.hpz = hpz_nodes
+
+    @property
+    def secondary_numel(self) -> int:
+        """Elements of hpZ's secondary shard: the flat unit cut in node-size pieces."""
+        return -(-self.full_numel // self.hpz.size) if self.hpz is not None else 0
+
+    def invalidate_secondary(self) -> None:
+        self.secondary_valid = False
 
     def _new_full_buffer(self) -> None:
         """The buffer the whole parameters live in while gathered (allocated by the first gather);
@@ -121,6 +141,7 @@ class Unit:
     def cast_(self, dtype: torch.dtype) -> None:
         """Re-home the (released) shard and gather buffer in ``dtype`` (16-bit training)."""
         self.dtype = dtype
+        self.secondary, self.secondary_valid = None, False
         self._point(self.shard.to(dtype))
         self._new_full_buffer()
         self.release()
@@ -162,7 +183,9 @@ class Unit:
     def start_gather(self) -> None:
         if self.gathered or self.pending is not None:
             return
-        if self.store is not None:  # read now; the collective is issued in finish_gather (same order everywhere)
+        if self.secondary_valid:  # hpZ: the node's copy of the weights gathered this pass
+            self.pending = ("secondary", *self._secondary_gather())
+        elif self.store is not None:  # read now; the collective is issued in finish_gather (same order everywhere)
             shard = torch.empty(self.shard_numel, dtype=self.dtype)
             self.pending = ("disk", self.store.read_async(self.file, shard), shard)
         else:
@@ -175,7 +198,28 @@ class Unit:
         if self.world == 1:
             buf.copy_(shard)
             return None, buf
+        if self.quant_block is not None:  # qwZ: int8 blocks on the wire, dequantized on wait()
+            from shardwise.zero.zeropp import QuantizedGather
+
+            return QuantizedGather(buf, shard, group=self.group, world=self.world, block=self.quant_block,
+                                   async_op=async_op), buf
         return comm.all_gather_into_tensor(buf, shard, group=self.group, async_op=async_op), buf
+
+    def _secondary_gather(self):
+        k = self.hpz.size
+        buf = torch.empty(self.secondary_numel * k, dtype=self.dtype, device=self.device)
+        return comm.all_gather_into_tensor(buf, self.secondary, group=self.hpz.group, async_op=True), buf
+
+    def _keep_secondary(self) -> None:
+        """hpZ: keep this rank's piece of the gathered unit for the gathers of the rest of the pass."""
+        n = self.secondary_numel
+        if self.secondary is None or self.secondary.dtype != self.dtype or self.secondary.device != self.device:
+            self.secondary = torch.zeros(n, dtype=self.dtype, device=self.device)
+        lo = min(self.hpz.rank * n, self.full_numel)
+        hi = min(lo + n, self.full_numel)
+        with torch.no_grad():
+            self.secondary[: hi - lo].copy_(self.full[lo:hi])
+        self.secondary_valid = True
 
     def finish_gather(self) -> None:
         if self.gathered:
@@ -193,10 +237,15 @@ class Unit:
             self.full.untyped_storage().resize_(self._storage_bytes)
         self.gathered = True
         self._point_params()
-        rows = buf.view(self.world, self.shard_numel)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
-            for pos, n, o, c in zip(self.positions, self.numels, self.offsets, self.chunks):
-                self.full[pos : pos + n].copy_(rows[:, o : o + c].reshape(-1)[:n])
+            if kind == "secondary":
+                self.full.copy_(buf[: self.full_numel])
+            else:
+                rows = buf.view(self.world, self.shard_numel)
+                for pos, n, o, c in zip(self.positions, self.numels, self.offsets, self.chunks):
+                    self.full[pos : pos + n].copy_(rows[:, o : o + c].reshape(-1)[:n])
+        if kind != "secondary" and self.hpz is not None and torch.is_grad_enabled():
+            self._keep_secondary()
         self._set_status(ZeroParamStatus.AVAILABLE)
 
     def release(self) -> None:
@@ -521,6 +570,7 @@ class ParamCoordinator:
             if u.gathered:
                 u.release()
             u.exposed = False  # (the graph of the pass is gone)
+            u.invalidate_secondary()  # (hpZ: the weights may change before the next pass)
 
 
     def release_all(self) -> None:
@@ -531,6 +581,7 @@ class ParamCoordinator:
                 u.finish_gather()
             if u.gathered:
                 u.release()
+            u.invalidate_secondary()
 
 
 def _weak_call(method):

@@ -35,7 +35,7 @@ class MemoryBreakdown:
     master_params: int
     optimizer_states: int
     bucket_buffers: int  # transient gradient buckets in flight (stages 2-3), an upper bound
-    total: int  # params + grads + master_params + optimizer_states
+    total: int  # params + grads + master_params + optimizer_states (+ hpz_secondary)
     theoretical: int
     num_params: int
     stage: int
@@ -45,6 +45,7 @@ class MemoryBreakdown:
     on_disk: int = 0  # NVMe offload: bytes of this rank's files
     tensor_parallel_size: int = 1
     model_num_params: int = 0  # trainable parameters whole over the tensor ranks (num_params: this rank's piece)
+    hpz_secondary: int = 0  # ZeRO++ hpZ: the node-local secondary partition of the weights (b·Ψ/k, in total)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,6 +56,8 @@ class MemoryBreakdown:
                 ("optimizer states", self.optimizer_states), ("total model states", self.total),
                 ("theoretical", self.theoretical), ("bucket buffers (bound)", self.bucket_buffers),
                 ("gathered params (now)", self.live_params), ("on disk (NVMe offload)", self.on_disk)]
+        if self.hpz_secondary:
+            rows.append(("hpZ secondary params", self.hpz_secondary))
         head = (f"model states per rank: ZeRO stage {self.stage}, {self.precision}, "
                 f"{self.num_params:,} parameters, data-parallel size {self.dp_world_size}")
         if self.tensor_parallel_size > 1:
@@ -100,7 +103,8 @@ def measure(strategy, optimizer, *, precision: str, weight_bytes: int, tensor_si
     theory += weight_bytes * psi // (n if strategy.shards_gradients else 1)  # gradients
     theory += (4 * psi // shard) if parts["master_params"] else 0
     theory += k * psi // shard
-    total = parts["params"] + parts["grads"] + parts["master_params"] + states
+    hpz = parts.get("hpz_secondary", 0)
+    total = parts["params"] + parts["grads"] + parts["master_params"] + states + hpz
     return MemoryBreakdown(parts["params"], parts["grads"], parts["master_params"], states, parts["bucket_buffers"],
                            total, theory, psi, strategy.stage, n, precision, parts["live_params"], parts["on_disk"],
-                           tensor_size, model_psi)
+                           tensor_size, model_psi, hpz)

@@ -24,7 +24,8 @@ from shardwise import comm
 from shardwise.param_attrs import external_params, is_z3_leaf, zero_unit
 from shardwise.precision import PrecisionPolicy
 from shardwise.zero import param_offload as param_offload_view
-from shardwise.zero import registry
+from shardwise.zero import registry, zeropp
+from shardwise.comm import quantize
 from shardwise.zero.buckets import Bucket, BucketReducer, PartitionGrads
 from shardwise.zero.coordinator import ParamCoordinator, Unit
 from shardwise.zero.partitioned_param import gather_full, is_partitioned, owned_range, scatter_full_, shard_param_
@@ -201,10 +202,20 @@ class Stage3Strategy(ZeroStrategy):
                 u.cast_(precision.param_dtype)
         self.param_store = None
         self._offload_params(param_offload, aio)
+        self.quantized_store = None  # zero_quantized_nontrainable_weights: frozen units' shards as int8 blocks
+        if zc is not None and zc.zero_quantized_nontrainable_weights and self.param_store is None:
+            frozen = [u for u in self.units if not any(p.requires_grad for p in u.params)]
+            if frozen:
+                self.quantized_store = zeropp.QuantizedShardStore()
+                for u in frozen:
+                    u.offload_to_nvme(self.quantized_store)
         self.gradients = UnitGradients(self.units, accum_dtype=precision.grad_accum_dtype)
+        self.zeropp = zeropp.setup(zc, dp_group=dp_group)  # ZeRO++ (qwZ, hpZ, qgZ), None when off
+        self._enable_zeropp()
         self.reducer = BucketReducer([self.gradients.layout], self.gradients, reduce=reduce, dp_group=dp_group,
                                      scatter=True, on_reduced=self._unit_reduced, before_launch=self._before_reduce,
-                                     bucket_groups=[u.group for u in self.gradients.layout.unit_of_bucket])
+                                     bucket_groups=[u.group for u in self.gradients.layout.unit_of_bucket],
+                                     reduce_scatter=self.zeropp.reducer if self.zeropp is not None else None)
         self.coordinator = ParamCoordinator(
             self.units, module_units, check_group=dp_group,
             prefetch_elements=int(zc.stage3_prefetch_bucket_size) if zc is not None else 0,
@@ -228,6 +239,15 @@ class Stage3Strategy(ZeroStrategy):
                     frags.append(Fragment(name, ui, start, end, off, off))
             out.append(frags)
         return out
+
+    def _enable_zeropp(self) -> None:
+        pp = self.zeropp
+        if pp is None:
+            return
+        for u in self.units:
+            if u.world > 1 and pp.applies_to(u.group):
+                u.enable_zeropp(quant_block=quantize.weight_block_size(u.shard_numel) if pp.quantized_weights else None,
+                                hpz_nodes=pp.nodes if pp.hpz > 1 else None)
 
     def _offload_params(self, block, aio) -> None:
         device = offload_device(block)
@@ -352,11 +372,14 @@ class Stage3Strategy(ZeroStrategy):
 
     def memory_parts(self) -> dict[str, int]:
         return {
-            "params": sum(u.shard.nbytes for u in self.units),  # 0 when the shards are on NVMe
+            "params": sum(u.shard.nbytes for u in self.units)  # 0 when the shards are on NVMe
+            + (self.quantized_store.nbytes() if self.quantized_store is not None else 0),
             "grads": self.gradients.nbytes(),
             "master_params": self.partition.master_bytes(),
             "bucket_buffers": self.reducer.transient_bytes(torch.finfo(self.precision.param_dtype).bits // 8),
             "live_params": sum(u.full_numel * u.shard.element_size() for u in self.units if u.gathered),
+            # hpZ: the node-local secondary partition of every unit (allocated on the first gather, kept)
+            "hpz_secondary": sum(u.secondary_numel * torch.empty(0, dtype=u.dtype).element_size() for u in self.units),
             "on_disk": self.partition.disk_bytes() + (self.param_store.disk_bytes() if self.param_store else 0),
         }
 

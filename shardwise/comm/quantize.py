@@ -1,0 +1,112 @@
+"""Blockwise symmetric quantization of flat tensors (ZeRO++'s qwZ and qgZ).
+
+A flat tensor of ``n`` elements is cut into blocks of ``block`` consecutive elements (``n`` must be a
+multiple of ``block``; callers pad). Each block gets one fp32 scale ``s = 2 * absmax / 2**bits`` (zero for
+an all-zero block) and each element the integer ``clamp(round(x / s), -2**(bits-1), 2**(bits-1) - 1)``:
+DeepSpeed's symmetric quantizer (``csrc/includes/quantization_utils.h``: its kernel multiplies by
+``2**bits / (2 * absmax)`` and stores the inverse as the block's scale). Dequantizing is ``q * s``. An
+element's error is at most ``s / 2``, except the block's largest positive value, which the clamp may cut
+by up to ``s`` (values above ``(2**(bits-1) - 1/2) * s``; ``s`` is ``absmax / 128`` for int8, ``absmax / 8`` for int4).
+
+int8 values are one byte each; int4 values are packed two to a byte (element ``2i`` in the low nibble,
+``2i + 1`` in the high one), so ``block`` must be even for 4 bits.
+
+Block sizes: ``weight_block_size(n)`` is the group layout DeepSpeed's ``CUDAQuantizer`` picks for the
+parameter all-gather (``runtime/zero/partition_parameters.py``): about ``n / 8000`` groups, grown until
+``n`` divides into groups of a multiple of 8 elements, then halved in size while they stay above 8000
+elements. Where ``n`` has no such layout (DeepSpeed asserts) the shard is padded to whole blocks of
+``FALLBACK_BLOCK`` elements instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+TARGET_GROUP_SIZE = 8000  # DeepSpeed's CUDAQuantizer.target_group_size
+FALLBACK_BLOCK = 4096  # elements per block where DeepSpeed's layout has none for a size
+MIN_BLOCK = 64  # a layout with smaller groups than this is not worth its scales: fall back
+
+
+def deepspeed_groups(numel: int, target: int = TARGET_GROUP_SIZE) -> int | None:
+    """The number of quantization groups DeepSpeed's ``CUDAQuantizer.quantize`` uses for ``numel``
+    elements, or None where it has none (``numel`` not a multiple of 8)."""
+    if numel <= 0 or numel % 8:
+        return None
+    groups = math.ceil(numel / target)
+    while groups < numel:
+        if numel % (8 * groups) == 0:
+            break
+        groups += 1
+    while numel % (8 * groups * 2) == 0 and numel / groups > target:
+        groups *= 2
+    if numel % (8 * groups) or numel <= groups:
+        return None
+    return groups
+
+
+def weight_block_size(numel: int) -> int:
+    """Elements per block for an all-gathered shard of ``numel`` elements (see the module docstring)."""
+    groups = deepspeed_groups(numel)
+    if groups is not None and numel // groups >= MIN_BLOCK:
+        return numel // groups
+    return min(FALLBACK_BLOCK, _even(max(numel, 2)))
+
+
+def _even(n: int) -> int:
+    return n + (n & 1)
+
+
+def padded_numel(numel: int, block: int) -> int:
+    return -(-numel // block) * block
+
+
+def packed_numel(numel: int, bits: int) -> int:
+    """Bytes that ``numel`` quantized values take."""
+    return numel // 2 if bits == 4 else numel
+
+
+def quantize(x: torch.Tensor, block: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)`` of the flat tensor ``x`` (``x.numel() % block == 0``): ``values`` uint8 (int8 bit
+    patterns, or two int4 per byte), ``scales`` fp32, one per block."""
+    if bits not in (4, 8):
+        raise ValueError(f"quantize: bits must be 4 or 8, got {bits}")
+    n = x.numel()
+    if n % block or (bits == 4 and block % 2):
+        raise ValueError(f"quantize: {n} elements do not cut into blocks of {block}"
+                         + (" (int4 needs an even block)" if bits == 4 else ""))
+    blocks = x.detach().reshape(-1, block).float()
+    absmax = blocks.abs().amax(dim=1)
+    scales = absmax * (2.0 / (1 << bits))
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = torch.round(blocks * inv[:, None]).clamp_(lo, hi).to(torch.int8).reshape(-1)
+    if bits == 8:
+        return q.view(torch.uint8), scales
+    u = (q.to(torch.int16) & 0xF).to(torch.uint8).view(-1, 2)
+    return (u[:, 0] | (u[:, 1] << 4)).contiguous(), scales
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, block: int, bits: int = 8, *,
+               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The flat tensor ``quantize`` encoded (in ``dtype``, or written into ``out``)."""
+    if bits == 8:
+        q = values.view(torch.int8).float()
+    else:
+        lo = (values & 0xF).to(torch.int16)
+        hi = (values >> 4).to(torch.int16)
+        q = torch.stack((lo, hi), dim=1).reshape(-1)
+        q = torch.where(q >= 8, q - 16, q).float()
+    x = (q.view(-1, block) * scales[:, None]).reshape(-1)
+    if out is not None:
+        out.copy_(x)
+        return out
+    return x.to(dtype)
+
+
+def error_bound(x: torch.Tensor, block: int, bits: int = 8) -> torch.Tensor:
+    """Per element, the largest error ``dequantize(quantize(x))`` may have (the block's scale)."""
+    blocks = x.detach().reshape(-1, block).float()
+    scales = blocks.abs().amax(dim=1) * (2.0 / (1 << bits))
+    return scales.repeat_interleave(block)
