@@ -47,7 +47,6 @@ SWITCHED_ON = {
         "legacy_stage1": True, "pipeline_loading_checkpoint": True, "override_module_apply": False,
         "log_trace_cache_warnings": True, "enable_sanity_checks": True, "save_muon_momentum_buffer_in_memory": True,
         "parameter_alignment": True, "mics_shard_size": 4, "mics_hierarchical_params_gather": True,
-        "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024},
     },
     ("zero_optimization", "offload_optimizer"): {"super_offload": True, "cpuadam_cores_perc": 0.5},
     (): {
@@ -59,7 +58,8 @@ SWITCHED_ON = {
 MODELS = {("zero_optimization",): ZeroConfig, ("zero_optimization", "offload_optimizer"): OffloadOptimizerConfig,
           (): ShardwiseConfig}
 ZEROPP_ON = {"zero_quantized_weights": True, "zero_quantized_nontrainable_weights": True,
-             "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+             "zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
+             "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}
 
 
 def _nest(path: tuple, block: dict) -> dict:
@@ -139,13 +139,15 @@ def test_zeropp_key_below_stage3_is_a_named_error(stage, key):
     with pytest.raises(ConfigError) as info:
         _load({"zero_optimization": {"stage": stage, key: ZEROPP_ON[key]}})
     [line] = info.value.problems
-    assert line.startswith(f"zero_optimization.{key} = {str(ZEROPP_ON[key]).lower()}: ZeRO++ (")
+    shown = "" if key == "zeropp_loco_param" else f" = {str(ZEROPP_ON[key]).lower()}"
+    assert line.startswith(f"zero_optimization.{key}{shown}: ZeRO++ (")
     assert line.endswith(f"it needs zero_optimization.stage 3 (stage is {stage})")
 
 
 def test_zeropp_keys_at_stage3_and_off_below_load():
     z = _load({"zero_optimization": {"stage": 3, **ZEROPP_ON}}).zero_optimization
     assert (z.zero_quantized_weights, z.zero_hpz_partition_size, z.zero_quantized_gradients) == (True, 2, True)
+    assert z.zeropp_loco_param == {"err_beta": 0.8, "reset_T": 1024}
     off = {"zero_quantized_weights": False, "zero_quantized_nontrainable_weights": 0, "zero_hpz_partition_size": 1,
            "zero_quantized_gradients": False}
     assert _load({"zero_optimization": {"stage": 2, **off}}).zero_optimization.stage == 2
