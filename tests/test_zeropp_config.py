@@ -240,3 +240,12 @@ def test_docs_list_every_refused_key():
         for key in model.refused:
             full = ".".join((*path, key))
             assert f"`{full}`" in text or f"(or `{key}`)" in text, full  # DeepSpeed's alias beside its stage3_ name
+
+
+def test_plan_says_zeropp_is_not_planned(_no_process_group):
+    from shardwise.planning import PlanError, make_plan
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}}
+    with pytest.raises(PlanError, match=r"^zero_optimization.zero_hpz_partition_size: ZeRO\+\+ is not planned yet"):
+        make_plan(world=4, gpus_per_node=2, model=GPT, config=config)
