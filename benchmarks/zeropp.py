@@ -15,7 +15,8 @@ a check of the harness).
 
 Measured per configuration and network: the median step time of the slowest rank (after ``--warmup``
 steps), the bytes per step the comms logger counts (every collective's whole message, summed over the four
-ranks), and on the shaped network the bytes per step that really crossed the link (the veth counters of both
+ranks), the part of them that crosses between the two nodes (the logger's ``cross_node_bytes``: what each
+rank receives from the other node, summed), and on the shaped network the bytes per step that really crossed the link (the veth counters of both
 namespaces, TCP/IP headers included). The table gives each figure for ZeRO-3, for ZeRO++ and their ratio;
 the plot (matplotlib, ``pip install 'shardwise[plot]'``) draws the loss of every step of both runs.
 
@@ -105,7 +106,11 @@ def worker(args) -> None:
         losses.append(float(mean) / world)
     sent[1] = _link_bytes(args.ifname)
     logged = sum(size * s["count"] for sizes in comm.comms_summary().values() for size, s in sizes.items())
+    from shardwise.comm import ops
+
+    cross = ops.logger.cross_node_bytes(PER_NODE)
     row = {"step_s": statistics.median(times), "logged_bytes": logged / args.steps,
+           "cross_node_bytes": cross / args.steps,
            "link_bytes": (sent[1] - sent[0]) / args.steps if args.ifname and rank % PER_NODE == 0 else 0,
            "losses": losses, "file": shardwise.__file__}
     rows = [None] * world
@@ -215,6 +220,7 @@ def _missing_for_netns() -> str | None:
 
 def _summary(rows: list[dict]) -> dict:
     return {"step_s": max(r["step_s"] for r in rows), "logged_bytes": sum(r["logged_bytes"] for r in rows),
+            "cross_node_bytes": sum(r["cross_node_bytes"] for r in rows),
             "link_bytes": sum(r["link_bytes"] for r in rows) / 2,  # both ends count each byte once (tx + rx)
             "losses": rows[0]["losses"]}
 
@@ -301,7 +307,8 @@ def main() -> None:
         label = f"shaped ({args.rate})" if net == "shaped" else "loopback"
         a, b = results[(net, base_name)], results[(net, pp_name)]
         figures = [("step time", a["step_s"], b["step_s"], lambda v: f"{v * 1000:.1f} ms"),
-                   ("logged bytes/step", a["logged_bytes"], b["logged_bytes"], _mib)]
+                   ("logged bytes/step", a["logged_bytes"], b["logged_bytes"], _mib),
+                   ("cross-node bytes/step", a["cross_node_bytes"], b["cross_node_bytes"], _mib)]
         if net == "shaped":
             figures.append(("link bytes/step", a["link_bytes"], b["link_bytes"], _mib))
         for what, va, vb, fmt in figures:
