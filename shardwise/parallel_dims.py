@@ -37,6 +37,7 @@ class ParallelDims:
     partition_activations: bool = False  # activation_checkpointing.partition_activations
     sequence_parallel_params: bool = False  # parameters marked sequence_parallel=True (Megatron sequence parallelism)
     curriculum_sampling: bool = False  # data_efficiency.data_sampling.curriculum_learning
+    hpz_partition: int = 1  # ZeRO++ hpZ: zero_optimization.zero_hpz_partition_size at stage 3
 
     @property
     def world_size(self) -> int:
@@ -153,6 +154,12 @@ RULES: tuple[Rule, ...] = (
     Rule("the interleaved pipeline schedule (virtual_stages {virtual_stages}) with zero_optimization.stage 3",
          "virtual_stages > 1 with ZeRO stage 3", lambda d: d.virtual_stages > 1 and d.zero_stage == 3,
          "use the 1F1B or GPipe schedule, or ZeRO stage 0-2"),
+    Rule("zero_optimization.zero_hpz_partition_size {hpz_partition} with {data} data-parallel x {sequence} "
+         "sequence-parallel ranks", "zero_hpz_partition_size not dividing data x sequence (ZeRO-3's ranks)",
+         lambda d: d.hpz_partition > 1 and (d.data * d.sequence) % d.hpz_partition != 0,
+         "hpZ keeps a second copy of each ZeRO-3 parameter partitioned over groups of that many ranks (one "
+         "node's); the ranks ZeRO-3 partitions over must split into whole groups: use the ranks per node, a "
+         "divisor of them, or 1", name="zero_hpz"),
     Rule("zero_optimization.offload_optimizer with zero_optimization.stage 0",
          "optimizer offload with ZeRO stage 0", lambda d: d.offload_optimizer and d.zero_stage == 0,
          "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer on every rank)"),

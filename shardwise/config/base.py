@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from types import UnionType
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Callable, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import AllowInfNan, BaseModel, BeforeValidator, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
@@ -14,7 +14,7 @@ from .errors import describe_value
 if TYPE_CHECKING:  # pragma: no cover
     from .loader import Report
 
-__all__ = ["ConfigModel", "Int", "Float", "DType", "OptDType", "case_insensitive"]
+__all__ = ["ConfigModel", "Int", "Float", "DType", "OptDType", "case_insensitive", "not_implemented", "is_default"]
 
 
 class ConfigModel(BaseModel):
@@ -28,10 +28,13 @@ class ConfigModel(BaseModel):
     DeepSpeed, takes: configs written ``"zero_allow_untested_optimizer": 1`` exist); integral
     floats (``5e8``) for an integer, as in DeepSpeed.
 
-    Two class-level hooks are used by the loader's pre-pass (``loader.normalise``):
-    ``renamed`` maps a deprecated key to its replacement, and ``upgrade`` may
+    Three class-level hooks are used by the loader's pre-pass (``loader.normalise``):
+    ``renamed`` maps a deprecated key to its replacement, ``upgrade`` may
     rewrite the raw dict of this block before validation (for aliases that
-    need more than a rename).
+    need more than a rename), and ``refused`` names the DeepSpeed keys of this
+    block that shardwise does not implement, each with its reason: a value that
+    changes nothing (DeepSpeed's default) passes, any other is an error naming the
+    key and the reason, never silently accepted.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
@@ -47,17 +50,48 @@ class ConfigModel(BaseModel):
         return {k: bool(v) if k in flags and type(v) is int and v in (0, 1) else v for k, v in data.items()}
 
     renamed: ClassVar[dict[str, str]] = {}
+    # DeepSpeed key -> (does this value change nothing?, why it is refused otherwise)
+    refused: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
 
     @classmethod
     def upgrade(cls, data: dict[str, Any], path: str, report: "Report") -> dict[str, Any]:
         for old, new in cls.renamed.items():
             report.rename(data, old, new, path)
+        for key, (harmless, why) in cls.refused.items():
+            if key not in data:
+                continue
+            value = data[key]
+            if (isinstance(value, str) and value == "auto") or harmless(value):
+                if key not in cls.model_fields:
+                    data.pop(key)  # DeepSpeed's default: nothing to do
+                continue
+            data.pop(key)
+            where = f"{path}.{key}" if path else key
+            shown = f" = {describe_value(value)}" if not isinstance(value, (dict, list)) else ""
+            report.problem(f"{where}{shown}: {why}")
         return data
 
     @classmethod
     def unknown_key_hint(cls, key: str) -> str | None:
         """A specific explanation for a key that does not belong here (or None)."""
         return None
+
+
+def not_implemented(what: str, instead: str = "remove the key") -> str:
+    """The reason text of a ``refused`` entry for a DeepSpeed feature shardwise lacks."""
+    return f"{what} is not implemented in shardwise; {instead}"
+
+
+def is_default(default: Any) -> Callable[[Any], bool]:
+    """A ``refused`` predicate: the value is DeepSpeed's default (for a switch also ``0``/``1``, as the config
+    takes them for booleans; for a number any JSON number equal to it, but never ``true``/``false``)."""
+    def check(value: Any) -> bool:
+        if default is None:
+            return value is None
+        if isinstance(default, bool):
+            return type(value) in (bool, int) and value == default
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and value == default
+    return check
 
 
 def _is_boolean(annotation: Any) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, PlainValidator, model_validator
 from pydantic_core import PydanticCustomError
@@ -12,7 +12,7 @@ from .errors import describe_value
 from .compile import CompileConfig
 from .hybrid import HybridEngineConfig
 from .fault_tolerance import FaultToleranceConfig
-from .base import ConfigModel, Float, Int, OptDType
+from .base import ConfigModel, Float, Int, OptDType, is_default, not_implemented
 from .monitors import (AutotuningConfig, CometConfig, CommsLoggerConfig, CSVMonitorConfig,
                        ElasticityConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig, WandbConfig)
 from .precision import AmpConfig, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig, param_dtype_conflict
@@ -151,6 +151,34 @@ class ShardwiseConfig(ConfigModel):
     timers: TimersConfig = _block(TimersConfig)
 
     renamed: ClassVar[dict[str, str]] = {"bfloat16": "bf16"}
+
+    # DeepSpeed 0.19.8's other top-level keys: the default passes, any other value is refused with its reason
+    refused: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "managed_gradient_accumulation": (is_default(True), not_implemented(
+            "false (the caller owns the accumulation boundary and every step() updates)",
+            "the engine counts micro-batches with gradient_accumulation_steps: remove the key")),
+        "disable_python_gc": (is_default(False), not_implemented(
+            "pausing Python's cyclic garbage collector during training")),
+        "use_data_before_expert_parallelism": (is_default(False), not_implemented(
+            "laying out the expert groups data-first from the config")),
+        "log_level": (is_default(None), not_implemented(
+            "setting DeepSpeed's log level from the config",
+            "set the level of the 'shardwise' logger with Python's logging: remove the key")),
+        "datastates_ckpt": (lambda v: v is None or v is False, not_implemented(
+            "DataStates-LLM asynchronous checkpointing", "docs/checkpoints.md describes the checkpoint options "
+            "shardwise has: remove the block")),
+        "weight_quantization": (is_default(None), not_implemented(
+            "quantized weight initialisation (weight_quantization)", "remove the block")),
+        "vocabulary_size": (is_default(None), not_implemented(
+            "DeepSpeed's fp16 warning for a vocabulary that is not a multiple of 8, the key's only use,")),
+        # removed from DeepSpeed (its _REMOVED_TOP_LEVEL_CONFIG_KEYS): refused there whatever the value
+        "graph_harvesting": (lambda v: False, "graph harvesting was removed from DeepSpeed (refused since 0.19.8, "
+                             "https://github.com/deepspeedai/DeepSpeed/issues/8489) and is not implemented in "
+                             "shardwise: remove the key"),
+        "quantize_training": (lambda v: False, "Mixture-of-Quantization (quantize_training) was removed from "
+                              "DeepSpeed (refused since 0.19.8, https://github.com/deepspeedai/DeepSpeed/issues/8489) "
+                              "and is not implemented in shardwise: remove the block"),
+    }
 
     @classmethod
     def upgrade(cls, data: dict[str, Any], path: str, report: "Report") -> dict[str, Any]:

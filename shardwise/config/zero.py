@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from .base import ConfigModel, Float, Int
+from .base import ConfigModel, Float, Int, is_default, not_implemented
 from .errors import describe_value
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,6 +44,15 @@ class OffloadOptimizerConfig(ConfigModel):
     fast_init: bool = False
     ratio: Float = Field(1.0, gt=0, le=1)
 
+    refused: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "super_offload": (is_default(False), not_implemented(
+            "SuperOffload (DeepSpeed's optimizer offload tuned for superchips such as GH200)",
+            "offload_optimizer with device \"cpu\" runs the step on the host")),
+        "cpuadam_cores_perc": (is_default(0.8), not_implemented(
+            "the share of cores given to DeepSpeed's compiled CPU Adam",
+            "the host step runs on torch's threads (torch.set_num_threads or OMP_NUM_THREADS)")),
+    }
+
 
 def _listed(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
@@ -70,6 +79,34 @@ class LeafModuleConfig(ConfigModel):
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+def _stage_of(data: dict[str, Any]) -> int | None:
+    stage = data.get("stage", 0)
+    if isinstance(stage, float) and stage.is_integer():
+        stage = int(stage)
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) else None
+
+
+def _refuse_zeropp_below_stage3(keys: dict[str, str], data: dict[str, Any], path: str, report: "Report") -> None:
+    """ZeRO++ reworks ZeRO-3's parameter all-gather and gradient reduce-scatter: below stage 3 (where DeepSpeed
+    ignores the keys) each one switched on is an error naming it."""
+    stage = _stage_of(data)
+    if stage is None or stage >= 3:
+        return
+    for key, what in keys.items():
+        value = data.get(key)
+        if key == "zero_hpz_partition_size":
+            on = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
+        elif key == "zeropp_loco_param":
+            on = value is not None and value != "auto"
+        else:
+            on = value is True or value == 1
+        if on:
+            shown = "" if key == "zeropp_loco_param" else \
+                f" = {describe_value(value if key == 'zero_hpz_partition_size' else True)}"
+            report.problem(f"{_join(path, key)}{shown}: ZeRO++ ({what}) works on ZeRO-3's "
+                           f"partitioned parameters; it needs {_join(path, 'stage')} 3 (stage is {stage})")
 
 
 class ZeroConfig(ConfigModel):
@@ -106,6 +143,54 @@ class ZeroConfig(ConfigModel):
 
     renamed: ClassVar[dict[str, str]] = {
         "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    }
+
+    # Every other key of DeepSpeed 0.19.8's DeepSpeedZeroConfig: its default passes, any other value is refused
+    refused: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "zenflow": (is_default(None), not_implemented(
+            "ZenFlow (stall-free offload: the important gradient columns updated on the device, the rest on the "
+            "CPU in the background)", "use offload_optimizer without it")),
+        "compute_grad_norm": (is_default(True), not_implemented(
+            "skipping the global gradient norm at stages 1-2",
+            "the norm is always computed (clipping, get_global_grad_norm()): remove the key")),
+        **{key: (is_default(0), not_implemented(
+            "fetching fine-grained modules as one unit",
+            "ZeRO-3 gathers parameters in units cut by stage3_prefetch_bucket_size: remove the key"))
+           for key in ("stage3_module_granularity_threshold", "module_granularity_threshold")},
+        **{key: (is_default(False), not_implemented("fetching ZeRO-3 parameters with an all-reduce instead of an all-gather"))
+           for key in ("stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params")},
+        **{key: (is_default(False), not_implemented("gathering ZeRO-3 parameters one by one without a flat bucket"))
+           for key in ("stage3_allgather_sequential", "allgather_sequential")},
+        "legacy_stage1": (is_default(False), not_implemented("DeepSpeed's old ZeRO stage 1", "shardwise has one stage 1: remove the key")),
+        "pipeline_loading_checkpoint": (is_default(False), not_implemented("forcing ZeRO-3 checkpoints to load in pipeline mode")),
+        "override_module_apply": (is_default(True), not_implemented(
+            "leaving torch.nn.Module.apply alone under zero.Init",
+            "zero.Init always gathers the parameters inside apply: remove the key")),
+        "log_trace_cache_warnings": (is_default(False), not_implemented(
+            "DeepSpeed's ZeRO-3 trace cache", "parameters are gathered by module hooks with no trace to warn "
+            "about: remove the key")),
+        "enable_sanity_checks": (is_default(False), not_implemented("DeepSpeed's internal ZeRO-3 sanity checks")),
+        "save_muon_momentum_buffer_in_memory": (is_default(False), not_implemented(
+            "Muon with NVMe optimizer offload, the only place the key matters,",
+            "Muon with offload_optimizer is refused: remove the key")),
+        "parameter_alignment": (is_default(False), not_implemented("padding the stage 1-2 flat buffers so each parameter starts 16-byte aligned")),
+        # removed from DeepSpeed (its _REMOVED_ZERO_CONFIG_KEYS): refused there whatever the value
+        "mics_shard_size": (is_default(-1), "MiCS sharding was removed from DeepSpeed (refused since 0.19.8, "
+                            "https://github.com/deepspeedai/DeepSpeed/issues/8489) and is not implemented in "
+                            "shardwise: remove the key (zero_hpz_partition_size keeps a node-local copy of the "
+                            "ZeRO-3 parameters, the closest feature)"),
+        "mics_hierarchical_params_gather": (is_default(False), "MiCS sharding was removed from DeepSpeed (refused "
+                                            "since 0.19.8, https://github.com/deepspeedai/DeepSpeed/issues/8489) "
+                                            "and is not implemented in shardwise: remove the key"),
+    }
+
+    # ZeRO++ (docs/zero.md): key -> what it does, for the error below stage 3
+    zeropp: ClassVar[dict[str, str]] = {
+        "zero_quantized_weights": "qwZ, the int8 parameter all-gather",
+        "zero_quantized_nontrainable_weights": "qwZ, frozen parameters kept in int8",
+        "zero_hpz_partition_size": "hpZ, a node-local secondary partition of the parameters",
+        "zero_quantized_gradients": "qgZ, the quantized gradient all-to-all",
+        "zeropp_loco_param": "LoCo error feedback of qgZ",
     }
 
     # DeepSpeed's field names for the stage3_ keys (its pydantic aliases: both spellings are current)
@@ -148,6 +233,7 @@ class ZeroConfig(ConfigModel):
                 for block in ("offload_param", "offload_optimizer"):
                     if isinstance(data.get(block), dict):
                         data[block] = {"pin_memory": value, **data[block]}
+        _refuse_zeropp_below_stage3(cls.zeropp, data, path, report)
         stage, block = data.get("stage", 0), data.get("offload_param")
         offloaded = isinstance(block, dict) and block.get("device") in ("cpu", "nvme")
         if isinstance(stage, int) and stage < 3 and offloaded:

@@ -512,6 +512,7 @@ def make_plan(*, world: int, gpus_per_node: int, model: str, config, gpu_memory:
         t = time.perf_counter()
         with counter.counting():
             grid, dims = build_grid(cfg, world=world, pipe=pipe, kind=kind)
+        _refuse_zeropp(cfg)
         group_seconds = time.perf_counter() - t
         batch = cfg.resolve_batch_sizes(dims.data)
         stages, whole = build_stages(kind, model_cfg, grid=grid, dims=dims, partition_method=partition_method,
@@ -562,6 +563,20 @@ def make_plan(*, world: int, gpus_per_node: int, model: str, config, gpu_memory:
         plan.over_limit = [r.rank for r in rank_plans if r.device_bytes > gpu_memory]
     plan.seconds = time.perf_counter() - start
     return plan
+
+
+def _refuse_zeropp(cfg) -> None:
+    """ZeRO++ changes stage 3's messages (int8/int4 blocks, node-local and cross-node groups) and adds hpZ's
+    secondary partition; the plan lays out plain ZeRO-3 only, so it says so rather than print those figures."""
+    zc = cfg.zero_optimization
+    on = [key for key, value in (("zero_quantized_weights", zc.zero_quantized_weights),
+                                 ("zero_quantized_nontrainable_weights", zc.zero_quantized_nontrainable_weights),
+                                 ("zero_hpz_partition_size", zc.zero_hpz_partition_size > 1),
+                                 ("zero_quantized_gradients", zc.zero_quantized_gradients)) if value]
+    if on:
+        raise PlanError(f"zero_optimization.{on[0]}: ZeRO++ is not planned yet (the plan's bytes and messages are "
+                        "plain ZeRO-3's); plan without the ZeRO++ keys, and see `shardwise estimate "
+                        "--zero_hpz_partition_size` for hpZ's memory")
 
 
 def _choose_ranks(ranks, world, topo, dims, gpus_per_node) -> list[int]:

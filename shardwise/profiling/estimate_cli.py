@@ -38,6 +38,8 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload_param", choices=("none", "cpu", "nvme"), default="none",
                    help="parameter offload at stage 3 (offload_param.device)")
     p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="bf16")
+    p.add_argument("--zero_hpz_partition_size", type=int, default=1, metavar="K",
+                   help="ZeRO++ hpZ at stage 3: a second copy of the weights partitioned over K ranks (default 1: off)")
     act = p.add_argument_group("activations (transformer shapes; --model fills in what it knows)")
     act.add_argument("--seq_len", type=int, help="sequence length")
     act.add_argument("--micro_batch", type=int, default=1, help="micro-batch size per rank (default 1)")
@@ -78,7 +80,8 @@ def build_estimates(ns) -> tuple[list[MemoryEstimate], dict]:
         estimates.append(estimate_model_states(num_params, num_gpus=ns.num_gpus, num_nodes=ns.num_nodes, stage=stage,
                                                precision=ns.precision, offload_optimizer=off,
                                                offload_param=off_param, tensor_parallel=ns.tensor_parallel,
-                                               pipeline_parallel=ns.pipeline_parallel))
+                                               pipeline_parallel=ns.pipeline_parallel,
+                                               hpz_partition_size=ns.zero_hpz_partition_size if stage == 3 else 1))
     if all(shape.get(k) for k in ("seq_len", "hidden_size", "num_layers", "num_heads")):
         kw = dict(seq_len=shape["seq_len"], micro_batch=ns.micro_batch, hidden_size=shape["hidden_size"],
                   num_layers=shape["num_layers"], num_heads=shape["num_heads"], vocab_size=shape.get("vocab_size"),
@@ -108,6 +111,11 @@ def format_table(estimates: list[MemoryEstimate], shape: dict) -> str:
                      "in addition to the model states)")
     else:
         lines.append("Activations: give --seq_len, --hidden_size, --num_layers and --num_heads (or --model) for an estimate")
+    for e in estimates:
+        if e.hpz_params:
+            lines.append(f"stage 3 with hpZ (zero_hpz_partition_size {e.hpz_partition_size}): the device figure "
+                         f"includes {human_bytes(e.hpz_params)} per rank of secondary weight partition")
+            break
     notes = sorted({n for e in estimates for n in e.notes})
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)

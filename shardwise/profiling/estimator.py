@@ -19,6 +19,9 @@ With ``offload_optimizer`` the optimizer also keeps an fp32 copy of its gradient
 (4Ψ/N) where the optimizer runs. Activations for transformer shapes follow Korthikanti et al.
 (2022): ``s*b*h*(34 + 5*a*s/h)`` bytes per layer in 16-bit, ``2*s*b*h`` per layer kept with
 full activation checkpointing (plus one layer's activations while it is recomputed).
+ZeRO++'s hpZ (``zero_hpz_partition_size`` k > 1 at stage 3) adds a second copy of the parameters
+partitioned over the k ranks of a node, in the working dtype: 2Ψ/k bytes (4Ψ/k in fp32) per rank on the
+device (``hpz_params``), so ZeRO-3 in mixed precision holds 16Ψ/N + 2Ψ/k.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class MemoryEstimate:
     master_params: int = 0
     optimizer_states: int = 0
     offload_grads: int = 0  # fp32 gradient partition next to an offloaded optimizer
+    hpz_params: int = 0  # ZeRO++ hpZ: the node-local secondary partition of the weights (working dtype)
     device: int = 0
     host: int = 0
     nvme: int = 0
@@ -65,11 +69,13 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    hpz_partition_size: int = 1
 
     @property
     def total(self) -> int:
-        """Model-state bytes of one rank (params + grads + master + optimizer states), as measured by the engine."""
-        return self.params + self.grads + self.master_params + self.optimizer_states
+        """Model-state bytes of one rank (params + grads + master + optimizer states, and hpZ's secondary
+        partition of the params), as measured by the engine."""
+        return self.params + self.grads + self.master_params + self.optimizer_states + self.hpz_params
 
     @property
     def host_per_node(self) -> int:
@@ -89,9 +95,10 @@ def _check(name: str, value, allowed) -> None:
 def estimate_model_states(num_params: float, *, num_gpus: int = 1, num_nodes: int = 1, stage: int = 0,
                           precision: str = "bf16", offload_optimizer: str = "none",
                           offload_param: str = "none", tensor_parallel: int = 1,
-                          pipeline_parallel: int = 1) -> MemoryEstimate:
+                          pipeline_parallel: int = 1, hpz_partition_size: int = 1) -> MemoryEstimate:
     """Per-rank memory for the model states of ``num_params`` trainable parameters; with ``tensor_parallel``
-    / ``pipeline_parallel`` > 1 the ranks are a tensor x pipe x data grid (data = ranks / (tensor x pipe))."""
+    / ``pipeline_parallel`` > 1 the ranks are a tensor x pipe x data grid (data = ranks / (tensor x pipe)).
+    ``hpz_partition_size`` (ZeRO++'s ``zero_hpz_partition_size``, stage 3 only) adds hpZ's secondary partition."""
     psi = int(num_params)
     if psi <= 0:
         raise ValueError(f"the parameter count must be positive, got {num_params!r}")
@@ -102,7 +109,8 @@ def estimate_model_states(num_params: float, *, num_gpus: int = 1, num_nodes: in
     _check("offload (optimizer)", offload_optimizer, _OFFLOAD)
     _check("offload_param", offload_param, _OFFLOAD)
     world, model_parallel = num_gpus * num_nodes, tensor_parallel * pipeline_parallel
-    for name, size in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel)):
+    for name, size in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel),
+                       ("hpz_partition_size", hpz_partition_size)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
     if world % model_parallel:
@@ -112,9 +120,12 @@ def estimate_model_states(num_params: float, *, num_gpus: int = 1, num_nodes: in
     if offload_param != "none" and stage != 3:
         raise ValueError(f"offload_param={offload_param!r} with ZeRO stage {stage}: parameter offload needs "
                          "ZeRO stage 3 (DeepSpeed and shardwise ignore it below)")
+    if hpz_partition_size > 1 and stage != 3:
+        raise ValueError(f"hpz_partition_size={hpz_partition_size} with ZeRO stage {stage}: ZeRO++ (hpZ) needs ZeRO "
+                         "stage 3 (zero_optimization.zero_hpz_partition_size)")
     ParallelDims(data=n, tensor=tensor_parallel, pipe=pipeline_parallel, zero_stage=stage,
-                 offload_optimizer=offload_optimizer != "none",
-                 offload_param=offload_param != "none").validate(world)  # the one table of allowed combinations
+                 offload_optimizer=offload_optimizer != "none", offload_param=offload_param != "none",
+                 hpz_partition=hpz_partition_size).validate(world)  # the one table of allowed combinations
     width = 4 if precision == "fp32" else 2
     psi_rank = math.ceil(psi / model_parallel)  # this rank's piece of the model
 
@@ -122,15 +133,21 @@ def estimate_model_states(num_params: float, *, num_gpus: int = 1, num_nodes: in
         return math.ceil(bytes_per_param * psi_rank / n) if partitioned else bytes_per_param * psi_rank
 
     est = MemoryEstimate(psi, stage, precision, n, num_gpus, num_nodes, offload_optimizer, offload_param,
-                         tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+                         tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                         hpz_partition_size=hpz_partition_size)
     est.params = share(width, stage >= 3)
+    if hpz_partition_size > 1:  # a rank's 1/k of the node's copy, made after each forward all-gather
+        est.hpz_params = math.ceil(width * psi_rank / hpz_partition_size)
+        if num_gpus % hpz_partition_size:
+            est.notes.append(f"hpZ partition size {hpz_partition_size} does not divide the ranks per node "
+                             f"({num_gpus}): its groups span nodes, so the backward all-gather crosses them")
     est.grads = share(width, stage >= 2)
     est.master_params = share(4, stage >= 1) if precision != "fp32" else 0
     est.optimizer_states = share(8, stage >= 1)
     where = {"none": "device", "cpu": "host", "nvme": "nvme"}
     placed = {"device": 0, "host": 0, "nvme": 0}
     placed[where[offload_param]] += est.params
-    placed["device"] += est.grads
+    placed["device"] += est.grads + est.hpz_params
     placed[where[offload_optimizer]] += est.master_params + est.optimizer_states
     if offload_optimizer != "none":
         est.offload_grads = share(4, True)

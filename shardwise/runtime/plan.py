@@ -128,7 +128,8 @@ def config_features(cfg, *, model=None, optimizer=None) -> dict:
            "offload_param": int(zero.stage) == 3 and _offloaded(zero.offload_param),  # ignored below 3
            "tied_pipeline_layers": bool(getattr(model, "tied_comms", None)) if _is_pipeline_module(model) else False,
            "virtual_stages": int(getattr(model, "virtual_stages", 1)) if _is_pipeline_module(model) else 1,
-           "expert": max(_expert_size(model), cfg.expert_parallel.autoep_size if cfg.expert_parallel.enabled else 1)}
+           "expert": max(_expert_size(model), cfg.expert_parallel.autoep_size if cfg.expert_parallel.enabled else 1),
+           "hpz_partition": int(zero.zero_hpz_partition_size) if int(zero.stage) == 3 else 1}
     out.update(optimizer_features(_optimizer_class(cfg, optimizer)))
     return out
 
