@@ -562,6 +562,14 @@ engine, *_ = deepspeed.initialize(model=torch.nn.Linear(2, 2), config={"train_ba
                                                                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
 assert type(engine) is deepspeed.DeepSpeedEngine and engine.gradient_clipping() == 0.25
 assert engine._mixed_precision_dtypes() == (None, None) and engine._config.gradient_clipping == 0.25
+with engine.no_sync():  # DeepSpeed's engine refuses a nested no_sync (shardwise's Engine nests them)
+    with pytest.raises(AssertionError, match="no_sync context manager reentry is unsupported"):
+        with engine.no_sync():
+            pass
+    assert engine.train_step.no_sync_depth == 1
+with engine.no_sync():  # the refused one left nothing behind
+    assert engine.train_step.no_sync_depth == 1
+assert engine.train_step.no_sync_depth == 0
 # moved out of shardwise/: DeepSpeed paths only
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 base = torch.arange(6.0)
@@ -591,6 +599,13 @@ c = DeepSpeedConfig({"train_batch_size": 2, "bf16": {"enabled": True}, "data_typ
                      "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5}})
 assert (c.zero_config.prefetch_bucket_size, c.zero_optimization_stage, c.bfloat16_enabled, c.fp16_enabled,
         c.buffer_dtype, c.param_dtype, c.train_batch_size) == (5, 3, True, False, "fp32", None, 2)
+with pytest.raises(ValueError, match="'sum' is not supported with ZeRO stage 3"):  # DeepSpeed's config refuses it
+    DeepSpeedConfig({"train_batch_size": 1, "gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}})
+assert DeepSpeedConfig({"train_batch_size": 1, "gradient_allreduce_op": "sum",
+                        "zero_optimization": {"stage": 2}}).gradient_allreduce_op == "sum"
+# the constructors DeepSpeed's zero.Init swaps, under its module's names (tests rebind them around an Init)
+import deepspeed.runtime.zero.partition_parameters as pp
+assert (pp._orig_torch_empty, pp._orig_torch_zeros, pp._orig_torch_full) == (torch.empty, torch.zeros, torch.full)
 # DeepSpeed's config base class: aliases, deprecated fields moved to their replacement, "auto" as unset
 from typing import List, Optional
 from pydantic import Field, ValidationError
