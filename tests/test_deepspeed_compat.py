@@ -670,6 +670,13 @@ mine, ref = grads([3.0, 1.0], [2.0]), grads([3.0, 1.0], [2.0])
 assert torch.equal(clip_grad_norm_(mine, 0.5), torch.nn.utils.clip_grad_norm_(ref, 0.5))
 assert all(torch.equal(a.grad, b.grad) for a, b in zip(mine, ref))
 assert not CheckOverflow([grads([1.0])]).check() and CheckOverflow([grads([1.0], [float("nan")])]).check()
+from deepspeed.runtime.utils import get_weight_norm  # the values' norm (not the gradients'); -1 for inf/NaN
+w = [torch.nn.Parameter(torch.tensor([3.0, 4.0])), torch.tensor([-12.0])]
+assert get_weight_norm(w) == 13.0 and get_weight_norm(w, norm_type=float("inf")) == 12.0
+assert get_weight_norm(w, norm_type=1) == 19.0 and get_weight_norm(torch.tensor([6.0, 8.0])) == 10.0
+assert get_weight_norm([torch.tensor([1.0, float("inf")])]) == -1 == get_weight_norm([torch.tensor([float("nan")])])
+assert CheckOverflow([grads([1.0])]).check_using_norm([-1], reduce_overflow=False)
+assert not CheckOverflow([grads([1.0])]).check_using_norm([get_weight_norm(w)], reduce_overflow=False)
 print("ok")
 """
 
