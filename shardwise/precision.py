@@ -244,6 +244,30 @@ def apply_coefficient_(grads: list[torch.Tensor], coef: float) -> None:
 
 
 @torch.no_grad()
+def total_norm(tensors: Iterable[torch.Tensor], norm_type: float = 2.0, *, model_group=None,
+               device: torch.device | None = None) -> torch.Tensor:
+    """The ``norm_type`` norm of ``tensors`` taken as one vector (fp32), a 0-dim tensor (on ``device`` when
+    there are none). ``model_group``: the ranks holding different slices of one model combine theirs (summed
+    powers; the largest, for ``inf``)."""
+    from shardwise import comm
+
+    tensors = [t.detach() for t in tensors]
+    norm_type = float(norm_type)
+    device = tensors[0].device if tensors else (device or torch.device("cpu"))
+    if norm_type == float("inf"):
+        total = torch.stack([t.abs().max().float() for t in tensors]).max() if tensors \
+            else torch.zeros((), device=device)
+        if model_group is not None:
+            comm.all_reduce(total, op=comm.ReduceOp.MAX, group=model_group)
+        return total
+    norms = [t.float().norm(norm_type) for t in tensors]
+    total = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
+    if model_group is not None:
+        comm.all_reduce(total, group=model_group)
+    return total.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, *, model_group=None,
                     count_replicated: bool = True, average_group=None) -> torch.Tensor:
     """Scale the gradients of ``parameters`` so that their total ``norm_type`` norm is at most ``max_norm``
@@ -257,20 +281,10 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, *, mode
     from shardwise import comm
 
     params = [p for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters) if p.grad is not None]
-    norm_type = float(norm_type)
-    device = params[0].grad.device if params else torch.device("cpu")
-    if norm_type == float("inf"):
-        total = torch.stack([p.grad.detach().abs().max().float() for p in params]).max() if params \
-            else torch.zeros((), device=device)
-        if model_group is not None:
-            comm.all_reduce(total, op=comm.ReduceOp.MAX, group=model_group)
-    else:
-        counted = [p for p in params if count_replicated or _sharded(p)]
-        norms = [p.grad.detach().float().norm(norm_type) for p in counted]
-        total = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
-        if model_group is not None:
-            comm.all_reduce(total, group=model_group)
-        total = total.pow(1.0 / norm_type)
+    counted = params if float(norm_type) == float("inf") else \
+        [p for p in params if count_replicated or _sharded(p)]
+    total = total_norm([p.grad for p in counted], norm_type, model_group=model_group,
+                       device=params[0].grad.device if params else None)
     if average_group is not None and comm.get_world_size(average_group) > 1:
         total = total / comm.get_world_size(average_group)
         comm.all_reduce(total, group=average_group)

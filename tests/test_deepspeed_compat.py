@@ -571,6 +571,14 @@ engine, *_ = deepspeed.initialize(model=torch.nn.Linear(2, 2), config={"train_ba
                                                                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
 assert type(engine) is deepspeed.DeepSpeedEngine and engine.gradient_clipping() == 0.25
 assert engine._mixed_precision_dtypes() == (None, None) and engine._config.gradient_clipping == 0.25
+with engine.no_sync():  # DeepSpeed's engine refuses a nested no_sync (shardwise's Engine nests them)
+    with pytest.raises(AssertionError, match="no_sync context manager reentry is unsupported"):
+        with engine.no_sync():
+            pass
+    assert engine.train_step.no_sync_depth == 1
+with engine.no_sync():  # the refused one left nothing behind
+    assert engine.train_step.no_sync_depth == 1
+assert engine.train_step.no_sync_depth == 0
 # moved out of shardwise/: DeepSpeed paths only
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 base = torch.arange(6.0)
@@ -600,6 +608,13 @@ c = DeepSpeedConfig({"train_batch_size": 2, "bf16": {"enabled": True}, "data_typ
                      "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5}})
 assert (c.zero_config.prefetch_bucket_size, c.zero_optimization_stage, c.bfloat16_enabled, c.fp16_enabled,
         c.buffer_dtype, c.param_dtype, c.train_batch_size) == (5, 3, True, False, "fp32", None, 2)
+with pytest.raises(ValueError, match="'sum' is not supported with ZeRO stage 3"):  # DeepSpeed's config refuses it
+    DeepSpeedConfig({"train_batch_size": 1, "gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}})
+assert DeepSpeedConfig({"train_batch_size": 1, "gradient_allreduce_op": "sum",
+                        "zero_optimization": {"stage": 2}}).gradient_allreduce_op == "sum"
+# the constructors DeepSpeed's zero.Init swaps, under its module's names (tests rebind them around an Init)
+import deepspeed.runtime.zero.partition_parameters as pp
+assert (pp._orig_torch_empty, pp._orig_torch_zeros, pp._orig_torch_full) == (torch.empty, torch.zeros, torch.full)
 # DeepSpeed's config base class: aliases, deprecated fields moved to their replacement, "auto" as unset
 from typing import List, Optional
 from pydantic import Field, ValidationError
@@ -664,6 +679,13 @@ mine, ref = grads([3.0, 1.0], [2.0]), grads([3.0, 1.0], [2.0])
 assert torch.equal(clip_grad_norm_(mine, 0.5), torch.nn.utils.clip_grad_norm_(ref, 0.5))
 assert all(torch.equal(a.grad, b.grad) for a, b in zip(mine, ref))
 assert not CheckOverflow([grads([1.0])]).check() and CheckOverflow([grads([1.0], [float("nan")])]).check()
+from deepspeed.runtime.utils import get_weight_norm  # the values' norm (not the gradients'); -1 for inf/NaN
+w = [torch.nn.Parameter(torch.tensor([3.0, 4.0])), torch.tensor([-12.0])]
+assert get_weight_norm(w) == 13.0 and get_weight_norm(w, norm_type=float("inf")) == 12.0
+assert get_weight_norm(w, norm_type=1) == 19.0 and get_weight_norm(torch.tensor([6.0, 8.0])) == 10.0
+assert get_weight_norm([torch.tensor([1.0, float("inf")])]) == -1 == get_weight_norm([torch.tensor([float("nan")])])
+assert CheckOverflow([grads([1.0])]).check_using_norm([-1], reduce_overflow=False)
+assert not CheckOverflow([grads([1.0])]).check_using_norm([get_weight_norm(w)], reduce_overflow=False)
 print("ok")
 """
 

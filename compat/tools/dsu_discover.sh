@@ -44,7 +44,7 @@ if [ ! -s "$WORK/deepspeed-passing-all.txt" ]; then
 from deepspeed.accelerator import get_accelerator
 for b in ('FusedAdamBuilder', 'CPUAdamBuilder', 'ShareMemCommBuilder'):
     get_accelerator().create_op_builder(b).load()")
-  "$DSV/bin/python" "$REPO/compat/tools/dsu_per_file.py" "$DSV" "$WORK/all-nodes.txt" "$WORK/real" --skip "${SKIP[@]}"
+  "$DSV/bin/python" "$REPO/compat/tools/dsu_per_file.py" "$DSV" "$WORK/all-nodes.txt" "$WORK/real" --smallest-first --skip "${SKIP[@]}"
   "$DSV/bin/python" "$REPO/compat/tools/dsu_per_file.py" --passed "$WORK/real" "$WORK/all-nodes.txt" \
     > "$WORK/deepspeed-passing-all.txt"
 fi

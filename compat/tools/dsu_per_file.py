@@ -8,7 +8,7 @@ one test file at a time, niced, each file under a wall-clock cap, so a long file
 the outcomes of finished files are kept. A rerun skips the files already done.
 
 Usage:
-  dsu_per_file.py VENV NODES OUTDIR [--hang S] [--file-cap S] [--skip PREFIX ...] [--after DIR]
+  dsu_per_file.py VENV NODES OUTDIR [--hang S] [--file-cap S] [--skip PREFIX ...] [--smallest-first] [--after DIR]
     VENV      a venv with real DeepSpeed 0.19.8 or shardwise + compat/deepspeed (see run.sh's header)
     NODES     node ids, one a line (e.g. the tarball's collected ids)
     OUTDIR    results.jsonl (the harness's dsu_record lines, every file appended), files.jsonl (one line a
@@ -16,6 +16,7 @@ Usage:
     --hang    DS_UNITTEST_TIMEOUT: seconds a distributed test may run before it counts as hung (run.sh: 100)
     --file-cap  seconds one file may take in all; tests a capped file did not reach count as "not run"
     --skip    node-id prefixes not to run (GPU-only by construction: FastGen kernels, CUDA-kernel ops)
+    --smallest-first  run the files with the fewest selected tests first (most files reached in a short run)
     --after   another OUTDIR of this tool: run only the ids that passed there (e.g. the compat pass after
               the DeepSpeed pass), waiting for each of its files to finish
   dsu_per_file.py --summary OUTDIR NODES   print passed/failed/not-run counts for NODES from OUTDIR
@@ -109,6 +110,7 @@ def main() -> int:
     ap.add_argument("--file-cap", type=int, default=900)
     ap.add_argument("--skip", nargs="*", default=[])
     ap.add_argument("--after")
+    ap.add_argument("--smallest-first", action="store_true")
     a = ap.parse_args()
     if a.summary or a.passed or a.failed:
         out, nodes = Path(a.args[0]), [l.strip() for l in open(a.args[1]) if l.strip()]
@@ -134,6 +136,8 @@ def main() -> int:
     by_file: dict = {}
     for n in nodes:
         by_file.setdefault(n.split("::")[0], []).append(n)
+    if a.smallest_first:
+        by_file = dict(sorted(by_file.items(), key=lambda kv: len(kv[1])))
     done_path = out / "files.jsonl"
     done = {json.loads(l)["file"] for l in done_path.read_text().splitlines()} if done_path.exists() else set()
     for file, fnodes in by_file.items():

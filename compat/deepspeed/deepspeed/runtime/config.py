@@ -29,6 +29,10 @@ class DeepSpeedConfig:
         param_dict = config if isinstance(config, dict) else read_config_file(Path(config))
         self._param_dict = param_dict
         self._config = load_config(param_dict if isinstance(config, dict) else config)
+        if self._config.gradient_allreduce_op == "sum" and self._config.zero_optimization.stage == 3:
+            # DeepSpeed's ZeRO-3 reduce-scatter only averages, so its config refuses the pair; shardwise's
+            # engine runs it (deepspeed.initialize with this config does), DeepSpeed's config class does not.
+            raise ValueError("gradient_allreduce_op='sum' is not supported with ZeRO stage 3")
         world = comm.get_world_size() if comm.is_initialized() else 1
         mp = mpu.get_model_parallel_world_size() if mpu is not None else 1
         self.world_size = world // mp

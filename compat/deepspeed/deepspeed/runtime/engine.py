@@ -5,9 +5,12 @@ and some scripts call by name (``deepspeed.initialize`` builds it; shardwise's o
 * ``engine._config``: DeepSpeed's flat config object (``deepspeed.runtime.config.DeepSpeedConfig``, a view of
   ``engine.config``), and ``gradient_clipping()`` read through it, as DeepSpeed's is;
 * ``_mixed_precision_dtypes()``, ``_assert_valid_mixed_precision_config()``,
-  ``_cast_module_mixed_precision(...)``: the ``data_types`` rules of ``shardwise.runtime.module_dtypes``.
+  ``_cast_module_mixed_precision(...)``: the ``data_types`` rules of ``shardwise.runtime.module_dtypes``;
+* ``no_sync()`` refusing re-entry (AssertionError), as DeepSpeed's does (shardwise's ``Engine.no_sync`` nests).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -67,3 +70,11 @@ class _DeepSpeedInternals:
 class DeepSpeedEngine(_DeepSpeedInternals, Engine):
     """What ``deepspeed.initialize`` returns for a model that is not a ``PipelineModule``: shardwise's
     ``Engine`` with DeepSpeed's private helpers."""
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """``Engine.no_sync`` once at a time: DeepSpeed keeps one ``inside_no_sync_ctxt`` flag and refuses a
+        nested ``no_sync`` with an AssertionError."""
+        assert not self.train_step.no_sync_depth, "no_sync context manager reentry is unsupported"
+        with super().no_sync():
+            yield

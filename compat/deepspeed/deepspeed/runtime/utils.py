@@ -2,6 +2,8 @@
 ``move_to_device``), the layer-partitioning helpers of shardwise's pipeline, ``PartitionedTensor``
 (shardwise.utils.partitioned_tensor) and DeepSpeed's small formatting helper."""
 
+import math
+
 import torch
 
 from shardwise.pipe.partition import partition_uniform  # noqa: F401
@@ -56,6 +58,22 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2, mpu=None) -> torch.Tensor
                 average_group=groups.get_data_parallel_group() if comm.is_initialized() else None)
 
 
+def get_weight_norm(parameters, norm_type=2, mpu=None) -> float:
+    """DeepSpeed's helper: the ``norm_type`` norm of the tensors' values taken as one vector
+    (``shardwise.precision.total_norm``), combined over ``mpu``'s model-parallel group (replicated tensors
+    counted on tensor rank 0 only, pipeline-replicated ones not at all); ``-1`` when it is inf or NaN."""
+    from shardwise.precision import total_norm
+
+    tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if float(norm_type) != float("inf"):
+        tp_rank = mpu.get_model_parallel_rank() if mpu is not None else 0
+        tensors = [p for p in tensors if not getattr(p, "ds_pipe_replicated", False)
+                   and (tp_rank == 0 or is_model_parallel_parameter(p))]
+    group = mpu.get_model_parallel_group() if mpu is not None else None
+    value = float(total_norm([t.data for t in tensors], norm_type, model_group=group))
+    return value if math.isfinite(value) else -1
+
+
 class CheckOverflow:
     """Whether any gradient of the given parameter groups holds an inf or NaN, agreed over the ranks that
     hold different pieces: the largest expert-parallel group when there are expert (MoE) parameters, the
@@ -102,4 +120,4 @@ class CheckOverflow:
         return self._agree(self.has_overflow_serial(params), moe=moe, world=self.zero_reduce_scatter)
 
 
-__all__ = ["CheckOverflow", "clip_grad_norm_", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "move_to_device", "PartitionedTensor", "prefix_sum_inc", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
+__all__ = ["CheckOverflow", "clip_grad_norm_", "get_weight_norm", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "move_to_device", "PartitionedTensor", "prefix_sum_inc", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]

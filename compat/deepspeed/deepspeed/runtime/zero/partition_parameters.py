@@ -15,8 +15,16 @@ from shardwise.accelerator import get_accelerator  # noqa: E402,F401  (DeepSpeed
 # the training dtype on the device; Hugging Face's `prevent_arange_dtype_change` replaces the wrapper
 # below around `zero.Init` and compares against `_orig_torch_arange`. shardwise's Init does not swap
 # constructors (parameters are sharded as each module finishes its __init__ and cast by the engine),
-# so these two names exist for that code to find and restore; the wrapper keeps DeepSpeed's meaning.
+# so these names exist for that code to find and restore (DeepSpeed's module keeps one per constructor it
+# swaps: tests rebind `_orig_torch_empty` around an Init); the wrapper keeps DeepSpeed's meaning.
+_orig_torch_tensor = torch.tensor
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
 _orig_torch_arange = torch.arange
+_orig_torch_eye = torch.eye
+_orig_torch_randn = torch.randn
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype, target_device=None):
