@@ -15,10 +15,11 @@ Four jobs of the same small regression (a 3-layer MLP, AdamW), each timed from l
 
 A job ends when its step counter reached M; a job with kills, besides, only once the killed group is
 back for the last time and every group trained 3 steps together (so it may run more than M steps).
-Time lost per failure = (wall time - distinct committed steps x the fault-free job's time per step, less
-the same for the fault-free job: its start-up) / N; steps run again after a restart count once. Under
-fault tolerance the steps the other groups trained while one was down count as done, and the samples the
-missing group did not train on are reported as group-steps missed. Not part of CI.
+The work a job did is counted in replica-group steps (one group's batch trained once; steps run again
+after a restart count once; a step the killed group missed counts for the groups that took part in it,
+and the group-steps it missed are reported). Time lost per failure = (wall time - the fault-free job's
+wall time - the extra work / the fault-free job's rate of work) / N: what a failure cost beyond the work
+it let the job do. Not part of CI.
 """
 from __future__ import annotations
 
@@ -143,11 +144,14 @@ def run_job(a, mode: str, kills: int, root: Path) -> dict:
     if rc != 0:
         raise SystemExit(f"{mode} with {kills} kill(s) failed (exit {rc})\n{_where(out)}")
     rows = [json.loads(line) for f in sorted(out.glob("r0_0_a*.jsonl")) for line in f.read_text().splitlines()]
-    committed = len({r["step"] for r in rows if r["committed"]})  # steps run again after a restart count once
-    missed = sum(a.replicas - r["participants"] for r in rows if r["committed"]) if mode == "ft" else 0
+    done = {r["step"]: r for r in rows if r["committed"]}  # steps run again after a restart count once
+    committed = len(done)
+    # the work done, in replica-group steps (one group's batch trained once): a step the killed group
+    # missed counts for the groups that took part in it
+    work = sum(r["participants"] for r in done.values()) if mode == "ft" else committed * a.replicas
     discarded = sum(not r["committed"] for r in rows)
-    return {"wall": wall, "committed": committed, "discarded": discarded, "group_steps_missed": missed,
-            "first": rows[0]["t"] if rows else None, "last": rows[-1]["t"] if rows else None}
+    return {"wall": wall, "committed": committed, "discarded": discarded, "work": work,
+            "group_steps_missed": committed * a.replicas - work, "span": rows[-1]["t"] - rows[0]["t"] if rows else 0.0}
 
 
 def main() -> None:
@@ -182,10 +186,10 @@ def main() -> None:
         lost = {}
         for mode in ("ft", "restart"):
             free = run_job(a, mode, 0, root)
-            per_step = (free["last"] - free["first"]) / max(free["committed"] - 1, 1)
+            rate = free["work"] * (free["committed"] - 1) / free["committed"] / max(free["span"], 1e-9)
             hit = run_job(a, mode, a.kills, root)
-            lost[mode] = (hit["wall"] - hit["committed"] * per_step
-                          - (free["wall"] - free["committed"] * per_step)) / a.kills
+            # wall time beyond the fault-free job's, less the time the extra work took at its rate
+            lost[mode] = (hit["wall"] - free["wall"] - (hit["work"] - free["work"]) / rate) / a.kills
             name = "fault tolerance (torchft)" if mode == "ft" else "--max_restarts + checkpoint"
             for label, r, l in ((f"{name}, no failure", free, "-"),
                                 (f"{name}, {a.kills} kill(s)", hit, f"{lost[mode]:.2f}")):
