@@ -71,7 +71,7 @@ if args.sgd is not None:
     config["gradient_clipping"] = 0.0
 if not args.no_ft:
     config["fault_tolerance"] = {"enabled": True, "min_replicas": 1, "quorum_timeout": args.quorum_timeout,
-                                 "timeout": 15, "connect_timeout": 10, "algorithm": args.algorithm}
+                                 "timeout": 60, "connect_timeout": 30, "algorithm": args.algorithm}
     if args.sync_every is not None:
         config["fault_tolerance"]["sync_every"] = args.sync_every
 engine, _, loader, _ = shardwise.initialize(model=model, config=config, training_data=data)
