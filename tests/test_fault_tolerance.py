@@ -307,43 +307,50 @@ def test_periodic_sync_refuses_fp16_and_offload():
 
 @slow_launches
 def test_local_sgd_and_diloco_on_two_replica_groups(tmp_path):
-    """2 replica groups x 1 process, plain SGD: LocalSGD with sync_every=1 ends where the ddp path ends
-    (averaging the stepped weights = stepping the averaged gradient, for SGD); DiLoCo with sync_every=2
-    steps alone in between and, at each synchronisation, applies the outer Nesterov step to the averaged
-    pseudo-gradient exactly as computed here from the recorded inner steps."""
+    """2 replica groups x 1 process, plain SGD, every step's weights and gradients recorded. LocalSGD with
+    sync_every=1 is the ddp path's step: averaging the weights each group stepped = stepping the averaged
+    gradient. DiLoCo with sync_every=2 steps alone in between and, at each synchronisation, applies the
+    outer Nesterov step to the averaged pseudo-gradient exactly as computed here from the inner steps."""
     import torch
 
     lr, steps = 0.05, 4
-    runs = {"ddp": [], "local_sgd": ["--sync_every", "1"], "diloco": ["--sync_every", "2", "--trace"]}
+    runs = {"local_sgd": ["--sync_every", "1"], "diloco": ["--sync_every", "2"]}
     outs = {name: tmp_path / name for name in runs}
-    jobs = {name: _start(outs[name], steps, "--sgd", str(lr), "--algorithm", name, *extra, restarts=0)
+    jobs = {name: _start(outs[name], steps, "--sgd", str(lr), "--algorithm", name, "--trace", *extra, restarts=0)
             for name, extra in runs.items()}
     for name, job in jobs.items():
         _ok(job, outs[name])
     recs = {name: _records(out) for name, out in outs.items()}
-    final = {name: [torch.tensor(v) for v in r[0, 0, 0]["params"].values()] for name, r in recs.items()}
+    traces = {}
     for name, r in recs.items():
         assert r[0, 0, 0]["final_step"] == r[1, 0, 0]["final_step"] == steps
         assert r[0, 0, 0]["params"] == r[1, 0, 0]["params"], f"{name}: the replica groups' weights differ"
-    for a, b in zip(final["ddp"], final["local_sgd"]):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+        traces[name] = (r[0, 0, 0]["trace"], r[1, 0, 0]["trace"])
+        for t in traces[name]:  # nothing but the engine's steps changed the weights (no peer's state on the way)
+            assert all(t[s]["before"] == t[s - 1]["after"] for s in range(1, steps)), name
+
+    T = torch.tensor
+    t0, t1 = traces["local_sgd"]
+    for s in range(steps):  # the ddp path's update, from the same weights and the two groups' gradients
+        assert t0[s]["before"] == t1[s]["before"] and t0[s]["after"] == t1[s]["after"]
+        ddp = T(t0[s]["before"]) - lr * (T(t0[s]["grad"]) + T(t1[s]["grad"])) / 2
+        torch.testing.assert_close(T(t0[s]["after"]), ddp, rtol=0, atol=1e-6)
+        assert (T(t0[s]["after"]) - (T(t0[s]["before"]) - lr * T(t0[s]["grad"]))).abs().max() > 1e-4
 
     # DiLoCo by hand: inner SGD steps; at steps 1 and 3 the outer step on the mean pseudo-gradient
-    t0, t1 = (recs["diloco"][g, 0, 0]["trace"] for g in (0, 1))
-    orig = torch.tensor(t0[0]["before"])
-    torch.testing.assert_close(torch.tensor(t1[0]["before"]), orig, rtol=0, atol=0)
+    t0, t1 = traces["diloco"]
+    orig = T(t0[0]["before"])
+    assert t1[0]["before"] == t0[0]["before"]
     buf = None
     for s in range(steps):
-        if s:  # nothing but the engine's steps changed the weights (no state taken from a peer on the way)
-            assert all(t[s]["before"] == t[s - 1]["after"] for t in (t0, t1))
-        local = [torch.tensor(t[s]["before"]) - lr * torch.tensor(t[s]["grad"]) for t in (t0, t1)]
+        local = [T(t[s]["before"]) - lr * T(t[s]["grad"]) for t in (t0, t1)]
         if s % 2 == 0:  # an inner step alone: the groups part
             for t, want in zip((t0, t1), local):
-                torch.testing.assert_close(torch.tensor(t[s]["after"]), want, rtol=0, atol=1e-7)
+                torch.testing.assert_close(T(t[s]["after"]), want, rtol=0, atol=1e-6)
             assert t0[s]["after"] != t1[s]["after"]
             continue
         pseudo = ((orig - local[0]) + (orig - local[1])) / 2
         buf = pseudo.clone() if buf is None else 0.9 * buf + pseudo
         orig = orig - 0.7 * (pseudo + 0.9 * buf)
         for t in (t0, t1):
-            torch.testing.assert_close(torch.tensor(t[s]["after"]), orig, rtol=0, atol=1e-6)
+            torch.testing.assert_close(T(t[s]["after"]), orig, rtol=0, atol=1e-6)
