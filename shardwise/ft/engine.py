@@ -129,7 +129,10 @@ class FaultTolerance:
             # Close the start-up quorum with a commit: torchft's manager step becomes 1, else the first
             # synchronisation (also at manager step 0) would again make every group but one take the first
             # one's state, dropping their first period. (A recovered group keeps the quorum open: it is the
-            # peers' synchronisation, which this group takes part in at its first step.)
+            # peers' synchronisation, which this group takes part in at its first step.) The allreduce first
+            # is a barrier over the quorum: a group taking this one's state has fetched it before the commit
+            # stops serving it (with ddp, the first step's gradient average is that barrier).
+            self.manager.allreduce(torch.zeros(1, device=engine.device)).wait()
             self.manager.should_commit()
             self._quorum_open = False
 
