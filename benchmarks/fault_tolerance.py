@@ -195,9 +195,10 @@ def main() -> None:
                                 (f"{name}, {a.kills} kill(s)", hit, f"{lost[mode]:.2f}")):
                 print(f"| {label} | {r['wall']:.1f} | {r['committed']} | {r['discarded']} | "
                       f"{r['group_steps_missed']} | {l} |", flush=True)
-        ratio = lost["restart"] / lost["ft"] if lost["ft"] > 0 else float("inf")
+        ratio = (f"{lost['restart'] / lost['ft']:.1f}x" if lost["ft"] > 0 else
+                 "fault tolerance lost no time beyond the work it did, so no ratio")
         print(f"\ntime lost per failure: {lost['ft']:.2f} s with fault tolerance, {lost['restart']:.2f} s with "
-              f"--max_restarts from a checkpoint: {ratio:.1f}x")
+              f"--max_restarts from a checkpoint: {ratio}")
 
 
 if __name__ == "__main__":
