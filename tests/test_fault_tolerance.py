@@ -23,7 +23,7 @@ from shardwise.launcher.options import LaunchOptions, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "ft_train.py"
-LIGHTHOUSE_FLAGS = ["--ft_join_timeout", "1", "--ft_heartbeat_timeout", "1"]
+LIGHTHOUSE_FLAGS = ["--ft_join_timeout", "5", "--ft_heartbeat_timeout", "1"]  # (a lost group: out after 1 s; a slow live one: waited for)
 JOB_TIMEOUT = 600  # seconds; a job on an idle machine takes well under a minute
 slow_launches = pytest.mark.timeout(1800)  # several jobs in turn, on a shared 2-core machine
 
