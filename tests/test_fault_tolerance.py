@@ -23,7 +23,7 @@ from shardwise.launcher.options import LaunchOptions, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "ft_train.py"
-LIGHTHOUSE_FLAGS = ["--ft_join_timeout", "5", "--ft_heartbeat_timeout", "1"]  # (a lost group: out after 1 s; a slow live one: waited for)
+LIGHTHOUSE_FLAGS = ["--ft_join_timeout", "2", "--ft_heartbeat_timeout", "1"]  # (join < a job's quorum_timeout < --late)
 JOB_TIMEOUT = 600  # seconds; a job on an idle machine takes well under a minute
 slow_launches = pytest.mark.timeout(1800)  # several jobs in turn, on a shared 2-core machine
 
@@ -134,7 +134,7 @@ def test_kill_late_join_lighthouse_gone_and_checkpoints_2x1(tmp_path):
     the same job with group 1 kill -9'd at step 3; a job without fault tolerance (saves a checkpoint);
     a 1-group job whose lighthouse dies mid-training (a named error, no hang). Round 2, two jobs at once:
     the fault-tolerant checkpoint loaded without fault tolerance; the plain checkpoint loaded by a
-    fault-tolerant job whose group 1 starts 4 s late (and takes group 0's live state, not the checkpoint)."""
+    fault-tolerant job whose group 1 starts 6 s late (and takes group 0's live state, not the checkpoint)."""
     out = {name: tmp_path / name for name in ("free", "killed", "plain", "gone", "plain_load", "late_load")}
     ckpt_ft, ckpt_plain = tmp_path / "ckpt_ft", tmp_path / "ckpt_plain"
     free = _start(out["free"], 8, "--save", str(ckpt_ft), restarts=0)
@@ -163,7 +163,7 @@ def test_kill_late_join_lighthouse_gone_and_checkpoints_2x1(tmp_path):
         _ok({"free": free, "plain": plain}[name], out[name])
     # round 2 starts as soon as the checkpoints are there
     plain_load = _start(out["plain_load"], 12, "--no_ft", "--load", str(ckpt_ft), restarts=0, launcher=[])
-    late_load = _start(out["late_load"], 8, "--load", str(ckpt_plain), "--late", "4", "--quorum_timeout", "2",
+    late_load = _start(out["late_load"], 8, "--load", str(ckpt_plain), "--late", "6", "--quorum_timeout", "4",
                        restarts=0)
     _ok(killed, out["killed"])
 
