@@ -23,7 +23,7 @@ from shardwise.launcher.options import LaunchOptions, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "ft_train.py"
-LIGHTHOUSE_FLAGS = ["--ft_join_timeout", "1", "--ft_heartbeat_timeout", "1"]
+LIGHTHOUSE_FLAGS = ["--ft_join_timeout", "2", "--ft_heartbeat_timeout", "1"]  # (join < a job's quorum_timeout < --late)
 JOB_TIMEOUT = 600  # seconds; a job on an idle machine takes well under a minute
 slow_launches = pytest.mark.timeout(1800)  # several jobs in turn, on a shared 2-core machine
 
@@ -95,8 +95,6 @@ def _losses(rec: dict) -> list[float]:
 def test_config_block_and_launcher_flags(monkeypatch):
     cfg = load_config({"train_batch_size": 2, "fault_tolerance": {"enabled": True, "min_replicas": 2}})
     assert cfg.fault_tolerance.enabled and cfg.fault_tolerance.min_replicas == 2
-    with pytest.raises(ConfigError, match=r"fault_tolerance.*algorithm 'diloco' is not implemented"):
-        load_config({"train_batch_size": 2, "fault_tolerance": {"enabled": True, "algorithm": "diloco"}})
     with pytest.raises(ConfigError, match=r"fault_tolerance.*min_replicas"):
         load_config({"train_batch_size": 2, "fault_tolerance": {"enabled": True, "min_replicas": 0}})
     monkeypatch.setitem(sys.modules, "torchft", None)  # as if torchft were not installed
@@ -119,89 +117,89 @@ def test_config_block_and_launcher_flags(monkeypatch):
 
 
 # -------------------------------------------------------------------------------- a lost replica group
-@slow_launches
-def test_kill_one_replica_group_2x1_and_checkpoints(tmp_path):
-    """2 replica groups x 1 process: kill -9 of group 1 at step 4 against the fault-free job; then a
-    replica-group checkpoint loads without fault tolerance, and that one's checkpoint back with it."""
-    free_out, kill_out = tmp_path / "fault_free", tmp_path / "killed"
-    ckpt_ft, ckpt_plain = tmp_path / "ckpt_ft", tmp_path / "ckpt_plain"
-    free = _start(free_out, 10, "--save", str(ckpt_ft), restarts=0)
-    killed = _start(kill_out, 10, "--kill_at", "4")
-    _ok(free, free_out)
-    _ok(killed, kill_out)
+def _lighthouse(port: int) -> subprocess.Popen:
+    return subprocess.Popen([str(Path(sys.executable).with_name("torchft_lighthouse")), "--min_replicas", "1",
+                             "--bind", f"[::]:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    ref = _records(free_out)
-    assert ref[0, 0, 0]["params"] == ref[1, 0, 0]["params"] and ref[0, 0, 0]["final_step"] == 10
-    recs = _check_survived_kill(kill_out, procs=1, kill_at=4)
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@slow_launches
+def test_kill_late_join_lighthouse_gone_and_checkpoints_2x1(tmp_path):
+    """2 replica groups x 1 process. Round 1, four jobs at once: the fault-free job (saves a checkpoint);
+    the same job with group 1 kill -9'd at step 3; a job without fault tolerance (saves a checkpoint);
+    a 1-group job whose lighthouse dies mid-training (a named error, no hang). Round 2, two jobs at once:
+    the fault-tolerant checkpoint loaded without fault tolerance; the plain checkpoint loaded by a
+    fault-tolerant job whose group 1 starts 6 s late (and takes group 0's live state, not the checkpoint)."""
+    out = {name: tmp_path / name for name in ("free", "killed", "plain", "gone", "plain_load", "late_load")}
+    ckpt_ft, ckpt_plain = tmp_path / "ckpt_ft", tmp_path / "ckpt_plain"
+    free = _start(out["free"], 8, "--save", str(ckpt_ft), restarts=0)
+    killed = _start(out["killed"], 8, "--kill_at", "3")
+    plain = _start(out["plain"], 4, "--no_ft", "--save", str(ckpt_plain), restarts=0, launcher=[])
+    port = _free_port()
+    lighthouse = _lighthouse(port)
+    try:
+        gone = _start(out["gone"], 100000, "--step_sleep", "0.05", "--quorum_timeout", "3", restarts=0, replicas=1,
+                      launcher=["--ft_replicas", "1", "--ft_lighthouse", f"127.0.0.1:{port}", "--ft_replica_id", "0"])
+        deadline = time.monotonic() + JOB_TIMEOUT
+        rec = out["gone"] / "r0_0_a0.json"
+        while time.monotonic() < deadline and gone.poll() is None:
+            if rec.exists() and len(json.loads(rec.read_text() or "{}").get("steps", [])) > 3:
+                break
+            time.sleep(0.2)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    killed_at = time.monotonic()
+    rc = _finish(gone, out["gone"])
+    log = (out["gone"] / "launch.log").read_text()
+    assert rc != 0 and "FaultToleranceError" in log and "could not form a quorum with the lighthouse" in log, log[-4000:]
+    assert time.monotonic() - killed_at < 120, "the job did not stop soon after the lighthouse died"
+    for name in ("free", "plain"):
+        _ok({"free": free, "plain": plain}[name], out[name])
+    # round 2 starts as soon as the checkpoints are there
+    plain_load = _start(out["plain_load"], 12, "--no_ft", "--load", str(ckpt_ft), restarts=0, launcher=[])
+    late_load = _start(out["late_load"], 8, "--load", str(ckpt_plain), "--late", "6", "--quorum_timeout", "4",
+                       restarts=0)
+    _ok(killed, out["killed"])
+
+    ref = _records(out["free"])
+    assert ref[0, 0, 0]["params"] == ref[1, 0, 0]["params"] and ref[0, 0, 0]["final_step"] == 8
+    recs = _check_survived_kill(out["killed"], procs=1, kill_at=3)
     survivor, ref_losses = _losses(recs[0, 0, 0]), _losses(ref[0, 0, 0])
-    assert survivor[:4] == ref_losses[:4], "before the fault the job must train exactly as the fault-free one"
+    assert survivor[:3] == ref_losses[:3], "before the fault the job must train exactly as the fault-free one"
     # after it: the loss goes on down as in the fault-free job (the survivor trains longer, on its share)
     assert sum(survivor[-3:]) / 3 < 0.5 * sum(ref_losses[:3]) / 3
     assert min(survivor) < 2 * min(ref_losses)
 
-    # the fault-tolerant job's checkpoint without fault tolerance, and back
-    plain_out = tmp_path / "plain"
-    _ok(_start(plain_out, 14, "--no_ft", "--load", str(ckpt_ft), "--save", str(ckpt_plain), restarts=0,
-               launcher=[]), plain_out)
-    plain = _records(plain_out)[0, 0, 0]
-    assert plain["loaded_step"] == 10 and plain["final_step"] == 14
-    back_out = tmp_path / "back"
-    _ok(_start(back_out, 16, "--load", str(ckpt_plain), restarts=0), back_out)
-    back = _records(back_out)
-    for r in range(2):
-        assert back[r, 0, 0]["loaded_step"] == 14 and back[r, 0, 0]["final_step"] == 16
-    assert back[0, 0, 0]["params"] == back[1, 0, 0]["params"]
+    # the fault-tolerant job's checkpoint without fault tolerance, and a plain one with it
+    _ok(plain_load, out["plain_load"])
+    loaded = _records(out["plain_load"])[0, 0, 0]
+    assert loaded["loaded_step"] == 8 and loaded["final_step"] == 12
+    _ok(late_load, out["late_load"])
+    recs = _records(out["late_load"])
+    first, joiner = recs[0, 0, 0], recs[1, 0, 0]
+    assert first["loaded_step"] == 4 and first["steps"][0] == 4 and not first["recovered"]
+    assert joiner["recovered"] and joiner["start_step"] > 4 and joiner["steps"][0] == joiner["start_step"]
+    assert joiner["loaded_step"] == joiner["start_step"], "the late group read the checkpoint besides the live state"
+    assert len(joiner["steps"]) >= 3
+    assert joiner["final_step"] == first["final_step"] and joiner["params"] == first["params"]
 
 
 @slow_launches
 def test_kill_one_replica_group_2x2_zero1_and_zero3(tmp_path):
     """2 replica groups x 2 processes, ZeRO-1 and ZeRO-3 inside each group (two jobs at once)."""
     outs = {stage: tmp_path / f"zero{stage}" for stage in (1, 3)}
-    jobs = {stage: _start(out, 8, "--kill_at", "3", "--stage", str(stage), procs=2) for stage, out in outs.items()}
+    jobs = {stage: _start(out, 5, "--kill_at", "2", "--stage", str(stage), procs=2) for stage, out in outs.items()}
     for stage, job in jobs.items():
         _ok(job, outs[stage])
     for stage, out in outs.items():
-        recs = _check_survived_kill(out, procs=2, kill_at=3)
+        recs = _check_survived_kill(out, procs=2, kill_at=2)
         assert recs[0, 0, 0]["params"] == recs[0, 1, 0]["params"]  # (ZeRO: the gathered weights agree in a group)
-
-
-# -------------------------------------------------------------------------------- joining late; no lighthouse
-@slow_launches
-def test_late_joiner_and_lighthouse_gone(tmp_path):
-    """A replica group that starts 15 s after the other takes its live state; a lighthouse that dies
-    mid-training stops the job with a named error, not a hang."""
-    late_out, gone_out = tmp_path / "late", tmp_path / "gone"
-    late = _start(late_out, 6, "--late", "15", "--quorum_timeout", "5", restarts=0)
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    lighthouse = subprocess.Popen([str(Path(sys.executable).with_name("torchft_lighthouse")), "--min_replicas", "1",
-                                   "--bind", f"[::]:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        gone = _start(gone_out, 100000, "--step_sleep", "0.05", "--quorum_timeout", "10", restarts=0, replicas=1,
-                      launcher=["--ft_replicas", "1", "--ft_lighthouse", f"127.0.0.1:{port}", "--ft_replica_id", "0"])
-        deadline = time.monotonic() + JOB_TIMEOUT
-        rec = gone_out / "r0_0_a0.json"
-        while time.monotonic() < deadline and gone.poll() is None:
-            if rec.exists() and len(json.loads(rec.read_text() or "{}").get("steps", [])) > 3:
-                break
-            time.sleep(0.5)
-    finally:
-        lighthouse.kill()
-        lighthouse.wait()
-    killed_at = time.monotonic()
-    rc = _finish(gone, gone_out)
-    log = (gone_out / "launch.log").read_text()
-    assert rc != 0 and "FaultToleranceError" in log and "could not form a quorum with the lighthouse" in log, log[-4000:]
-    assert time.monotonic() - killed_at < 120, "the job did not stop soon after the lighthouse died"
-
-    _ok(late, late_out)
-    recs = _records(late_out)
-    first, joiner = recs[0, 0, 0], recs[1, 0, 0]
-    assert first["steps"][0] == 0 and not first["recovered"]
-    assert joiner["recovered"] and joiner["start_step"] > 0 and joiner["steps"][0] == joiner["start_step"]
-    assert len(joiner["steps"]) >= 3
-    assert joiner["final_step"] == first["final_step"] and joiner["params"] == first["params"]
 
 
 # -------------------------------------------------------------------------------- the live state, in one process
@@ -254,3 +252,105 @@ def test_live_state_carries_everything_a_step_needs():
 
     (result,) = run_distributed(_state_body, 1, timeout=240)
     assert result == {0: (5, True), 1: (5, True), 3: (5, True)}, result
+
+
+# -------------------------------------------------------------------------------- LocalSGD and DiLoCo
+def test_periodic_sync_config_refusals():
+    def refused(match, **ft):
+        with pytest.raises(ConfigError, match=match):
+            load_config({"train_batch_size": 2, "fault_tolerance": {"enabled": True, **ft}})
+
+    refused(r"fault_tolerance: sync_every is for algorithm \"local_sgd\" or \"diloco\"", sync_every=4)
+    refused(r"fault_tolerance: outer_optimizer is for algorithm \"diloco\" \(algorithm is 'local_sgd'\)",
+            algorithm="local_sgd", outer_optimizer={"type": "SGD"})
+    refused(r"fault_tolerance: fragment_sync_delay, fragments are for algorithm \"diloco\"",
+            fragments=2, fragment_sync_delay=1)
+    refused(r"fault_tolerance: sync_every 6 must be a multiple of fragments 4", algorithm="diloco", sync_every=6,
+            fragments=4)
+    refused(r"fault_tolerance: fragment_sync_delay 2 must be less than sync_every / fragments = 2",
+            algorithm="diloco", sync_every=4, fragments=2, fragment_sync_delay=2)
+    refused(r"fault_tolerance.algorithm.*'gossip'", algorithm="gossip")
+    cfg = load_config({"train_batch_size": 2, "fault_tolerance": {"enabled": True, "algorithm": "diloco",
+                                                                  "sync_every": 4, "fragments": 2}})
+    outer = cfg.fault_tolerance.outer_optimizer  # the DiLoCo paper's outer optimizer by default
+    assert outer.type == "SGD" and outer.params == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def _refusal_body(rank, world_size):
+    """Combinations torchft's LocalSGD / DiLoCo cannot run on are refused at initialize, by key."""
+    import torch
+
+    import shardwise
+    from shardwise.config import ConfigError as Refused
+
+    os.environ["TORCHFT_LIGHTHOUSE"] = "127.0.0.1:1"  # (never reached: refused before)
+    out = []
+    for extra in ({"fp16": {"enabled": True}},
+                  {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}):
+        config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                  "fault_tolerance": {"enabled": True, "algorithm": "local_sgd", "sync_every": 2}, **extra}
+        try:
+            shardwise.initialize(model=torch.nn.Linear(2, 1), config=config)
+            out.append("initialized")
+        except Refused as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_periodic_sync_refuses_fp16_and_offload():
+    from distributed import run_distributed
+
+    (fp16, offload), = run_distributed(_refusal_body, 1, timeout=120)
+    assert "fault_tolerance.algorithm 'local_sgd' with fp16.enabled" in fp16, fp16
+    assert "fault_tolerance.algorithm 'local_sgd' with zero_optimization.offload_optimizer.device 'cpu'" in offload, offload
+
+
+@slow_launches
+def test_local_sgd_and_diloco_on_two_replica_groups(tmp_path):
+    """2 replica groups x 1 process, plain SGD, every step's weights and gradients recorded. LocalSGD with
+    sync_every=1 is the ddp path's step: averaging the weights each group stepped = stepping the averaged
+    gradient. DiLoCo with sync_every=2 steps alone in between and, at each synchronisation, applies the
+    outer Nesterov step to the averaged pseudo-gradient exactly as computed here from the inner steps."""
+    import torch
+
+    lr, steps = 0.05, 4
+    runs = {"local_sgd": ["--sync_every", "1"], "diloco": ["--sync_every", "2"]}
+    outs = {name: tmp_path / name for name in runs}
+    jobs = {name: _start(outs[name], steps, "--sgd", str(lr), "--algorithm", name, "--trace", *extra, restarts=0)
+            for name, extra in runs.items()}
+    for name, job in jobs.items():
+        _ok(job, outs[name])
+    recs = {name: _records(out) for name, out in outs.items()}
+    traces = {}
+    for name, r in recs.items():
+        assert r[0, 0, 0]["final_step"] == r[1, 0, 0]["final_step"] == steps
+        assert r[0, 0, 0]["params"] == r[1, 0, 0]["params"], f"{name}: the replica groups' weights differ"
+        traces[name] = (r[0, 0, 0]["trace"], r[1, 0, 0]["trace"])
+        for t in traces[name]:  # nothing but the engine's steps changed the weights (no peer's state on the way)
+            assert all(t[s]["before"] == t[s - 1]["after"] for s in range(1, steps)), name
+
+    T = torch.tensor
+    t0, t1 = traces["local_sgd"]
+    for s in range(steps):  # the ddp path's update, from the same weights and the two groups' gradients
+        assert t0[s]["before"] == t1[s]["before"] and t0[s]["after"] == t1[s]["after"]
+        ddp = T(t0[s]["before"]) - lr * (T(t0[s]["grad"]) + T(t1[s]["grad"])) / 2
+        torch.testing.assert_close(T(t0[s]["after"]), ddp, rtol=0, atol=1e-6)
+        assert (T(t0[s]["after"]) - (T(t0[s]["before"]) - lr * T(t0[s]["grad"]))).abs().max() > 1e-4
+
+    # DiLoCo by hand: inner SGD steps; at steps 1 and 3 the outer step on the mean pseudo-gradient
+    t0, t1 = traces["diloco"]
+    orig = T(t0[0]["before"])
+    assert t1[0]["before"] == t0[0]["before"]
+    buf = None
+    for s in range(steps):
+        local = [T(t[s]["before"]) - lr * T(t[s]["grad"]) for t in (t0, t1)]
+        if s % 2 == 0:  # an inner step alone: the groups part
+            for t, want in zip((t0, t1), local):
+                torch.testing.assert_close(T(t[s]["after"]), want, rtol=0, atol=1e-6)
+            assert t0[s]["after"] != t1[s]["after"]
+            continue
+        pseudo = ((orig - local[0]) + (orig - local[1])) / 2
+        buf = pseudo.clone() if buf is None else 0.9 * buf + pseudo
+        orig = orig - 0.7 * (pseudo + 0.9 * buf)
+        for t in (t0, t1):
+            torch.testing.assert_close(T(t[s]["after"]), orig, rtol=0, atol=1e-6)

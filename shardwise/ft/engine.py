@@ -14,6 +14,18 @@ Per optimizer step (``algorithm: "ddp"``):
    was lost during the step, or fewer than ``min_replicas`` took part): the step in flight is discarded
    on every replica group: gradients zeroed, no optimizer or scheduler step, the step counters do not
    move, and the batch each group drew for it is not trained on.
+
+``algorithm: "local_sgd"`` / ``"diloco"`` (torchft's ``LocalSGD`` and ``DiLoCo``, for slow links between
+replica groups): each group steps its optimizer alone on its own gradients; no quorum, no traffic between
+groups in between. Every ``sync_every`` optimizer steps the groups synchronise: the quorum opens before
+the forward of the step whose update ends the period (the state a recovering group takes is then the
+whole state after the previous update), and right after that step's optimizer step (an optimizer
+post-hook, before the strategy copies the stepped fp32 weights to the module's storage or all-gathers
+them) torchft's code runs on the tensors the optimizer steps (this rank's fp32 weights or ZeRO fragment):
+LocalSGD averages them over the groups in the quorum; DiLoCo averages the pseudo-gradients (weights at
+the last synchronisation - weights now) and steps them with the outer optimizer. A synchronisation that
+does not commit leaves LocalSGD's weights local and resets DiLoCo's to the last synchronised ones (the
+inner steps since are lost); the step counters move on in both cases.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from datetime import timedelta
 import torch
 
 from shardwise import comm
+from shardwise.config import ConfigError
 
 from . import LIGHTHOUSE_ENV, FaultToleranceError, num_replica_groups, replica_group_id
 from . import state as live_state
@@ -56,6 +69,9 @@ class FaultTolerance:
             partition = getattr(s, "partition", None)
             if partition is not None and hasattr(partition, "overlap_step"):
                 partition.overlap_step = False  # the update must wait for the replica-group average
+        self.algorithm = cfg.algorithm
+        if self.algorithm != "ddp":
+            _check_periodic_sync(engine, cfg)
         self.lighthouse = cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         if not self.lighthouse:
             raise FaultToleranceError(
@@ -96,7 +112,11 @@ class FaultTolerance:
             raise FaultToleranceError(f"fault_tolerance: cannot reach the lighthouse at {self.lighthouse}: {exc}") from exc
         self.manager.register_state_dict_fn("shardwise", self._load_live_state, self._live_state)
         atexit.register(self.shutdown)
-        engine.train_step.before_update = self.before_update
+        self._sync = None
+        if self.algorithm == "ddp":
+            engine.train_step.before_update = self.before_update
+        else:
+            self._sync = _PeriodicSync(self, engine, cfg)
         self.start_step()  # the first quorum: a late or restarted replica group takes a peer's state now
         # A job that starts: wait (up to quorum_timeout) until every replica group of the launch is in, so that
         # none begins alone because another started slower; after that, quorums go on with whoever is alive.
@@ -105,10 +125,25 @@ class FaultTolerance:
                and time.monotonic() < deadline):
             time.sleep(0.2)
             self.start_step()
+        if self._sync is not None and not self.recovered:
+            # Close the start-up quorum with a commit: torchft's manager step becomes 1, else the first
+            # synchronisation (also at manager step 0) would again make every group but one take the first
+            # one's state, dropping their first period. (A recovered group keeps the quorum open: it is the
+            # peers' synchronisation, which this group takes part in at its first step.) The allreduce first
+            # is a barrier over the quorum: a group taking this one's state has fetched it before the commit
+            # stops serving it (with ddp, the first step's gradient average is that barrier).
+            self.manager.allreduce(torch.zeros(1, device=engine.device)).wait()
+            self.manager.should_commit()
+            self._quorum_open = False
 
     # -- the seams the engine calls ------------------------------------------------------------------
     def before_forward(self) -> None:
-        """The engine's forward: open the step's quorum if it is not open yet."""
+        """The engine's forward: open the step's quorum if it is not open yet (local_sgd / diloco: only
+        before the step whose update ends a period)."""
+        if self._sync is not None:
+            if not self._quorum_open and self._sync.syncs_next_step():
+                self.start_step()
+            return
         if not self._quorum_open:
             self.start_step()
 
@@ -203,6 +238,119 @@ class FaultTolerance:
                 manager.shutdown(wait=False)
             except Exception:  # already down at interpreter exit
                 pass
+
+
+def _check_periodic_sync(engine, cfg) -> None:
+    """The configurations local_sgd / diloco run on: one optimizer step per engine step, on the tensors
+    the optimizer owns, and every replica group stepping at every step."""
+    algo = f"fault_tolerance.algorithm {cfg.algorithm!r}"
+    problems = []
+    if engine.config.fp16.enabled:
+        problems.append(f"{algo} with fp16.enabled: a step skipped on overflow in one replica group would put it "
+                        "out of step with the others' synchronisations; use bf16 or fp32")
+    zero = engine.config.zero_optimization
+    for key in ("offload_optimizer", "offload_param"):
+        block = getattr(zero, key, None)
+        if block is not None and getattr(block, "device", "none") not in (None, "none"):
+            problems.append(f"{algo} with zero_optimization.{key}.device {block.device!r}: not supported "
+                            "(the offloaded step is not one optimizer step on resident tensors)")
+    if problems:
+        raise ConfigError(problems)
+
+
+class _PeriodicSync:
+    """torchft's LocalSGD or DiLoCo on the tensors this rank's optimizer steps, driven by the engine's
+    steps: see the module docstring."""
+
+    def __init__(self, ft: "FaultTolerance", engine, cfg) -> None:
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        self.ft, self.cfg = ft, cfg
+        optimizer = _stepped_optimizer(engine)
+        tensors = [t for s in [engine.strategy, *getattr(engine.strategy, "strategies", ())]
+                   for _, _, _, t in s.local_fragments()]
+        if not tensors:
+            raise FaultToleranceError(f"fault_tolerance.algorithm {cfg.algorithm!r}: this rank's optimizer steps no tensor")
+        # torchft's classes read `named_parameters()` of modules: parameters sharing the optimizer's storage
+        holders = [torch.nn.Parameter(t.detach(), requires_grad=True) for t in tensors]
+        self.sync_every = int(cfg.sync_every)
+        self.local_step = 0  # optimizer steps since the last synchronisation (carried to a recovering group)
+        if cfg.algorithm == "local_sgd":
+            self.delay = 0
+            self.algo = LocalSGD(ft.manager, torch.nn.ParameterList(holders), optimizer, sync_every=self.sync_every)
+        else:
+            from shardwise.optim.factory import build_optimizer
+
+            n = int(cfg.fragments)
+            fragments = [torch.nn.ParameterList(holders[i * len(holders) // n:(i + 1) * len(holders) // n])
+                         for i in range(n)]
+            if any(len(f) == 0 for f in fragments):
+                raise ConfigError(f"fault_tolerance.fragments: {n} fragments, but this rank's optimizer steps only "
+                                  f"{len(holders)} tensor(s)")
+            outer = []
+            for f in fragments:
+                try:
+                    outer.append(build_optimizer(cfg.outer_optimizer.type, dict(cfg.outer_optimizer.params),
+                                                 list(f.parameters())))
+                except (ValueError, TypeError) as exc:
+                    raise ConfigError(f"fault_tolerance.outer_optimizer: {exc}") from None
+            self.delay = int(cfg.fragment_sync_delay)
+            self.algo = DiLoCo(ft.manager, fragments, optimizer, outer, sync_every=self.sync_every,
+                               pin_memory=False, fragment_sync_delay=self.delay,
+                               fragment_update_alpha=float(cfg.fragment_update_alpha))
+            self.period = self.sync_every // n  # torchft: one fragment every sync_every / fragments steps
+        if cfg.algorithm == "local_sgd":
+            self.period = self.sync_every
+        ft.register_state("_shardwise_periodic_sync", lambda: {"local_step": self.local_step}, self._load)
+        optimizer.register_step_pre_hook(self._pre_step)
+        optimizer.register_step_post_hook(self._post_step)
+
+    def _load(self, state: dict) -> None:
+        self.local_step = int(state["local_step"])
+
+    def syncs_next_step(self) -> bool:
+        """Whether the coming optimizer step starts a synchronisation (its quorum opens before it)."""
+        return self.local_step + 1 == self.period - self.delay
+
+    def _pre_step(self, *_args) -> None:
+        self.ft.manager.disallow_state_dict_read()  # (as torchft's hooks: no live state read mid-step)
+
+    def _post_step(self, *_args) -> None:
+        manager = self.ft.manager
+        manager.allow_state_dict_read()
+        self.local_step += 1
+        if self.local_step == self.period - self.delay:
+            if not self.ft._quorum_open:  # (a step taken outside the engine's forward)
+                self.ft.start_step()
+            self.ft._quorum_open = False
+            self.ft.participants = manager.num_participants()
+            if self.cfg.algorithm == "local_sgd":
+                before = manager.current_step()
+                self.algo._perform_sync()  # (torchft's LocalSGD.sync, less the quorum opened before the step)
+                self._commit(manager.current_step() > before)
+                self.local_step = 0
+                return
+            self.fragment = self.algo._current_fragment()
+            self.algo._fragments[self.fragment].prepare_sync()
+        if self.cfg.algorithm == "diloco" and self.local_step == self.period:
+            self._commit(self.algo._fragments[self.fragment].perform_sync())
+            self.local_step = 0
+
+    def _commit(self, committed: bool) -> None:
+        if not committed:
+            self.ft.discarded_steps += 1
+            logger.warning("replica group %d: the %s synchronisation at step %d did not commit (a replica group was "
+                           "lost during it)", self.ft.replica_id, self.cfg.algorithm, self.ft.engine.global_steps)
+
+
+def _stepped_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer the strategy calls ``step()`` on, once per engine step."""
+    strategy = engine.strategy
+    opt = getattr(getattr(strategy, "partition", None), "optimizer", None) or getattr(strategy, "optimizer", None)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise FaultToleranceError("fault_tolerance.algorithm local_sgd/diloco needs the engine's ZeRO strategy to step a "
+                                  f"torch optimizer (got {type(opt).__name__})")
+    return opt
 
 
 def _accelerator_pg(timeout: timedelta):

@@ -10,6 +10,9 @@ Arguments: OUT_DIR STEPS [--stage S] [--kill_at K] [--late S] [--save DIR] [--lo
   steps together again (the survivor goes on alone while the other restarts);
 * ``--save DIR`` / ``--load DIR``: a checkpoint at the end / loaded at the start (when not recovered);
 * ``--no_ft``: the same training without the fault_tolerance block (one replica group's data share).
+* ``--algorithm A --sync_every N``: fault_tolerance.algorithm (diloco: the paper's outer optimizer,
+  SGD lr 0.7, Nesterov momentum 0.9); ``--sgd LR``: plain SGD at LR, no scheduler, no clipping;
+  ``--trace``: record each step's weights before and after the update and the gradients it stepped.
 
 Writes OUT_DIR/r{replica}_{rank}_a{attempt}.json: the step counter at every step, the losses by step,
 whether and at which step the group took a peer's state, and the final weights.
@@ -37,6 +40,10 @@ p.add_argument("--load", default=None)
 p.add_argument("--no_ft", action="store_true")
 p.add_argument("--quorum_timeout", type=float, default=60.0)
 p.add_argument("--step_sleep", type=float, default=0.0)
+p.add_argument("--algorithm", default="ddp")
+p.add_argument("--sync_every", type=int, default=None)
+p.add_argument("--sgd", type=float, default=None)
+p.add_argument("--trace", action="store_true")
 p.add_argument("--local_rank", type=int, default=0)
 args = p.parse_args()
 
@@ -58,16 +65,22 @@ config = {
     "zero_optimization": {"stage": args.stage},
     "gradient_clipping": 1.0,
 }
+if args.sgd is not None:
+    config["optimizer"] = {"type": "SGD", "params": {"lr": args.sgd}}
+    del config["scheduler"]
+    config["gradient_clipping"] = 0.0
 if not args.no_ft:
     config["fault_tolerance"] = {"enabled": True, "min_replicas": 1, "quorum_timeout": args.quorum_timeout,
-                                 "timeout": 15, "connect_timeout": 10}
+                                 "timeout": 60, "connect_timeout": 30, "algorithm": args.algorithm}
+    if args.sync_every is not None:
+        config["fault_tolerance"]["sync_every"] = args.sync_every
 engine, _, loader, _ = shardwise.initialize(model=model, config=config, training_data=data)
 ft = engine.fault_tolerance
 rank = comm.get_rank()
 start_step = engine.global_steps
 if args.load and not (ft is not None and ft.recovered):
     engine.load_checkpoint(args.load)
-record = {"replica": replica, "rank": rank, "attempt": attempt, "start_step": start_step,
+record = {"replica": replica, "rank": rank, "attempt": attempt, "start_step": start_step, "trace": [],
           "recovered": bool(ft and ft.recovered), "recovered_at_step": ft.recovered_at_step if ft else None,
           "loaded_step": engine.global_steps, "steps": [], "losses": {}}
 path = os.path.join(args.out, f"r{replica}_{rank}_a{attempt}.json")
@@ -105,10 +118,16 @@ while not done():
     record["steps"].append(step)
     loss = torch.nn.functional.mse_loss(engine(xb), yb)
     engine.backward(loss)
+    if args.trace:
+        flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts]).tolist()  # noqa: E731
+        params = list(engine.module.parameters())
+        record["trace"].append({"step": step, "before": flat(params), "grad": flat([p.grad for p in params])})
     if args.kill_at is not None and replica == 1 and attempt == 0 and step == args.kill_at and rank == 0:
         dump()
         os.kill(os.getpid(), signal.SIGKILL)
     engine.step()
+    if args.trace:
+        record["trace"][-1]["after"] = flat(engine.module.parameters())
     if engine.global_steps > step:
         record["losses"][str(step)] = engine.get_loss()
     if ft is not None and args.kill_at is not None and ft.participants < int(os.environ["NUM_REPLICA_GROUPS"]):
