@@ -26,6 +26,10 @@ def _die_with_parent() -> None:
 
 
 def _preload() -> None:
+    # tests/ is on the path only to find this module; the names below are installed modules, which
+    # a helper in tests/ (distributed.py, models.py, ...) must not shadow.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if p and os.path.abspath(p) != here]
     # One intra-op thread before torch starts, so no thread pool exists when the server forks.
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
     import torch
