@@ -181,6 +181,12 @@ def _child_main(rank: int, world_size: int, conn: Connection, fn_bytes: bytes,
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    # A rank forked by the server ends in os._exit, which skips what an interpreter runs at exit:
+    # run it here (atexit hooks, weakref.finalize cleanups such as NVMe swap folders, pending
+    # checkpoint writes), as a spawned rank's exit does.
+    import atexit
+
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
 

@@ -226,3 +226,16 @@ def _alive(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _register_exit_marker(rank: int, world_size: int, out: str) -> None:
+    import atexit
+
+    atexit.register(lambda: open(os.path.join(out, f"exited{rank}"), "w").close())
+
+
+def test_a_rank_that_returns_runs_its_exit_hooks(tmp_path) -> None:
+    # What a rank leaves to interpreter exit (atexit, weakref.finalize: swap folders, pending
+    # writes) has run by the time the call returns, forked ranks included.
+    run_distributed(_register_exit_marker, 2, args=(str(tmp_path),), timeout=60)
+    assert sorted(os.listdir(tmp_path)) == ["exited0", "exited1"]
