@@ -42,6 +42,13 @@ def _preload() -> None:
                 __import__(name)
             except BaseException:  # noqa: BLE001 - the rank imports it itself (and reports a real error there)
                 pass
+    # What was loaded here lives as long as the rank: out of the collector's sight (gc.freeze), a full
+    # collection in a rank walks only the rank's own objects (as in a fresh interpreter) and does not
+    # touch, and so copy, every page shared with the server.
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 _die_with_parent()
