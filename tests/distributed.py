@@ -1,4 +1,4 @@
-"""Run a test body in N freshly spawned processes joined by a gloo process group.
+"""Run a test body in N fresh processes joined by a gloo process group.
 
     from distributed import run_distributed, DistributedTestError
 
@@ -22,8 +22,19 @@ What the harness guarantees:
 A rank that returns early stays alive (idle) until every rank has returned, so a rank
 blocked in a collective shows up as *stuck* rather than as a confusing "connection closed".
 
-Spawning costs seconds on a small machine: put several cases in one body (a loop, or
-:func:`run_subtests`, which labels the failing case) instead of one spawn per case.
+How ranks start: a fork server (``multiprocessing``'s ``forkserver``), started at the first call,
+imports torch, shardwise and the other installed modules the test process has loaded by then
+(tests/_rank_preload.py), then forks every rank from that state: a rank costs a fork, not a Python
+start and a torch import (seconds of CPU each). The server never runs a torch op or a collective
+before forking, so no thread pool or process-group state is inherited. Each rank gets the test
+process's environment as it is at the call, plus ``env``; a module imported by the server has
+already read the environment, so a call whose ``env`` must be seen by module imports passes
+``fresh_interpreter=True`` (a plain ``spawn``: a new interpreter per rank).
+``SHARDWISE_TEST_START_METHOD=spawn`` makes every call start fresh interpreters.
+
+A call still costs a fork, a process-group rendezvous and the test module's own imports per rank:
+put several cases in one body (a loop, or :func:`run_subtests`, which labels the failing case)
+instead of one call per case.
 """
 from __future__ import annotations
 
@@ -93,21 +104,31 @@ def run_subtests(body: Callable[..., Any], cases: Iterable[Any], *args: Any, **k
 
 # --------------------------------------------------------------------------- child side
 
+_TORCH_AT_START: bool | None = None  # in a rank: whether torch was loaded before ``env`` was set
+
 def _die_with_parent(parent_pid: int) -> None:
-    """Make sure this rank goes away if the parent dies (e.g. pytest killed with SIGKILL)."""
+    """Make sure this rank goes away if the test process dies (e.g. pytest killed with SIGKILL).
+
+    The rank's parent is the test process (spawn) or the fork server, which itself dies with the
+    test process (tests/_rank_preload.py)."""
+    parent = os.getppid()
     if sys.platform.startswith("linux"):
         import ctypes
 
         try:  # PR_SET_PDEATHSIG = 1: the kernel sends SIGKILL when the parent exits
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-            if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            if os.getppid() != parent:  # the parent died before prctl took effect
                 os._exit(70)
+            if parent != parent_pid:  # forked by the server: is the test process still there?
+                os.kill(parent_pid, 0)
             return
+        except ProcessLookupError:
+            os._exit(70)
         except (OSError, AttributeError):
             pass
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(70)
 
@@ -117,6 +138,9 @@ def _die_with_parent(parent_pid: int) -> None:
 def _child_main(rank: int, world_size: int, conn: Connection, fn_bytes: bytes,
                 env: dict[str, str], stack_file: str, pg_timeout: float,
                 init_pg: bool, parent_pid: int) -> None:
+    global _TORCH_AT_START
+    _TORCH_AT_START = "torch" in sys.modules  # False in a fresh interpreter: env comes first
+    os.environ.clear()  # a forked rank inherits the server's environment: start from the caller's
     os.environ.update(env)
     _die_with_parent(parent_pid)
     stack_fh = open(stack_file, "w")
@@ -157,6 +181,12 @@ def _child_main(rank: int, world_size: int, conn: Connection, fn_bytes: bytes,
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    # A rank forked by the server ends in os._exit, which skips what an interpreter runs at exit:
+    # run it here (atexit hooks, weakref.finalize cleanups such as NVMe swap folders, pending
+    # checkpoint writes), as a spawned rank's exit does.
+    import atexit
+
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
 
@@ -276,15 +306,71 @@ def _hang(ranks: list[_Rank], timeout: float, fn_name: str) -> DistributedTestEr
                                 details={r.rank: stacks.get(r.rank, "") for r in stuck})
 
 
+_PRELOAD_ENV = "SHARDWISE_TEST_PRELOAD"
+_START_METHOD_ENV = "SHARDWISE_TEST_START_METHOD"
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_SKIP_ROOTS = ("__main__", "__mp_main__", "_pytest", "pytest", "pluggy", "py", "deepspeed", "conftest")
+_preload: list[str] | None = None
+
+
+def _preload_names() -> list[str]:
+    """The installed modules (site-packages, the standard library, shardwise) this process has loaded:
+    what the fork server imports before forking ranks. Test modules and the deepspeed package (whose
+    real and compat copies tests swap) are left to the ranks."""
+    import sysconfig
+
+    roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
+    shardwise = sys.modules.get("shardwise")
+    if shardwise is not None and getattr(shardwise, "__file__", None):
+        roots.add(os.path.dirname(shardwise.__file__))
+    roots_t = tuple(os.path.join(r, "") for r in roots)
+    names = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None or name.partition(".")[0] in _SKIP_ROOTS:
+            continue
+        origin = getattr(mod, "__file__", None)
+        if isinstance(origin, str) and origin.startswith(roots_t) and not origin.startswith(_TESTS_DIR):
+            names.append(name)
+    return sorted(names)
+
+
+def _context(fresh: bool) -> Any:
+    """The multiprocessing context ranks start from (see the module docstring)."""
+    method = "spawn" if fresh else os.environ.get(_START_METHOD_ENV, "forkserver")
+    if method != "forkserver":
+        return mp.get_context(method)
+    global _preload
+    from multiprocessing import forkserver
+
+    if _preload is None:
+        _preload = _preload_names()
+        forkserver.set_forkserver_preload(["_rank_preload"])
+    # The server takes this process's environment when it starts (here, or again if it died):
+    # where to find _rank_preload and what to import.
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", _PRELOAD_ENV)}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS_DIR, saved["PYTHONPATH"]) if p)
+    os.environ[_PRELOAD_ENV] = "\n".join(_preload)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return mp.get_context("forkserver")
+
+
 def _run_once(fn_bytes: bytes, fn_name: str, world_size: int, *, timeout: float,
-              env: dict[str, str], init_pg: bool, tmpdir: str) -> tuple[list[Any] | None, Exception | None]:
-    ctx = mp.get_context("spawn")
+              env: dict[str, str], init_pg: bool, tmpdir: str,
+              fresh: bool) -> tuple[list[Any] | None, Exception | None]:
+    ctx = _context(fresh)
     port = free_port()
     pg_timeout = max(1.0, 0.8 * timeout)
     ranks: list[_Rank] = []
     try:
         for rank in range(world_size):
-            rank_env = {"OMP_NUM_THREADS": "1", **env, "MASTER_ADDR": "127.0.0.1",
+            rank_env = {**os.environ, "OMP_NUM_THREADS": "1", **env, "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
                         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
             parent_end, child_end = ctx.Pipe(duplex=True)
@@ -341,13 +427,15 @@ def _run_once(fn_bytes: bytes, fn_name: str, world_size: int, *, timeout: float,
 def run_distributed(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (),
                     kwargs: dict[str, Any] | None = None, timeout: float = 120.0,
                     env: dict[str, str] | None = None,
-                    init_process_group: bool = True) -> list[Any]:
+                    init_process_group: bool = True, fresh_interpreter: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks.
 
     Returns the per-rank return values in rank order. ``fn``, ``args``, ``kwargs`` and the
     return values must pickle (``fn`` must be a module-level function). ``env`` entries are
-    set in every rank before torch is imported there. ``init_process_group=False`` leaves
-    the default group to ``fn`` (for testing code that initialises it itself).
+    set in every rank before ``fn`` runs, on top of this process's environment; with
+    ``fresh_interpreter=True`` each rank is a new interpreter that sees them before it imports
+    anything (torch included). ``init_process_group=False`` leaves the default group to ``fn``
+    (for testing code that initialises it itself).
     Raises :class:`DistributedTestError` on a failure or after ``timeout`` seconds.
     """
     if not isinstance(world_size, int) or world_size < 1:
@@ -361,7 +449,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *, args: Sequence[A
     try:
         for attempt in range(_PORT_RETRIES + 1):
             results, error = _run_once(fn_bytes, fn_name, world_size, timeout=timeout, env=env,
-                                       init_pg=init_process_group, tmpdir=tmpdir)
+                                       init_pg=init_process_group, tmpdir=tmpdir,
+                                       fresh=fresh_interpreter)
             if error is None:
                 return results  # type: ignore[return-value]
             text = str(error).lower()
