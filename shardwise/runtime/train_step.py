@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 
 from shardwise import comm
-from shardwise.moe.autoep.block import balancing_blocks
 from shardwise.precision import StepResult, unscale_and_clip
 from shardwise.training_state import StepCounters
 
@@ -56,14 +55,16 @@ class TrainingStep:
 
     def __init__(self, *, strategy, loss_scaler, gradient_accumulation_steps, train_batch_size, grid, module,
                  clip: float = 0.0, check_overflow: bool = False, norm_skip=frozenset(), lr_scheduler=None,
-                 device=None) -> None:
+                 device=None, after_update=()) -> None:
+        """``after_update``: callables run after each optimizer step that was taken (before the scheduler's
+        step), on every rank (AutoEP's loss-free balancing moves its router biases there: collective)."""
         self.strategy = strategy
         self.loss_scaler = loss_scaler  # None without fp16 dynamic/static loss scaling
         self.lr_scheduler = lr_scheduler
         self._gas = gradient_accumulation_steps  # callables: set_train_batch_size changes them
         self._batch_size = train_batch_size
         self._grid, self._module, self._norm_skip = grid, module, frozenset(norm_skip)
-        self._balancing = balancing_blocks(module) if module is not None else []
+        self._after_update = list(after_update)
         self._clip, self._check_overflow, self._device = float(clip), bool(check_overflow), device
         self.global_steps = 0
         self.global_samples = 0
@@ -144,8 +145,8 @@ class TrainingStep:
         if result.overflow:
             self.skipped_steps += 1
         else:
-            for block in self._balancing:  # AutoEP's loss-free balancing: the router biases move (collective)
-                block.move_bias()
+            for hook in self._after_update:
+                hook()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)
         self.strategy.zero_grad()
@@ -203,7 +204,7 @@ def norm_scope(strategy, *, grid, module: torch.nn.Module, skip=frozenset()) -> 
     tensor_rank = grid.get_tensor_model_parallel_rank() if tensor_size > 1 else 0
     sharded = {n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)}
     if not strategy.norm_is_local:  # MoE experts: partitioned over expert-data groups that span the tensor ranks
-        sharded |= _expert_names(module)
+        sharded |= strategy.layout.expert_names
     skip = frozenset(skip)
 
     def counted(name: str) -> bool:
@@ -215,15 +216,6 @@ def norm_scope(strategy, *, grid, module: torch.nn.Module, skip=frozenset()) -> 
     if model_group is None and grid.get_data_parallel_world_size() > 1:  # a user's mpu without that group
         return NormScope(group=None, counted=counted, contributes=grid.get_data_parallel_rank() == 0)
     return NormScope(group=model_group, counted=counted)
-
-
-def _expert_names(module: torch.nn.Module) -> set[str]:
-    """Every name an expert parameter has: local, and global (as the partitioned strategies name them)."""
-    from shardwise.moe.parallel import global_expert_names
-    from shardwise.moe.utils import is_moe_param
-
-    local = {n for n, p in module.named_parameters() if is_moe_param(p)}
-    return local | {g for n, g in global_expert_names(module).items() if n in local}
 
 
 def clipped_step(strategy, scope: NormScope, *, loss_scale: float, clip: float, check_overflow: bool,

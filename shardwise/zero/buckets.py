@@ -90,12 +90,14 @@ class BucketReducer:
     ``dp_group`` is the data-parallel process group reduced over (``None``: the world).
     With ``scatter`` the result is only this rank's chunk of each bucket.
     ``on_reduced(bucket)``, if given, is called once a bucket's reduction is complete and stored.
-    ``bucket_groups``, if given, is the process group of each bucket (stage 3: an expert unit reduces over
-    its expert-data-parallel group); ``dp_group`` otherwise.
+    Each bucket reduces over its flat group's ``domain`` (``zero/layout.py``: MoE experts over their
+    expert-data-parallel group, times the domain's ``grad_scale``); or, given, ``bucket_groups`` and
+    ``bucket_scales`` per bucket (stage 3's units); ``dp_group`` otherwise.
     """
 
     def __init__(self, groups: list[FlatGroup], store: GradientStore, *, reduce: ReduceSettings, dp_group,
-                 scatter: bool, on_reduced=None, bucket_groups: list | None = None, before_launch=None) -> None:
+                 scatter: bool, on_reduced=None, bucket_groups: list | None = None, before_launch=None,
+                 bucket_scales: list[float] | None = None) -> None:
         self.groups = groups
         self.store = store
         self.reduce = reduce
@@ -115,6 +117,13 @@ class BucketReducer:
         self._comm = [(dp_group, self.world, self.rank)] * len(self.buckets)  # (group, world, rank) per bucket
         if bucket_groups is not None:
             self._comm = [(g, comm.get_world_size(g), comm.get_rank(g)) for g in bucket_groups]
+        else:
+            domains = [getattr(groups[b.group_index], "domain", None) for b in self.buckets]
+            self._comm = [c if d is None else (d.group, d.world, d.rank) for c, d in zip(self._comm, domains)]
+            bucket_scales = [1.0 if d is None else d.grad_scale for d in domains]
+        self._scale = list(bucket_scales) if bucket_scales is not None else [1.0] * len(self.buckets)
+        # whether a backward has anything to reduce or scale (False: every bucket is this rank's alone)
+        self.needed = any(c[1] > 1 for c in self._comm) or any(x != 1.0 for x in self._scale)
         self.active = False
         self.on_reduced = on_reduced  # called with each bucket once its reduction is complete (and stored)
         self.before_launch = before_launch  # called with each bucket right before its collective starts
@@ -210,10 +219,14 @@ class BucketReducer:
             self.before_launch(b)
         r = self.reduce
         data = b.data
+        group, world, _ = self._comm[b.index]
+        if world == 1:  # (a domain of one rank, e.g. experts at ep_size = data: only the scale applies)
+            b.work = None
+            self._in_flight.append(b)
+            return self._after_launch(b)
         if r.comm_dtype is not None and r.comm_dtype != data.dtype:
             b.comm_buffer = data.to(r.comm_dtype)
             data = b.comm_buffer
-        group, world, _ = self._comm[b.index]
         pre = (world if r.prescale else r.predivide_factor) if r.average else r.predivide_factor
         if pre != 1.0:
             data.mul_(1.0 / pre)
@@ -222,6 +235,9 @@ class BucketReducer:
         else:
             b.work = comm.all_reduce(data, group=group, async_op=True)
         self._in_flight.append(b)
+        self._after_launch(b)
+
+    def _after_launch(self, b: Bucket) -> None:
         if self.max_in_flight is not None:
             while len(self._in_flight) > self.max_in_flight:
                 self._complete(self._in_flight.popleft())
@@ -230,14 +246,18 @@ class BucketReducer:
 
     def _post_scale(self, b: Bucket) -> float:
         r = self.reduce
+        world = self._comm[b.index][1]
+        if world == 1:
+            return self._scale[b.index]
         if r.average and not r.prescale:
-            return r.predivide_factor / self._comm[b.index][1]
+            return r.predivide_factor / world * self._scale[b.index]
         if not r.average:
-            return r.predivide_factor
-        return 1.0
+            return r.predivide_factor * self._scale[b.index]
+        return self._scale[b.index]
 
     def _complete(self, b: Bucket) -> None:
-        b.work.wait()
+        if b.work is not None:
+            b.work.wait()
         b.work = None
         region = self.own_slice(b) if self.scatter else slice(None)
         src = (b.comm_buffer if b.comm_buffer is not None else b.data)[region]
