@@ -173,24 +173,23 @@ class BucketReducer:
         if bucket.data is None:
             bucket.data = self.store.storage(bucket)
 
-    def _make_hook(self, gi: int, i: int):
-        def hook(p: torch.Tensor) -> None:
-            if not grad_is_ready(p):
-                return  # a tiled computation (sequence_parallel.tiled) adds more of this gradient first
-            bucket = self._bucket_of[id(p)]
-            self.seen.add((gi, i))
-            if self.active:
-                if (gi, i) in self._arrived:
-                    raise RuntimeError(self._second_gradient_message(gi, i))
-                self._arrived.add((gi, i))
-            self._prepare(bucket)
-            self.store.accept(bucket, i, p)
-            if self.active:
-                bucket.pending -= 1
-                if bucket.pending == 0:
-                    self._launch_ready()
-
-        return hook
+    def _on_grad(self, gi: int, i: int, p: torch.Tensor) -> None:
+        """Parameter ``i`` of group ``gi`` has its gradient for this backward (its hook)."""
+        if not grad_is_ready(p):
+            return  # a tiled computation (sequence_parallel.tiled) adds more of this gradient first
+        bucket = self._bucket_of[id(p)]
+        self.seen.add((gi, i))
+        if self.active:
+            if (gi, i) in self._arrived:
+                raise RuntimeError(self._second_gradient_message(gi, i))
+            self._arrived.add((gi, i))
+        if bucket.data is None:
+            bucket.data = self.store.storage(bucket)
+        self.store.accept(bucket, i, p)
+        if self.active:
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready()
 
     def _second_gradient_message(self, gi: int, i: int) -> str:
         names = getattr(self.groups[gi], "names", None)
@@ -290,7 +289,7 @@ def _weak_hook(reducer: BucketReducer, gi: int, i: int):
     def hook(p: torch.Tensor) -> None:
         r = ref()
         if r is not None:
-            r._make_hook(gi, i)(p)
+            r._on_grad(gi, i, p)
 
     return hook
 

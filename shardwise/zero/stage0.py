@@ -30,6 +30,7 @@ from shardwise.zero.strategy import ReduceSettings, ZeroStrategy
 class DataParallelStrategy(ZeroStrategy):
     stage = 0
     replicated = True  # every rank holds the whole optimizer state: rank 0 alone saves it
+    norm_is_local = True  # every data rank holds the whole reduced gradients
 
     def __init__(
         self,
