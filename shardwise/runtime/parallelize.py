@@ -84,7 +84,7 @@ def parallelize(engine, model: torch.nn.Module, *, pipeline: bool = False, optim
     norm_skip = frozenset(engine.module.tied_duplicate_names()) if pipeline else frozenset()
     engine.train_step = TrainingStep(                                               # 10
         strategy=engine.strategy, loss_scaler=engine.loss_scaler, lr_scheduler=scheduler,
-        gradient_accumulation_steps=engine.gradient_accumulation_steps, train_batch_size=engine.train_batch_size,
+        batch=engine._batch,
         grid=grid, module=engine.module, norm_skip=norm_skip, device=engine.device,
         after_update=[b.move_bias for b in balancing_blocks(engine.module)],  # AutoEP's loss-free balancing
         clip=float(config.gradient_clipping or 0.0), check_overflow=engine.precision.check_overflow)

@@ -53,7 +53,7 @@ class StepOutcome:
 class TrainingStep:
     """Bookkeeping of training steps; the strategy does the math, this object sequences it."""
 
-    def __init__(self, *, strategy, loss_scaler, gradient_accumulation_steps, train_batch_size, grid, module,
+    def __init__(self, *, strategy, loss_scaler, batch, grid, module,
                  clip: float = 0.0, check_overflow: bool = False, norm_skip=frozenset(), lr_scheduler=None,
                  device=None, after_update=()) -> None:
         """``after_update``: callables run after each optimizer step that was taken (before the scheduler's
@@ -61,8 +61,7 @@ class TrainingStep:
         self.strategy = strategy
         self.loss_scaler = loss_scaler  # None without fp16 dynamic/static loss scaling
         self.lr_scheduler = lr_scheduler
-        self._gas = gradient_accumulation_steps  # callables: set_train_batch_size changes them
-        self._batch_size = train_batch_size
+        self.batch = batch  # BatchSizes (the engine's set_train_batch_size replaces it)
         self._grid, self._module, self._norm_skip = grid, module, frozenset(norm_skip)
         self._after_update = list(after_update)
         self._clip, self._check_overflow, self._device = float(clip), bool(check_overflow), device
@@ -81,13 +80,13 @@ class TrainingStep:
     def is_boundary(self) -> bool:
         if self.boundary_override is not None:
             return self.boundary_override
-        return (self.micro_steps + 1) % self._gas() == 0
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
     # -- backward ---------------------------------------------------------------------------------
     def scale(self, loss: torch.Tensor, *, divide_by_gas: bool = True) -> torch.Tensor:
         """The tensor autograd starts from: the loss over the accumulation steps, times the loss scale."""
         scaled = loss.float()
-        gas = self._gas()
+        gas = self.batch.gradient_accumulation_steps
         if divide_by_gas and gas > 1:
             scaled = scaled / gas
         if self.loss_scaler is not None:
@@ -151,7 +150,7 @@ class TrainingStep:
                 self.lr_scheduler.step(**lr_kwargs)
         self.strategy.zero_grad()
         self.global_steps += 1
-        self.global_samples += self._batch_size()
+        self.global_samples += self.batch.train_batch_size
         self.backwards_since_step = 0
         loss = float(self._loss_sum) / self._loss_count if self._loss_count else None
         self._loss_sum.zero_()
@@ -178,7 +177,7 @@ class TrainingStep:
         # Checkpoints hold no partly accumulated gradients: the next micro-batch starts a window. (A
         # checkpoint saved with another gradient_accumulation_steps, e.g. DeepSpeed's at another world
         # size, would otherwise put the boundary in the middle of it.)
-        self.micro_steps -= self.micro_steps % self._gas()
+        self.micro_steps -= self.micro_steps % self.batch.gradient_accumulation_steps
 
 
 # -- the norm over the right ranks, and the clipped step ----------------------------------------
