@@ -214,7 +214,7 @@ class PartitionedOptimizer:
     def grad_norm_sq(self, source: FragmentSource | None = None, *, counted=None) -> torch.Tensor:
         """Sum of squares of this rank's reduced (still scaled) gradients, fp32, no collective. With
         ``counted`` (a predicate on parameter names) only the fragments of the parameters it accepts."""
-        source = source or self.source
+        source = self.source if source is None else source
         if counted is None:
             return grad_sq_sum(source.owned_grads())
         return grad_sq_sum([source.grad_of(f) for f in self.all_fragments() if counted(f.name)])
@@ -223,7 +223,7 @@ class PartitionedOptimizer:
         """Multiply the gradients by ``coef`` and step every resident batch (what the overlapped step
         left, if it ran). ``coef_fixed``: the coefficient is 1.0 whatever the gradients (loss scale 1, no
         clipping, no overflow check), so the next boundary step may overlap backward."""
-        source = source or self.source
+        source = self.source if source is None else source
         overlap, self._overlap = self._overlap, None
         done: set[int] = set()
         if overlap is not None:
@@ -261,7 +261,7 @@ class PartitionedOptimizer:
         """Before the boundary backward: start stepping sub-groups as their gradients are reduced, if
         the step cannot depend on the rest (the last step's coefficient was fixed: loss scale 1, no
         clipping and no overflow check; the first step never overlaps, it learns this)."""
-        source = source or self.source
+        source = self.source if source is None else source
         if self._overlap is not None:  # the previous boundary backward never reached step()
             stale, self._overlap = self._overlap, None
             stale.cancel()
