@@ -124,9 +124,12 @@ def _train(case, rank, world, steps=2):
     assert engine.module.moe.expert_groups is experts and engine.module.moe.deepspeed_moe.ep_group is experts.group
     if ep > 1:
         assert engine.grid.group("expert") is experts.group and engine.grid.group("expert_data") is experts.data_group
+    if ep > 1 and stage < 3:  # one strategy: the experts' buffers reduce over the expert-data group, the rest over data
+        domains = {g.domain.name: g.domain.group for g in engine.strategy.groups}
+        assert domains == {None: engine.dp_group, f"ep_size_{ep}": experts.data_group}, domains
     return {"ep": engine.grid.size("expert"), "edp": experts.data_size,
             "has_moe": engine.has_moe_layers, "dims_expert": engine.dims.expert,
-            "offload": sorted({getattr(s, "offload_device", "none") for s in getattr(engine.strategy, "strategies", [])})}
+            "offload": [getattr(engine.strategy, "offload_device", "none")]}
 
 
 def _checkpoint(case, rank, world, folder, loads):

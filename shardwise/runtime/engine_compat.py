@@ -220,12 +220,14 @@ class EngineCompatMixin:
             raise ValueError(f"set_train_batch_size({train_batch_size}): not divisible by "
                              f"train_micro_batch_size_per_gpu ({micro}) * data-parallel size ({self.dp_world_size})")
         self._batch = BatchSizes(train_batch_size, micro, train_batch_size // (micro * self.dp_world_size))
+        self.train_step.batch = self._batch
         if getattr(self, "_tput_timer", None) is not None:
             self._tput_timer.batch_size = train_batch_size
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         gas = self.gradient_accumulation_steps()
         self._batch = BatchSizes(micro_batch_size * gas * self.dp_world_size, micro_batch_size, gas)
+        self.train_step.batch = self._batch
 
     def allreduce_gradients(self, bucket_size=None) -> None:
         """DeepSpeed's reduction of the gradients over the data-parallel group, which its ``backward`` calls at

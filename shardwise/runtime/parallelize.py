@@ -75,16 +75,18 @@ def parallelize(engine, model: torch.nn.Module, *, pipeline: bool = False, optim
     scheduler = _scheduler(engine, lr_scheduler)                                    # 8
     engine._publish_overflow(False)
     engine.loss_scaler = create_loss_scaler(config.fp16) if engine.precision.loss_scaling else None
-    for s in [engine.strategy, *getattr(engine.strategy, "strategies", ())]:  # (MoE: each part's)
-        zero_registry.set_loss_scaler(s, engine.loss_scaler)  # for shardwise.utils.safe_get_full_grad
+    zero_registry.set_loss_scaler(engine.strategy, engine.loss_scaler)  # for shardwise.utils.safe_get_full_grad
     engine.training_dataloader = None                                               # 9
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+    from shardwise.moe.autoep.block import balancing_blocks
+
     norm_skip = frozenset(engine.module.tied_duplicate_names()) if pipeline else frozenset()
     engine.train_step = TrainingStep(                                               # 10
         strategy=engine.strategy, loss_scaler=engine.loss_scaler, lr_scheduler=scheduler,
-        gradient_accumulation_steps=engine.gradient_accumulation_steps, train_batch_size=engine.train_batch_size,
+        batch=engine._batch,
         grid=grid, module=engine.module, norm_skip=norm_skip, device=engine.device,
+        after_update=[b.move_bias for b in balancing_blocks(engine.module)],  # AutoEP's loss-free balancing
         clip=float(config.gradient_clipping or 0.0), check_overflow=engine.precision.check_overflow)
     engine.timers = Timers(engine.device, enabled=bool(config.wall_clock_breakdown))
     _check_partitioned_activations(config, engine.module, engine.tp_world_size)   # 11
@@ -239,10 +241,11 @@ def _strategy(engine):
     named_params = list(engine.module.named_parameters())
     if int(zero.stage) == 3:  # MoE blocks that run only their tokens' experts: gathered whole
         apply_leaf_module_config(engine.module, zero.leaf_module)
-    if engine.has_moe_layers:
-        return moe_parallel.build_strategy(build, module=engine.module, named_params=named_params,
-                                           optimizer=optimizer, dp_group=engine.dp_group, zero_stage=int(zero.stage))
-    return build(named_params=named_params, optimizer=optimizer, dp_group=engine.dp_group)
+    layout = None
+    if engine.has_moe_layers:  # experts reduce (and are partitioned) over their expert-data-parallel group
+        layout = moe_parallel.expert_layout(engine.module, dp_group=engine.dp_group, optimizer=optimizer,
+                                            zero_stage=int(zero.stage))
+    return build(named_params=named_params, optimizer=optimizer, dp_group=engine.dp_group, layout=layout)
 
 
 def _reduce_settings(engine) -> ReduceSettings:

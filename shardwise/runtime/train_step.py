@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 
 from shardwise import comm
-from shardwise.moe.autoep.block import balancing_blocks
 from shardwise.precision import StepResult, unscale_and_clip
 from shardwise.training_state import StepCounters
 
@@ -54,16 +53,17 @@ class StepOutcome:
 class TrainingStep:
     """Bookkeeping of training steps; the strategy does the math, this object sequences it."""
 
-    def __init__(self, *, strategy, loss_scaler, gradient_accumulation_steps, train_batch_size, grid, module,
+    def __init__(self, *, strategy, loss_scaler, batch, grid, module,
                  clip: float = 0.0, check_overflow: bool = False, norm_skip=frozenset(), lr_scheduler=None,
-                 device=None) -> None:
+                 device=None, after_update=()) -> None:
+        """``after_update``: callables run after each optimizer step that was taken (before the scheduler's
+        step), on every rank (AutoEP's loss-free balancing moves its router biases there: collective)."""
         self.strategy = strategy
         self.loss_scaler = loss_scaler  # None without fp16 dynamic/static loss scaling
         self.lr_scheduler = lr_scheduler
-        self._gas = gradient_accumulation_steps  # callables: set_train_batch_size changes them
-        self._batch_size = train_batch_size
+        self.batch = batch  # BatchSizes (the engine's set_train_batch_size replaces it)
         self._grid, self._module, self._norm_skip = grid, module, frozenset(norm_skip)
-        self._balancing = balancing_blocks(module) if module is not None else []
+        self._after_update = list(after_update)
         self._clip, self._check_overflow, self._device = float(clip), bool(check_overflow), device
         self.global_steps = 0
         self.global_samples = 0
@@ -80,13 +80,13 @@ class TrainingStep:
     def is_boundary(self) -> bool:
         if self.boundary_override is not None:
             return self.boundary_override
-        return (self.micro_steps + 1) % self._gas() == 0
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
     # -- backward ---------------------------------------------------------------------------------
     def scale(self, loss: torch.Tensor, *, divide_by_gas: bool = True) -> torch.Tensor:
         """The tensor autograd starts from: the loss over the accumulation steps, times the loss scale."""
         scaled = loss.float()
-        gas = self._gas()
+        gas = self.batch.gradient_accumulation_steps
         if divide_by_gas and gas > 1:
             scaled = scaled / gas
         if self.loss_scaler is not None:
@@ -144,13 +144,13 @@ class TrainingStep:
         if result.overflow:
             self.skipped_steps += 1
         else:
-            for block in self._balancing:  # AutoEP's loss-free balancing: the router biases move (collective)
-                block.move_bias()
+            for hook in self._after_update:
+                hook()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)
         self.strategy.zero_grad()
         self.global_steps += 1
-        self.global_samples += self._batch_size()
+        self.global_samples += self.batch.train_batch_size
         self.backwards_since_step = 0
         loss = float(self._loss_sum) / self._loss_count if self._loss_count else None
         self._loss_sum.zero_()
@@ -177,7 +177,7 @@ class TrainingStep:
         # Checkpoints hold no partly accumulated gradients: the next micro-batch starts a window. (A
         # checkpoint saved with another gradient_accumulation_steps, e.g. DeepSpeed's at another world
         # size, would otherwise put the boundary in the middle of it.)
-        self.micro_steps -= self.micro_steps % self._gas()
+        self.micro_steps -= self.micro_steps % self.batch.gradient_accumulation_steps
 
 
 # -- the norm over the right ranks, and the clipped step ----------------------------------------
@@ -203,7 +203,7 @@ def norm_scope(strategy, *, grid, module: torch.nn.Module, skip=frozenset()) -> 
     tensor_rank = grid.get_tensor_model_parallel_rank() if tensor_size > 1 else 0
     sharded = {n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)}
     if not strategy.norm_is_local:  # MoE experts: partitioned over expert-data groups that span the tensor ranks
-        sharded |= _expert_names(module)
+        sharded |= strategy.layout.expert_names
     skip = frozenset(skip)
 
     def counted(name: str) -> bool:
@@ -215,15 +215,6 @@ def norm_scope(strategy, *, grid, module: torch.nn.Module, skip=frozenset()) -> 
     if model_group is None and grid.get_data_parallel_world_size() > 1:  # a user's mpu without that group
         return NormScope(group=None, counted=counted, contributes=grid.get_data_parallel_rank() == 0)
     return NormScope(group=model_group, counted=counted)
-
-
-def _expert_names(module: torch.nn.Module) -> set[str]:
-    """Every name an expert parameter has: local, and global (as the partitioned strategies name them)."""
-    from shardwise.moe.parallel import global_expert_names
-    from shardwise.moe.utils import is_moe_param
-
-    local = {n for n, p in module.named_parameters() if is_moe_param(p)}
-    return local | {g for n, g in global_expert_names(module).items() if n in local}
 
 
 def clipped_step(strategy, scope: NormScope, *, loss_scale: float, clip: float, check_overflow: bool,

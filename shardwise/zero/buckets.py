@@ -90,15 +90,16 @@ class BucketReducer:
     ``dp_group`` is the data-parallel process group reduced over (``None``: the world).
     With ``scatter`` the result is only this rank's chunk of each bucket.
     ``on_reduced(bucket)``, if given, is called once a bucket's reduction is complete and stored.
-    ``bucket_groups``, if given, is the process group of each bucket (stage 3: an expert unit reduces over
-    its expert-data-parallel group); ``dp_group`` otherwise.
+    Each bucket reduces over its flat group's ``domain`` (``zero/layout.py``: MoE experts over their
+    expert-data-parallel group, times the domain's ``grad_scale``); or, given, ``bucket_groups`` and
+    ``bucket_scales`` per bucket (stage 3's units); ``dp_group`` otherwise.
     ``reduce_scatter(bucket, out, data, group)``, if given, replaces ``comm.reduce_scatter_tensor`` for the
     scatter (ZeRO++'s quantized hierarchical one); it returns a handle with ``wait()``.
     """
 
     def __init__(self, groups: list[FlatGroup], store: GradientStore, *, reduce: ReduceSettings, dp_group,
                  scatter: bool, on_reduced=None, bucket_groups: list | None = None, before_launch=None,
-                 reduce_scatter=None) -> None:
+                 bucket_scales: list[float] | None = None, reduce_scatter=None) -> None:
         self.groups = groups
         self.store = store
         self.reduce = reduce
@@ -119,6 +120,13 @@ class BucketReducer:
         self._comm = [(dp_group, self.world, self.rank)] * len(self.buckets)  # (group, world, rank) per bucket
         if bucket_groups is not None:
             self._comm = [(g, comm.get_world_size(g), comm.get_rank(g)) for g in bucket_groups]
+        else:
+            domains = [getattr(groups[b.group_index], "domain", None) for b in self.buckets]
+            self._comm = [c if d is None else (d.group, d.world, d.rank) for c, d in zip(self._comm, domains)]
+            bucket_scales = [1.0 if d is None else d.grad_scale for d in domains]
+        self._scale = list(bucket_scales) if bucket_scales is not None else [1.0] * len(self.buckets)
+        # whether a backward has anything to reduce or scale (False: every bucket is this rank's alone)
+        self.needed = any(c[1] > 1 for c in self._comm) or any(x != 1.0 for x in self._scale)
         self.active = False
         self.on_reduced = on_reduced  # called with each bucket once its reduction is complete (and stored)
         self.before_launch = before_launch  # called with each bucket right before its collective starts
@@ -168,24 +176,23 @@ class BucketReducer:
         if bucket.data is None:
             bucket.data = self.store.storage(bucket)
 
-    def _make_hook(self, gi: int, i: int):
-        def hook(p: torch.Tensor) -> None:
-            if not grad_is_ready(p):
-                return  # a tiled computation (sequence_parallel.tiled) adds more of this gradient first
-            bucket = self._bucket_of[id(p)]
-            self.seen.add((gi, i))
-            if self.active:
-                if (gi, i) in self._arrived:
-                    raise RuntimeError(self._second_gradient_message(gi, i))
-                self._arrived.add((gi, i))
-            self._prepare(bucket)
-            self.store.accept(bucket, i, p)
-            if self.active:
-                bucket.pending -= 1
-                if bucket.pending == 0:
-                    self._launch_ready()
-
-        return hook
+    def _on_grad(self, gi: int, i: int, p: torch.Tensor) -> None:
+        """Parameter ``i`` of group ``gi`` has its gradient for this backward (its hook)."""
+        if not grad_is_ready(p):
+            return  # a tiled computation (sequence_parallel.tiled) adds more of this gradient first
+        bucket = self._bucket_of[id(p)]
+        self.seen.add((gi, i))
+        if self.active:
+            if (gi, i) in self._arrived:
+                raise RuntimeError(self._second_gradient_message(gi, i))
+            self._arrived.add((gi, i))
+        if bucket.data is None:
+            bucket.data = self.store.storage(bucket)
+        self.store.accept(bucket, i, p)
+        if self.active:
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready()
 
     def _second_gradient_message(self, gi: int, i: int) -> str:
         names = getattr(self.groups[gi], "names", None)
@@ -214,10 +221,14 @@ class BucketReducer:
             self.before_launch(b)
         r = self.reduce
         data = b.data
+        group, world, _ = self._comm[b.index]
+        if world == 1:  # (a domain of one rank, e.g. experts at ep_size = data: only the scale applies)
+            b.work = None
+            self._in_flight.append(b)
+            return self._after_launch(b)
         if r.comm_dtype is not None and r.comm_dtype != data.dtype:
             b.comm_buffer = data.to(r.comm_dtype)
             data = b.comm_buffer
-        group, world, _ = self._comm[b.index]
         pre = (world if r.prescale else r.predivide_factor) if r.average else r.predivide_factor
         if pre != 1.0:
             data.mul_(1.0 / pre)
@@ -228,6 +239,9 @@ class BucketReducer:
         else:
             b.work = comm.all_reduce(data, group=group, async_op=True)
         self._in_flight.append(b)
+        self._after_launch(b)
+
+    def _after_launch(self, b: Bucket) -> None:
         if self.max_in_flight is not None:
             while len(self._in_flight) > self.max_in_flight:
                 self._complete(self._in_flight.popleft())
@@ -236,14 +250,18 @@ class BucketReducer:
 
     def _post_scale(self, b: Bucket) -> float:
         r = self.reduce
+        world = self._comm[b.index][1]
+        if world == 1:
+            return self._scale[b.index]
         if r.average and not r.prescale:
-            return r.predivide_factor / self._comm[b.index][1]
+            return r.predivide_factor / world * self._scale[b.index]
         if not r.average:
-            return r.predivide_factor
-        return 1.0
+            return r.predivide_factor * self._scale[b.index]
+        return self._scale[b.index]
 
     def _complete(self, b: Bucket) -> None:
-        b.work.wait()
+        if b.work is not None:
+            b.work.wait()
         b.work = None
         region = self.own_slice(b) if self.scatter else slice(None)
         src = (b.comm_buffer if b.comm_buffer is not None else b.data)[region]
@@ -276,7 +294,7 @@ def _weak_hook(reducer: BucketReducer, gi: int, i: int):
     def hook(p: torch.Tensor) -> None:
         r = ref()
         if r is not None:
-            r._make_hook(gi, i)(p)
+            r._on_grad(gi, i, p)
 
     return hook
 

@@ -17,7 +17,8 @@ def build_strategy(zero_config, *, aio=None, module, optimizer, dp_group=None, d
     ``dp_group`` (the data-parallel process group; ``None``: every rank). An optimizer with
     ``compressed_communication`` (1-bit Adam & co) gets the compressed variant of stage 0 or 1
     (``zero/compressed.py``). ``dims``: the engine's validated ``ParallelDims``; without it the
-    combination of stage, offload and optimizer is checked against the same table here."""
+    combination of stage, offload and optimizer is checked against the same table here. ``layout``
+    (``zero/layout.py``, optional): which group each parameter reduces over (MoE experts: their own)."""
     stage = int(zero_config.stage)
     compressed = bool(getattr(optimizer, "compressed_communication", False))
     if dims is None:
@@ -42,6 +43,9 @@ def build_strategy(zero_config, *, aio=None, module, optimizer, dp_group=None, d
             **kwargs,
         )
     if stage == 3:
+        layout = kwargs.get("layout")
+        if layout is not None:  # (fragments and checkpoints name each expert by its global index)
+            kwargs["named_params"] = layout.named(kwargs["named_params"])
         return Stage3Strategy(module=module, zero_config=zero_config, aio=aio, optimizer=optimizer, dp_group=dp_group,
                               **kwargs)
     raise ValueError(f"not implemented yet: zero_optimization.stage={stage}")

@@ -36,7 +36,7 @@ class FlatGroup:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, world_size: int = 1,
-                 bucket_elements: int | None = None) -> None:
+                 bucket_elements: int | None = None, domain=None) -> None:
         if not params:
             raise ValueError("a flat group needs at least one parameter")
         dtypes = {p.dtype for p in params}
@@ -48,6 +48,7 @@ class FlatGroup:
         self.device = params[0].device
         self.numels = [p.numel() for p in params]
         self.world_size = world_size
+        self.domain = domain  # the ``ReduceDomain`` its buckets reduce over (``zero/buckets.py``; None: the data group)
         limit = bucket_elements if bucket_elements and bucket_elements > 0 else sum(self.numels)
         self.offsets: list[int] = []
         self.buckets: list[tuple[int, int]] = []  # padded [start, end) of each bucket
@@ -118,13 +119,14 @@ class FlatGroup:
 
 
 def group_by_dtype(named_params: list[tuple[str, torch.nn.Parameter]], *, world_size: int = 1,
-                   bucket_elements: int | None = None) -> list[FlatGroup]:
-    """One FlatGroup per (dtype, device), keeping the given order inside each."""
+                   bucket_elements: int | None = None, domain=None) -> list[FlatGroup]:
+    """One FlatGroup per (dtype, device), keeping the given order inside each; ``domain``: the
+    ``ReduceDomain`` all of them reduce over."""
     buckets: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
     for name, p in named_params:
         buckets.setdefault((p.dtype, p.device), []).append((name, p))
     return [
         FlatGroup([p for _, p in items], [n for n, _ in items], world_size=world_size,
-                  bucket_elements=bucket_elements)
+                  bucket_elements=bucket_elements, domain=domain)
         for items in buckets.values()
     ]

@@ -7,9 +7,10 @@ of the model's own weights (fp32 training), or of a separate fp32 copy (16-bit
 training, CPU offload), or lives in a file between steps (NVMe offload, where
 ``OptimizerSwapper`` swaps sub-groups in one after the other).
 
-The strategies compose a ``PartitionedOptimizer`` and hand it, at step time, the
-place of each fragment's reduced gradient and of its model weights
-(``FragmentSource``).  ``grad_norm_sq`` reports this rank's share of the squared
+The strategies compose a ``PartitionedOptimizer`` and give it, once, where each
+fragment's reduced gradient and its model weights live (a ``FragmentSource``:
+stages 1-2 a ``FlatSource``, the flat buffers and their gradient store; stage 3
+the strategy itself, whose shards may move).  ``grad_norm_sq`` reports this rank's share of the squared
 norm; ``apply_step`` steps with the coefficient the caller derived from the sum
 over every rank; ``step_batch`` steps one resident list of fragments.
 
@@ -31,6 +32,7 @@ step happens at all, so the step runs after backward as before (see docs/zero.md
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Protocol
 
@@ -45,16 +47,13 @@ class Fragment:
     (stages 1-2) or unit (stage 3), ``buffer_start`` the offset in that group's flat buffer and
     ``local`` the offset in this rank's partition of it."""
 
-    __slots__ = ("name", "group", "param_start", "param_end", "buffer_start", "local", "tensor")
+    __slots__ = ("name", "group", "param_start", "param_end", "buffer_start", "local", "tensor", "numel")
 
     def __init__(self, name, group, param_start, param_end, buffer_start, local, tensor=None) -> None:
         self.name, self.group = name, group
         self.param_start, self.param_end = param_start, param_end
         self.buffer_start, self.local, self.tensor = buffer_start, local, tensor
-
-    @property
-    def numel(self) -> int:
-        return self.param_end - self.param_start
+        self.numel = param_end - param_start
 
 
 class FragmentSource(Protocol):
@@ -75,6 +74,28 @@ class FragmentSource(Protocol):
     overlap_safe: bool  # True when ``writable`` may run on another thread while backward runs
 
 
+class FlatSource:
+    """The ``FragmentSource`` of flat buffers (stages 1-2): weights in each group's ``param_buffer``,
+    gradients in the gradient store (``zero/buckets.py``), set once the strategy made it."""
+
+    overlap_safe = True  # weights are written in memory (each rank its own chunks, of finished buckets)
+
+    def __init__(self, groups, gradients=None) -> None:
+        self.groups, self.gradients = groups, gradients
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        return self.gradients.owned_grads()
+
+    def grad_of(self, f: Fragment) -> torch.Tensor:
+        return self.gradients.grad_of(f)
+
+    def weight_of(self, f: Fragment) -> torch.Tensor:
+        return self.groups[f.group].param_buffer[f.buffer_start : f.buffer_start + f.numel]
+
+    def writable(self, group: int):
+        return contextlib.nullcontext()
+
+
 def offload_device(block) -> str:
     """``"none"``, ``"cpu"`` or ``"nvme"`` for an ``offload_optimizer`` / ``offload_param`` block."""
     return getattr(block, "device", "none") if block is not None else "none"
@@ -90,6 +111,8 @@ class PartitionedOptimizer:
         fragment name; ``laid_out``: ids of the parameters the strategy owns (others stay in the
         optimizer as they are)."""
         self.optimizer = optimizer
+        self.source = source  # where gradients and weights live (the methods below default to it)
+        self.bucket_fragments: list[list[Fragment]] = []  # per reduced bucket: the fragments it completes
         self.dp_group = dp_group
         self.world = comm.get_world_size(dp_group)
         self.device = offload_device(offload)
@@ -188,17 +211,19 @@ class PartitionedOptimizer:
             yield f.name, f.param_start, f.param_end, f.tensor
 
     # -- the step ---------------------------------------------------------------------------
-    def grad_norm_sq(self, source: FragmentSource, *, counted=None) -> torch.Tensor:
+    def grad_norm_sq(self, source: FragmentSource | None = None, *, counted=None) -> torch.Tensor:
         """Sum of squares of this rank's reduced (still scaled) gradients, fp32, no collective. With
         ``counted`` (a predicate on parameter names) only the fragments of the parameters it accepts."""
+        source = self.source if source is None else source
         if counted is None:
             return grad_sq_sum(source.owned_grads())
         return grad_sq_sum([source.grad_of(f) for f in self.all_fragments() if counted(f.name)])
 
-    def apply_step(self, source: FragmentSource, *, coef: float, coef_fixed: bool = False) -> None:
+    def apply_step(self, source: FragmentSource | None = None, *, coef: float, coef_fixed: bool = False) -> None:
         """Multiply the gradients by ``coef`` and step every resident batch (what the overlapped step
         left, if it ran). ``coef_fixed``: the coefficient is 1.0 whatever the gradients (loss scale 1, no
         clipping, no overflow check), so the next boundary step may overlap backward."""
+        source = self.source if source is None else source
         overlap, self._overlap = self._overlap, None
         done: set[int] = set()
         if overlap is not None:
@@ -213,7 +238,7 @@ class PartitionedOptimizer:
                     "engine.backward() and engine.step(): with offload_optimizer the step of each sub-group "
                     "runs during the boundary backward, with the values it had then. Change them before "
                     "backward, or set engine.strategy.partition.overlap_step = False")
-        else:
+        elif self.trace.events:
             self.trace.clear()
         self._last_fixed = bool(coef_fixed)
         if overlap is None:
@@ -232,10 +257,11 @@ class PartitionedOptimizer:
             self._step_params(others)
 
     # -- the step overlapped with backward --------------------------------------------------
-    def arm(self, source: FragmentSource) -> None:
+    def arm(self, source: FragmentSource | None = None) -> None:
         """Before the boundary backward: start stepping sub-groups as their gradients are reduced, if
         the step cannot depend on the rest (the last step's coefficient was fixed: loss scale 1, no
         clipping and no overflow check; the first step never overlaps, it learns this)."""
+        source = self.source if source is None else source
         if self._overlap is not None:  # the previous boundary backward never reached step()
             stale, self._overlap = self._overlap, None
             stale.cancel()
@@ -247,6 +273,10 @@ class PartitionedOptimizer:
             return
         self.trace.clear()
         self._overlap = _Overlap(self, source)
+
+    def bucket_reduced(self, bucket) -> None:
+        """The reducer's call-back (``BucketReducer(on_reduced=)``, offloaded steps only): ``bucket`` is reduced."""
+        self.grads_ready(self.bucket_fragments[bucket.index])
 
     def grads_ready(self, frags: list[Fragment]) -> None:
         """The reduced gradients of ``frags`` are final for this step (called as buckets complete)."""

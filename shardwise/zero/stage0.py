@@ -23,12 +23,14 @@ from shardwise.precision import PrecisionPolicy, apply_coefficient_, grad_sq_sum
 from shardwise.zero import registry
 from shardwise.zero.buckets import Bucket, BucketReducer, FlatGradients
 from shardwise.zero.flat import FlatGroup, group_by_dtype
+from shardwise.zero.layout import ParamLayout
 from shardwise.zero.strategy import ReduceSettings, ZeroStrategy
 
 
 class DataParallelStrategy(ZeroStrategy):
     stage = 0
     replicated = True  # every rank holds the whole optimizer state: rank 0 alone saves it
+    norm_is_local = True  # every data rank holds the whole reduced gradients
 
     def __init__(
         self,
@@ -38,19 +40,28 @@ class DataParallelStrategy(ZeroStrategy):
         precision: PrecisionPolicy,
         dp_group=None,
         reduce: ReduceSettings = ReduceSettings(),
+        layout: ParamLayout | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.precision = precision
         self.dp_group = dp_group
         self.dp_world_size = comm.get_world_size(dp_group)
         self.reduce = reduce
+        self.layout = layout or ParamLayout(dp_group)
+        named_params = self.layout.named(named_params)
         registry.register(self, named_params)
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
-        # Reverse order: the last layers' gradients are ready first.
-        self.groups: list[FlatGroup] = group_by_dtype(list(reversed(trainable)),
-                                                      bucket_elements=reduce.bucket_elements)
+        # One set of buffers per reduce domain (the data group; MoE experts: their expert-data group), each
+        # in reverse order: the last layers' gradients are ready first.
+        self.groups: list[FlatGroup] = []
+        for domain, params in self.layout.domains(trainable):
+            self.groups += group_by_dtype(list(reversed(params)), bucket_elements=reduce.bucket_elements,
+                                          domain=domain)
+        # (replicated: an expert domain's sum of squares is summed over the ranks holding the other experts)
+        self._norm_groups = [(i, g.domain.norm_group) for i, g in enumerate(self.groups)
+                             if g.domain is not None and g.domain.norm_world > 1]
         for g in self.groups:
             g.flatten_params_()
         self._build_masters()  # before any cast, so the masters keep full fp32 values
@@ -92,7 +103,7 @@ class DataParallelStrategy(ZeroStrategy):
         return self.gradients.buffers
 
     def prepare_backward(self, *, boundary: bool, no_sync: bool = False) -> None:
-        self.reducer.begin(active=boundary and not no_sync and self.reduce_gradients and self.dp_world_size > 1)
+        self.reducer.begin(active=boundary and not no_sync and self.reduce_gradients and self.reducer.needed)
         self.gradients.attach()
 
     def finish_backward(self) -> None:
@@ -134,11 +145,22 @@ class DataParallelStrategy(ZeroStrategy):
                     p.grad = None
 
     def local_grad_norm_sq(self, *, counted=None) -> torch.Tensor:
-        # Every rank holds the whole (already all-reduced) gradients: every element is reported.
-        if counted is None:
-            return grad_sq_sum(self.grad_buffers)
-        return grad_sq_sum([v for g, views in zip(self.groups, self.gradients.views)
-                            for name, v in zip(g.names, views) if counted(name)])
+        # Every rank holds the whole (already all-reduced) gradients: every element is reported; an expert
+        # domain's other experts are on the other ranks of its expert-parallel group: their sums are added.
+        spread = dict(self._norm_groups)
+
+        def tensors(keep) -> list[torch.Tensor]:
+            if counted is None:
+                return [b for gi, b in enumerate(self.grad_buffers) if keep(gi)]
+            return [v for gi, (g, views) in enumerate(zip(self.groups, self.gradients.views)) if keep(gi)
+                    for name, v in zip(g.names, views) if counted(name)]
+
+        total = grad_sq_sum(tensors(lambda gi: gi not in spread))
+        for gi, group in self._norm_groups:
+            sq = grad_sq_sum(tensors(lambda i: i == gi)).to(total.device, torch.float32)
+            comm.all_reduce(sq, group=group)
+            total = total + sq
+        return total
 
     def apply_step(self, *, coef: float, coef_fixed: bool = False) -> None:
         grads = self._step_grads()

@@ -16,8 +16,6 @@ After the optimizer step, updated chunks are all-gathered in place.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from shardwise import comm
@@ -25,7 +23,8 @@ from shardwise.precision import PrecisionPolicy
 from shardwise.zero import registry
 from shardwise.zero.buckets import Bucket, BucketReducer, FlatGradients, PooledBucketGradients
 from shardwise.zero.flat import FlatGroup, group_by_dtype
-from shardwise.zero.partitioned_step import Fragment, PartitionedOptimizer, offload_device
+from shardwise.zero.layout import ParamLayout
+from shardwise.zero.partitioned_step import FlatSource, Fragment, PartitionedOptimizer, offload_device
 from shardwise.zero.strategy import ReduceSettings, ZeroStrategy
 
 
@@ -33,6 +32,7 @@ class PartitionedStrategy(ZeroStrategy):
     """Stages 1-2; subclasses choose the gradient store (``_gradient_store``)."""
 
     replicated = False
+    norm_is_local = False  # each data rank holds a disjoint share of the norm
 
     def __init__(
         self,
@@ -48,6 +48,7 @@ class PartitionedStrategy(ZeroStrategy):
         sub_group_size: int = 1_000_000_000,
         aio=None,
         ignore_unused_parameters: bool = True,
+        layout: ParamLayout | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.reduce = reduce
@@ -57,18 +58,26 @@ class PartitionedStrategy(ZeroStrategy):
         self.world = self.dp_world_size = comm.get_world_size(dp_group)
         self.rank = comm.get_rank(dp_group)
         self.allgather_bucket_elements = allgather_bucket_elements
+        self.layout = layout or ParamLayout(dp_group)
+        named_params = self.layout.named(named_params)
         registry.register(self, named_params)
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
-        self.groups: list[FlatGroup] = group_by_dtype(list(reversed(trainable)), world_size=self.world,
-                                                      bucket_elements=self._bucket_elements(reduce, trainable))
-        self.chunks = [g.rank_chunks(self.rank) for g in self.groups]
+        # One set of buffers per reduce domain (the data group; MoE experts: their expert-data group), each
+        # padded for and partitioned over its own group.
+        self.groups: list[FlatGroup] = []
+        for domain, params in self.layout.domains(trainable):
+            if params:
+                self.groups += group_by_dtype(list(reversed(params)), world_size=domain.world, domain=domain,
+                                              bucket_elements=self._bucket_elements(reduce, params))
+        self.chunks = [g.rank_chunks(g.domain.rank) for g in self.groups]
         self.chunk_local = [_local_offsets(ch) for ch in self.chunks]
         for g in self.groups:
             g.flatten_params_()
+        source = FlatSource(self.groups)  # where the step finds gradients (given below) and weights
         self.partition = PartitionedOptimizer(  # fp32 masters from the fp32 weights, before the cast
-            optimizer, source=self, partition_of=self._partition_of, fragments=self._fragments(),
+            optimizer, source=source, partition_of=self._partition_of, fragments=self._fragments(),
             params_of={n: p for g in self.groups for n, p in zip(g.names, g.params)},
             laid_out={id(p) for g in self.groups for p in g.params},
             separate_master=precision.master_weights, offload=offload_optimizer,
@@ -77,20 +86,17 @@ class PartitionedStrategy(ZeroStrategy):
         for g in self.groups:
             if g.dtype != precision.param_dtype and g.dtype.is_floating_point:
                 g.cast_(precision.param_dtype)
-        self.gradients = self._gradient_store()
-        # The fragments whose gradients a bucket's reduction makes final (for the overlapped offload step).
-        self._bucket_frags: list[list[Fragment]] = []
-        for gi, g in enumerate(self.groups):
-            for (a, b) in self.chunks[gi]:
-                self._bucket_frags.append([f for f in self.fragments[gi] if a <= f.buffer_start < b])
+        self.gradients = source.gradients = self._gradient_store()
+        # The fragments whose gradients a bucket's reduction makes final (for the overlapped offload step):
+        # only an offloaded step overlaps backward, so only it hears of each reduced bucket.
+        self.partition.bucket_fragments = [[f for f in self.fragments[gi] if a <= f.buffer_start < b]
+                                           for gi in range(len(self.groups)) for (a, b) in self.chunks[gi]]
         self.reducer = BucketReducer(self.groups, self.gradients, reduce=reduce, dp_group=dp_group,
-                                     scatter=use_reduce_scatter, on_reduced=self._bucket_reduced)
+                                     scatter=use_reduce_scatter,
+                                     on_reduced=self.partition.bucket_reduced if self.partition.overlap_step else None)
 
     def _gradient_store(self):
         raise NotImplementedError
-
-    def _bucket_reduced(self, bucket: Bucket) -> None:
-        self.partition.grads_ready(self._bucket_frags[bucket.index])
 
     def _bucket_elements(self, reduce: ReduceSettings, trainable) -> int:
         return reduce.bucket_elements
@@ -111,20 +117,13 @@ class PartitionedStrategy(ZeroStrategy):
         g = self.groups[gi]
         return torch.cat([g.param_buffer[a:b] for a, b in self.chunks[gi]])
 
-    # -- what the partitioned step asks (FragmentSource) ---------------------------------------
     def owned_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced (still scaled) gradients."""
         return self.gradients.owned_grads()
 
-    def grad_of(self, f: Fragment) -> torch.Tensor:
-        return self.gradients.grad_of(f)
-
     def weight_of(self, f: Fragment) -> torch.Tensor:
-        return self.groups[f.group].param_buffer[f.buffer_start : f.buffer_start + f.numel]
-
-    def writable(self, group: int):
-        return contextlib.nullcontext()
-
-    overlap_safe = True  # weights are written in memory (each rank its own chunks, of finished buckets)
+        """Where the model's weights of fragment ``f`` live, 1-D."""
+        return self.partition.source.weight_of(f)
 
     # -- backward -------------------------------------------------------------------------
     @property
@@ -136,10 +135,10 @@ class PartitionedStrategy(ZeroStrategy):
             raise ValueError(f"zero_optimization.stage {self.stage} reduces gradients on every backward; "
                              "engine.no_sync() is not supported with it (use stage 0 or 1)")
         self.reducer.begin(active=self.gradients.reduce_every_backward
-                           or (boundary and not no_sync and self.world > 1 and self.reduce_gradients))
+                           or (boundary and not no_sync and self.reducer.needed and self.reduce_gradients))
         self.gradients.attach()
         if boundary and not no_sync:
-            self.partition.arm(self)
+            self.partition.arm()
 
     def finish_backward(self) -> None:
         self.reducer.finish()
@@ -150,7 +149,7 @@ class PartitionedStrategy(ZeroStrategy):
     def local_grad_norm_sq(self, *, counted=None) -> torch.Tensor:
         if not self.ignore_unused_parameters:
             self._check_all_used()
-        return self.partition.grad_norm_sq(self, counted=counted)
+        return self.partition.grad_norm_sq(counted=counted)
 
     def _check_all_used(self) -> None:
         """``ignore_unused_parameters: false``: at the step, every trainable parameter must have had a
@@ -169,18 +168,18 @@ class PartitionedStrategy(ZeroStrategy):
                 "ignore_unused_parameters: true (the default) to train with parameters that get no gradient")
 
     def apply_step(self, *, coef: float, coef_fixed: bool = False) -> None:
-        self.partition.apply_step(self, coef=coef, coef_fixed=coef_fixed)
+        self.partition.apply_step(coef=coef, coef_fixed=coef_fixed)
         self._all_gather_params()
 
     def _all_gather_params(self) -> None:
-        """All-gather every bucket in place: each rank contributes the chunks it just updated."""
-        if self.world == 1:
-            return
+        """All-gather every bucket in place over its domain: each rank contributes the chunks it just updated."""
         pending, in_flight = [], 0
         for gi, g in enumerate(self.groups):
+            if g.domain.world == 1:
+                continue
             for (a, b), (bs, be) in zip(self.chunks[gi], g.buckets):
                 pending.append(comm.all_gather_into_tensor(g.param_buffer[bs:be], g.param_buffer[a:b],
-                                                           group=self.dp_group, async_op=True))
+                                                           group=g.domain.group, async_op=True))
                 in_flight += be - bs
                 if in_flight >= self.allgather_bucket_elements:
                     for w in pending:

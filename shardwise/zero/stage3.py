@@ -160,11 +160,12 @@ class Stage3Strategy(ZeroStrategy):
         reduce: ReduceSettings = ReduceSettings(),
         zero_config=None,
         aio=None,
-        partition_group=None,
+        layout=None,
     ) -> None:
-        """``partition_group(param)``, if given, is the group a parameter is sharded over (expert
-        parallelism: ``moe/parallel.py`` gives expert parameters their expert-data-parallel group);
-        ``dp_group`` otherwise."""
+        """``layout`` (``zero/layout.py``), if given, says which group each parameter is sharded and reduced
+        over (expert parallelism: experts over their expert-data-parallel group), ``dp_group`` otherwise."""
+        if layout is not None:
+            self.layout = layout
         self.optimizer = optimizer
         self.precision = precision
         self.dp_group = dp_group
@@ -175,7 +176,7 @@ class Stage3Strategy(ZeroStrategy):
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
         zc = zero_config
         names = {id(p): n for n, p in named_params}
-        group_of = partition_group or (lambda p: dp_group)
+        group_of = layout.partition_group if layout is not None else (lambda p: dp_group)
         for p in module.parameters():
             if not is_partitioned(p):  # (the engine broadcast rank 0's values already)
                 shard_param_(p, group=group_of(p), broadcast=False)
@@ -215,6 +216,8 @@ class Stage3Strategy(ZeroStrategy):
         self.reducer = BucketReducer([self.gradients.layout], self.gradients, reduce=reduce, dp_group=dp_group,
                                      scatter=True, on_reduced=self._unit_reduced, before_launch=self._before_reduce,
                                      bucket_groups=[u.group for u in self.gradients.layout.unit_of_bucket],
+                                     bucket_scales=[self.layout.grad_scale(u.params[0])
+                                                    for u in self.gradients.layout.unit_of_bucket],
                                      reduce_scatter=self.zeropp.reducer if self.zeropp is not None else None)
         self.coordinator = ParamCoordinator(
             self.units, module_units, check_group=dp_group,
@@ -334,7 +337,7 @@ class Stage3Strategy(ZeroStrategy):
                         f.tensor.data.copy_(u.shard[f.local : f.local + f.numel])
 
     # -- whole-model views ----------------------------------------------------------------
-    def module_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def gather_module_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """A full state dict (parameters gathered one at a time, copied to CPU). Collective."""
         out = {}
         sharded = {id(p) for u in self.units for p in u.params}
@@ -347,7 +350,7 @@ class Stage3Strategy(ZeroStrategy):
                 out[name] = t.detach().cpu().clone()
         return out
 
-    def load_module_state_dict(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    def scatter_module_state(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         sharded = {name: p for name, p in module.named_parameters() if is_partitioned(p)}
         with torch.no_grad():
             for name, p in sharded.items():

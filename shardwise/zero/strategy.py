@@ -9,18 +9,22 @@ ranks holding other pieces, the overflow check and the coefficient (``shardwise.
 implementations of this class; the engine does not branch on stage.
 
 A strategy reduces over the data-parallel process group it is given (``dp_group``;
-``None`` is the whole world), so a data x pipe x tensor grid hands it the data axis.
+``None`` is the whole world), so a data x pipe x tensor grid hands it the data axis. Its ``layout``
+(``zero/layout.py``) may put some parameters in other reduce domains: MoE experts reduce and are
+partitioned over their expert-data-parallel group, and checkpoints name them by global index.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from shardwise import comm
 from shardwise.precision import StepResult  # noqa: F401 (re-exported)
+from shardwise.zero.layout import ParamLayout
 
 __all__ = ["ReduceSettings", "StepResult", "ZeroStrategy"]
 
@@ -43,8 +47,38 @@ class ZeroStrategy(abc.ABC):
     replicated: bool  # True when every rank holds the whole optimizer state (stage 0)
     shards_gradients = False  # True when a rank keeps only its share of the reduced gradients (stages 2-3)
     shards_parameters = False  # True when a rank keeps only its share of the weights (stage 3)
-    gathers_module_state = False  # True when ``module_state_dict`` is collective (stage 3)
     _reduce_gradients = True
+    layout: ParamLayout = ParamLayout()  # the reduce domains and saved names (a model with experts: its own)
+
+    @property
+    def gathers_module_state(self) -> bool:
+        """True when ``module_state_dict`` is collective (stage 3; experts gathered over their groups)."""
+        return self.layout.has_experts
+
+    @property
+    def saved_names(self) -> dict[str, str]:
+        """``{module name: name in fragments and checkpoints}`` where they differ (experts: global index)."""
+        return self.layout.saved_names
+
+    @property
+    def held_elsewhere(self) -> frozenset[str]:
+        """Names of a whole-model state dict this rank does not hold (other expert-parallel ranks' experts)."""
+        return self.layout.held_elsewhere
+
+    @property
+    def saved_here(self):
+        """None, or (with experts) ``saved_here(name)``: whether this rank writes ``name``'s fragments (a
+        replicated stage: the first rank of the parameter's reduce domain)."""
+        return self._saved_here if self.layout.has_experts else None
+
+    def _saved_here(self, name: str) -> bool:
+        if not self.replicated:
+            return True
+        return self._domain_rank.get(name, comm.get_rank(self.dp_group)) == 0
+
+    @functools.cached_property
+    def _domain_rank(self) -> dict[str, int]:
+        return {n: g.domain.rank for g in getattr(self, "groups", []) if g.domain is not None for n in g.names}
 
     @property
     def reduce_gradients(self) -> bool:
@@ -107,10 +141,18 @@ class ZeroStrategy(abc.ABC):
     def zero_grad(self) -> None: ...
 
     def module_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The module's full state dict (stage 3 gathers it; collective there)."""
-        return module.state_dict()
+        """The whole model's state dict (collective when ``gathers_module_state``)."""
+        return self.layout.whole_state(module, self.gather_module_state(module))
 
     def load_module_state_dict(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load a whole-model state dict (experts by global index: this rank's are taken)."""
+        self.scatter_module_state(module, self.layout.local_state(state))
+
+    def gather_module_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's module's full state dict (stage 3 gathers it; collective there)."""
+        return module.state_dict()
+
+    def scatter_module_state(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         module.load_state_dict(state, strict=False)
 
     def master_named_params(self) -> dict[str, torch.Tensor]:
