@@ -14,7 +14,7 @@ import torch
 from distributed import run_distributed
 from shardwise.comm import quantize as q
 
-STEPS = int(os.environ.get("ZEROPP_TEST_STEPS", 200))
+STEPS = int(os.environ.get("ZEROPP_TEST_STEPS", 60))  # (ZEROPP_TEST_STEPS=200: the length; see docs/zero.md)
 NODE = 2  # ranks per node
 PLAIN = {}
 ALL_OFF = {"zero_quantized_weights": False, "zero_hpz_partition_size": 1, "zero_quantized_gradients": False}
