@@ -290,7 +290,7 @@ def zero_layout(named_params, *, stage: int, n: int, rank: int, precision, zc, s
 
     With expert parallelism (``ep`` > 1) the expert parameters are partitioned over their expert-data
     group (``n / ep`` ranks; data rank ``d`` is its ``d // ep``-th, the grid's expert layout, ``topology.py``): at
-    stages 1-2 a strategy of their own (``moe/parallel.py``'s split), at stage 3 their own chunks."""
+    stages 1-2 flat buffers of their own (their reduce domain, ``moe/layout.py``), at stage 3 their own chunks."""
     experts = [(nm, p) for nm, p in named_params if _is_expert(p)] if ep > 1 else []
     if experts and stage in (1, 2):
         dense = [(nm, p) for nm, p in named_params if not _is_expert(p)]
