@@ -61,7 +61,10 @@ class FaultToleranceConfig(ConfigModel):
             raise PydanticCustomError(
                 "shardwise_missing_extra",
                 "enabled is true but torchft is not installed: pip install shardwise[ft]")
-        given = self.model_fields_set
+        # (keys set to a value other than their default: the effective config, written out by to_dict() with
+        # every default, loads again)
+        fields = type(self).model_fields
+        given = {k for k in self.model_fields_set if getattr(self, k) != fields[k].default}
         if self.algorithm == "ddp" and "sync_every" in given:
             raise PydanticCustomError(
                 "shardwise_conflict", "sync_every is for algorithm \"local_sgd\" or \"diloco\"; algorithm "
