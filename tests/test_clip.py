@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+
 from shardwise.runtime.train_step import norm_scope
+from shardwise.zero.layout import ParamLayout
 
 
 class _Grid:
@@ -34,6 +36,8 @@ class _Grid:
 
 
 class _Strategy:
+    layout = ParamLayout()  # (the strategies' reduce domains: no experts)
+
     def __init__(self, norm_is_local):
         self.norm_is_local = norm_is_local
         self.dp_group = "dp-group"
