@@ -184,6 +184,10 @@ class BucketReducer:
         self.seen.add((gi, i))
         if self.active:
             if (gi, i) in self._arrived:
+                for b in self._in_flight:  # (every rank launched the same buckets: finish them, so no
+                    if b.work is not None:  # collective of this pass is left open when the error unwinds)
+                        b.work.wait()
+                        b.work = None
                 raise RuntimeError(self._second_gradient_message(gi, i))
             self._arrived.add((gi, i))
         if bucket.data is None:
