@@ -123,6 +123,20 @@ def worker(args) -> None:
         print("RESULT " + json.dumps(summary), flush=True)
 
 
+
+def run_two_ranks(script: str, tree: str, *extra: str, label: str = "worker") -> str:
+    """Run ``script --worker *extra`` as a two-rank ``torchrun`` job with ``tree`` first on ``PYTHONPATH``;
+    the text after ``RESULT `` on its output (exits naming ``label`` with the job's output if there is none)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.abspath(script), "--worker", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.path.abspath(tree) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"{label} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return line[len("RESULT "):]
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -134,15 +148,7 @@ def main() -> None:
         return
     walks = (("zero2", "one ZeRO-2 gradient (backward + step)"), ("pipe", "one pipeline micro-batch"))
     for what, title in [w for w in walks if args.what in (None, w[0])]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               os.path.abspath(__file__), "--worker", "--what", what]
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.path.abspath(args.tree) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            sys.exit(f"{what} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-        result = json.loads(line[len("RESULT "):])
+        result = json.loads(run_two_ranks(__file__, args.tree, "--what", what, label=what))
         print(f"## {title}")
         for name, r in result.items():
             print(f"{name}: {len(r['files'])} files, {r['crossings']} crossings ({r['distinct crossings']} distinct), "

@@ -16,8 +16,6 @@ import cProfile
 import json
 import os
 import pstats
-import subprocess
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("zero1", "zero2", "moe0", "moe1", "moe2")
@@ -82,15 +80,9 @@ def main() -> None:
     if args.worker:
         worker()
         return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.abspath(__file__), "--worker"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.path.abspath(args.tree) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        sys.exit(f"failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
-    print(line[len("RESULT "):])
+    from engine_walk import run_two_ranks
+
+    print(run_two_ranks(__file__, args.tree))
 
 
 if __name__ == "__main__":
