@@ -150,7 +150,8 @@ def run_job(a, mode: str, kills: int, root: Path) -> dict:
     # missed counts for the groups that took part in it
     work = sum(r["participants"] for r in done.values()) if mode == "ft" else committed * a.replicas
     discarded = sum(not r["committed"] for r in rows)
-    return {"wall": wall, "committed": committed, "discarded": discarded, "work": work,
+    rerun = sum(r["committed"] for r in rows) - committed  # steps trained again after a restart
+    return {"wall": wall, "committed": committed, "discarded": discarded, "rerun": rerun, "work": work,
             "group_steps_missed": committed * a.replicas - work, "span": rows[-1]["t"] - rows[0]["t"] if rows else 0.0}
 
 
@@ -181,8 +182,9 @@ def main() -> None:
         print(f"{a.kills} kill(s) during {a.steps} steps; {a.replicas} replica group(s) x {a.procs} process(es), "
               f"ZeRO-{a.stage}, MLP width {a.width}; checkpoint every {a.ckpt_every} steps for --max_restarts",
               flush=True)
-        print("| job | wall s | committed steps | discarded steps | group-steps missed | lost per failure s |")
-        print("|---|---|---|---|---|---|", flush=True)
+        print("| job | wall s | committed steps | discarded steps | steps run again | group-steps missed | "
+              "lost per failure s |")
+        print("|---|---|---|---|---|---|---|", flush=True)
         lost = {}
         for mode in ("ft", "restart"):
             free = run_job(a, mode, 0, root)
@@ -193,7 +195,7 @@ def main() -> None:
             name = "fault tolerance (torchft)" if mode == "ft" else "--max_restarts + checkpoint"
             for label, r, l in ((f"{name}, no failure", free, "-"),
                                 (f"{name}, {a.kills} kill(s)", hit, f"{lost[mode]:.2f}")):
-                print(f"| {label} | {r['wall']:.1f} | {r['committed']} | {r['discarded']} | "
+                print(f"| {label} | {r['wall']:.1f} | {r['committed']} | {r['discarded']} | {r['rerun']} | "
                       f"{r['group_steps_missed']} | {l} |", flush=True)
         ratio = (f"{lost['restart'] / lost['ft']:.1f}x" if lost["ft"] > 0 else
                  "fault tolerance lost no time beyond the work it did, so no ratio")
