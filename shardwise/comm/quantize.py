@@ -20,9 +20,13 @@ elements. Where ``n`` has no such layout (DeepSpeed asserts) the shard is padded
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 TARGET_GROUP_SIZE = 8000  # DeepSpeed's CUDAQuantizer.target_group_size
 FALLBACK_BLOCK = 4096  # elements per block where DeepSpeed's layout has none for a size
@@ -67,6 +71,66 @@ def packed_numel(numel: int, bits: int) -> int:
     return numel // 2 if bits == 4 else numel
 
 
+def _quantize_blocks(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``blocks`` [n_blocks, block] (any float dtype) -> (uint8 values, fp32 scales). One pass when compiled."""
+    blocks = blocks.float()
+    scales = blocks.abs().amax(dim=1, keepdim=True) * (2.0 / (1 << bits))
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    q = torch.round(blocks * inv).clamp(-(1 << (bits - 1)), (1 << (bits - 1)) - 1).to(torch.int8)
+    if bits == 4:  # element 2i in the low nibble, 2i + 1 in the high one (int8 shifts wrap: same bits)
+        q = q.view(q.shape[0], -1, 2)
+        q = (q[..., 0] & 0xF) | (q[..., 1] << 4)
+    return q.view(torch.uint8).reshape(-1), scales.reshape(-1)
+
+
+_NIBBLE_SHIFT = torch.tensor([4, 0], dtype=torch.int8)  # (v << 4) >> 4: the low nibble, v >> 4: the high one
+
+
+def _dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp32 [n_blocks, block] of what ``_quantize_blocks`` encoded."""
+    v = values.view(torch.int8).view(scales.shape[0], -1)
+    if bits == 4:  # arithmetic shifts of int8 sign-extend each nibble
+        v = ((v.unsqueeze(-1) << _NIBBLE_SHIFT.to(v.device)) >> 4).view(scales.shape[0], -1)
+    return v.float() * scales[:, None]
+
+
+def _dequantize_sum(values: torch.Tensor, scales: torch.Tensor, bits: int, parts: int) -> torch.Tensor:
+    """The sum over ``parts`` equal consecutive pieces of the dequantized tensor (fp32, flat)."""
+    return _dequantize_blocks(values, scales, bits).view(parts, -1).sum(dim=0)
+
+
+class _Kernels:
+    """The quantizer's functions, compiled with ``torch.compile`` on first use of each size where that works
+    (each is then one pass over memory instead of several), else the same functions run eagerly. Compiled and
+    eager give the same bits (tests/test_zeropp.py). ``SHARDWISE_ZEROPP_COMPILE=0`` keeps them eager (no
+    compile time, e.g. for short runs or where no C++ compiler / Triton is installed)."""
+
+    def __init__(self) -> None:
+        self.compiled: dict[str, object] = {}
+        self.failed: str | None = None
+
+    def enabled(self) -> bool:
+        return self.failed is None and os.environ.get("SHARDWISE_ZEROPP_COMPILE", "1") not in ("0", "false", "False")
+
+    def __call__(self, name: str, fn, *args):
+        if not self.enabled() or torch.compiler.is_compiling():
+            return fn(*args)
+        compiled = self.compiled.get(name)
+        if compiled is None:
+            # static shapes: each distinct size compiles once (a model's repeated layers share sizes); with
+            # symbolic sizes the compiled index arithmetic made dequantizing slower than eager on CPU
+            compiled = self.compiled[name] = torch.compile(fn, dynamic=False)
+        try:
+            return compiled(*args)
+        except Exception as exc:  # no compiler on this machine, an unsupported device, ...: run eagerly
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            logger.warning("ZeRO++ quantizer: torch.compile failed (%s); running it eagerly", self.failed)
+            return fn(*args)
+
+
+kernels = _Kernels()
+
+
 def quantize(x: torch.Tensor, block: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, scales)`` of the flat tensor ``x`` (``x.numel() % block == 0``): ``values`` uint8 (int8 bit
     patterns, or two int4 per byte), ``scales`` fp32, one per block."""
@@ -76,33 +140,23 @@ def quantize(x: torch.Tensor, block: int, bits: int = 8) -> tuple[torch.Tensor, 
     if n % block or (bits == 4 and block % 2):
         raise ValueError(f"quantize: {n} elements do not cut into blocks of {block}"
                          + (" (int4 needs an even block)" if bits == 4 else ""))
-    blocks = x.detach().reshape(-1, block).float()
-    absmax = blocks.abs().amax(dim=1)
-    scales = absmax * (2.0 / (1 << bits))
-    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    q = torch.round(blocks * inv[:, None]).clamp_(lo, hi).to(torch.int8).reshape(-1)
-    if bits == 8:
-        return q.view(torch.uint8), scales
-    u = (q.to(torch.int16) & 0xF).to(torch.uint8).view(-1, 2)
-    return (u[:, 0] | (u[:, 1] << 4)).contiguous(), scales
+    return kernels(f"quantize{bits}", _quantize_blocks, x.detach().reshape(-1, block), bits)
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, block: int, bits: int = 8, *,
                dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """The flat tensor ``quantize`` encoded (in ``dtype``, or written into ``out``)."""
-    if bits == 8:
-        q = values.view(torch.int8).float()
-    else:
-        lo = (values & 0xF).to(torch.int16)
-        hi = (values >> 4).to(torch.int16)
-        q = torch.stack((lo, hi), dim=1).reshape(-1)
-        q = torch.where(q >= 8, q - 16, q).float()
-    x = (q.view(-1, block) * scales[:, None]).reshape(-1)
+    x = kernels(f"dequantize{bits}", _dequantize_blocks, values, scales, bits).reshape(-1)
     if out is not None:
         out.copy_(x)
         return out
     return x.to(dtype)
+
+
+def dequantize_sum(values: torch.Tensor, scales: torch.Tensor, block: int, bits: int, parts: int) -> torch.Tensor:
+    """``dequantize(values, scales, block, bits).view(parts, -1).sum(0)`` in one pass (fp32, flat): the
+    reduction of what ``parts`` peers sent."""
+    return kernels(f"dequantize_sum{bits}", _dequantize_sum, values, scales, bits, parts)
 
 
 def error_bound(x: torch.Tensor, block: int, bits: int = 8) -> torch.Tensor:

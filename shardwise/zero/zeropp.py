@@ -243,16 +243,15 @@ class HierarchicalReduceScatter:
         if self.L > 1:
             values, scales = _send_quantized(send.reshape(-1), block, errs[0] if errs else None, beta)
             values, scales = _all_to_all(values, scales, nodes.group)
-            got = q.dequantize(values, scales, block, GRAD_BITS).view(self.L, self.M, Sp)
-            partial = got.sum(dim=0)  # [M, Sp]: this node's sum for the destinations at place l
+            # [M, Sp]: this node's sum for the destinations at place l
+            partial = q.dequantize_sum(values, scales, block, GRAD_BITS, self.L).view(self.M, Sp)
         else:
             partial = send[0]
         # Stage 2, across nodes: to node m' its destination's partial row.
         if self.M > 1:
             values, scales = _send_quantized(partial.reshape(-1), block, errs[1] if errs else None, beta)
             values, scales = _all_to_all(values, scales, nodes.cross_group)
-            got = q.dequantize(values, scales, block, GRAD_BITS).view(self.M, Sp)
-            mine = got.sum(dim=0)
+            mine = q.dequantize_sum(values, scales, block, GRAD_BITS, self.M)
         else:
             mine = partial[0]
         out.copy_(mine[:S])
