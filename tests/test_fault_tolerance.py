@@ -310,7 +310,8 @@ def test_local_sgd_and_diloco_on_two_replica_groups(tmp_path):
     """2 replica groups x 1 process, plain SGD, every step's weights and gradients recorded. LocalSGD with
     sync_every=1 is the ddp path's step: averaging the weights each group stepped = stepping the averaged
     gradient. DiLoCo with sync_every=2 steps alone in between and, at each synchronisation, applies the
-    outer Nesterov step to the averaged pseudo-gradient exactly as computed here from the inner steps."""
+    outer Nesterov step to the averaged pseudo-gradient exactly as computed here from the inner steps.
+    Beside them, 2 groups x 2 processes at ZeRO-3: LocalSGD every step on the shards ends where ddp does."""
     import torch
 
     lr, steps = 0.05, 4
@@ -318,8 +319,22 @@ def test_local_sgd_and_diloco_on_two_replica_groups(tmp_path):
     outs = {name: tmp_path / name for name in runs}
     jobs = {name: _start(outs[name], steps, "--sgd", str(lr), "--algorithm", name, "--trace", *extra, restarts=0)
             for name, extra in runs.items()}
+    # ZeRO-3 inside groups of 2 processes: LocalSGD every step, on this rank's shards, = the ddp path
+    z3 = {name: tmp_path / f"{name}_zero3" for name in ("ddp", "local_sgd")}
+    z3_jobs = {name: _start(out, steps, "--sgd", str(lr), "--algorithm", name, "--stage", "3",
+                            *(["--sync_every", "1"] if name == "local_sgd" else []), procs=2, restarts=0)
+               for name, out in z3.items()}
     for name, job in jobs.items():
         _ok(job, outs[name])
+    for name, job in z3_jobs.items():
+        _ok(job, z3[name])
+    z3_final = {}
+    for name, out in z3.items():
+        r = _records(out)
+        every = [r[g, k, 0]["params"] for g in (0, 1) for k in (0, 1)]
+        assert all(p == every[0] for p in every), f"{name} at ZeRO-3: the ranks' weights differ"
+        z3_final[name] = torch.tensor([v for values in every[0].values() for v in values])
+    torch.testing.assert_close(z3_final["local_sgd"], z3_final["ddp"], rtol=0, atol=1e-6)
     recs = {name: _records(out) for name, out in outs.items()}
     traces = {}
     for name, r in recs.items():
@@ -331,6 +346,7 @@ def test_local_sgd_and_diloco_on_two_replica_groups(tmp_path):
 
     T = torch.tensor
     t0, t1 = traces["local_sgd"]
+    assert (z3_final["ddp"] - T(t0[0]["before"])).abs().max() > 1e-3  # (the ZeRO-3 jobs trained)
     for s in range(steps):  # the ddp path's update, from the same weights and the two groups' gradients
         assert t0[s]["before"] == t1[s]["before"] and t0[s]["after"] == t1[s]["after"]
         ddp = T(t0[s]["before"]) - lr * (T(t0[s]["grad"]) + T(t1[s]["grad"])) / 2
