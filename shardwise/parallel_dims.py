@@ -10,6 +10,7 @@ the table (``combination_table()``); a test keeps the two equal.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from typing import Callable
 
 AXES = ("data", "pipe", "tensor", "sequence", "expert")
@@ -38,6 +39,11 @@ class ParallelDims:
     sequence_parallel_params: bool = False  # parameters marked sequence_parallel=True (Megatron sequence parallelism)
     curriculum_sampling: bool = False  # data_efficiency.data_sampling.curriculum_learning
     hpz_partition: int = 1  # ZeRO++ hpZ: zero_optimization.zero_hpz_partition_size at stage 3
+    # ZeRO++ nodes: ranks per node (a rank's node is rank // node_size) where a ZeRO++ part that needs node
+    # boundaries is on (hpZ, qgZ): zero_hpz_partition_size when above 1, else the launcher's ranks per node.
+    # A sub-axis of data like expert (it adds no ranks); the grid cuts the node and inter-node groups from it.
+    # 0: no node groups.
+    node_size: int = 0
 
     @property
     def world_size(self) -> int:
@@ -63,6 +69,8 @@ class ParallelDims:
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"the {axis}-parallel size must be an integer >= 1, got {size!r}")
+        if not isinstance(self.node_size, int) or self.node_size < 0:
+            raise ValueError(f"the ZeRO++ node size (ranks per node) must be an integer >= 0, got {self.node_size!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         for rule in RULES:
@@ -76,6 +84,25 @@ class ParallelDims:
     def describe(self) -> str:
         sizes = " x ".join(f"{a} {getattr(self, a)}" for a in AXES if getattr(self, a) > 1) or "one rank"
         return f"{sizes}, ZeRO stage {self.zero_stage}"
+
+
+@lru_cache(maxsize=64)
+def data_ranks_per_node(d: ParallelDims) -> int | None:
+    """How many of each data-parallel group's ranks (data x sequence, what ZeRO partitions over) every node
+    holds, nodes being ``d.node_size`` consecutive ranks of ``ProcessTopology.from_dims(d)``'s layout; None
+    when some node holds more of a group than another (or ``d.node_size`` is 0)."""
+    if d.node_size < 1:
+        return None
+    from shardwise.rank_layout import ProcessTopology, node_rank_lists, zero_data_ranks
+
+    counts = set()
+    for ranks in zero_data_ranks(ProcessTopology.from_dims(d)):
+        try:
+            local, _ = node_rank_lists(ranks, d.node_size)
+        except ValueError:
+            return None
+        counts.add(len(local[0]))
+    return counts.pop() if len(counts) == 1 else None
 
 
 def expert_divides(ep: int, routing_ranks: int) -> bool:
@@ -160,6 +187,19 @@ RULES: tuple[Rule, ...] = (
          "hpZ keeps a second copy of each ZeRO-3 parameter partitioned over groups of that many ranks (one "
          "node's); the ranks ZeRO-3 partitions over must split into whole groups: use the ranks per node, a "
          "divisor of them, or 1", name="zero_hpz"),
+    Rule("ZeRO++ nodes of {node_size} ranks (zero_hpz_partition_size, else the launcher's ranks per node) with "
+         "{data} data-parallel x {sequence} sequence-parallel x {tensor} tensor-parallel x {pipe} pipeline ranks",
+         "ZeRO++ (hpZ, qgZ) with nodes holding unequal shares of a data-parallel group",
+         lambda d: d.node_size > 0 and data_ranks_per_node(d) is None,
+         "ZeRO++'s node groups are the data-parallel ranks on one node (a rank's node is rank // ranks per node): "
+         "every node must hold as many of each data-parallel group's ranks as every other", name="zero_nodes"),
+    Rule("zero_optimization.zero_hpz_partition_size {hpz_partition} with {tensor} tensor-parallel x {pipe} "
+         "pipeline ranks", "zero_hpz_partition_size with nodes holding other ranks than one data-parallel group's",
+         lambda d: d.hpz_partition > 1 and d.node_size > 0 and data_ranks_per_node(d) not in (None, d.hpz_partition),
+         "hpZ's node is zero_hpz_partition_size consecutive ranks, and its secondary partition is over the data-"
+         "parallel ranks on it: they must be all of them (tensor-parallel peers are neighbours, so a node of that "
+         "many ranks holds several data-parallel groups' ranks); use zero_hpz_partition_size 1 with tensor "
+         "parallelism", name="zero_hpz_node"),
     Rule("zero_optimization.offload_optimizer with zero_optimization.stage 0",
          "optimizer offload with ZeRO stage 0", lambda d: d.offload_optimizer and d.zero_stage == 0,
          "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer on every rank)"),

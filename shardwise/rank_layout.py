@@ -3,8 +3,8 @@
 ``ProcessTopology`` lays ranks out by reshaping ``arange(world_size)`` over named axes with the last axis
 varying fastest (``pipe, data, model`` by default, as DeepSpeed's ``PipeModelDataParallelTopology``), so
 tensor-parallel peers are neighbours. The expert layout (``stage_expert_ranks``, ``split_data_ranks``) says
-which ranks share an expert. The grid (``shardwise.topology.ParallelGrid``) creates the groups of these rank
-lists.
+which ranks share an expert; the node layout (``zero_data_ranks``, ``node_rank_lists``) which data-parallel ranks
+share a node (ZeRO++). The grid (``shardwise.topology.ParallelGrid``) creates the groups of these rank lists.
 """
 
 from __future__ import annotations
@@ -193,3 +193,34 @@ def expert_rank_lists(world_size: int, tensor: int, ep: int, pipe: int = 1, data
         edp_all += edp_lists
     return ep_all, edp_all
 
+
+
+def zero_data_ranks(topology: ProcessTopology) -> list[list[int]]:
+    """Every data-parallel group's ranks: the data x sequence ranks of each other coordinate (pipe, model), what
+    ZeRO partitions and reduces over (rank arithmetic only)."""
+    axes = [a for a in ("data", "sequence") if a in topology.axes]
+    others = [a for a in topology.axes if a not in axes]
+    return [sorted(topology.get_rank(**dict(zip(others, fixed)), **dict(zip(axes, free)))
+                   for free in product(*[range(topology.get_dim(a)) for a in axes]))
+            for fixed in product(*[range(topology.get_dim(a)) for a in others])]
+
+
+def node_rank_lists(data_ranks, node_size: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """``(local, cross)``: one data-parallel group's ranks cut by node, a rank's node being
+    ``rank // node_size``. ``local``: the group's ranks on each node, node by node (hpZ's secondary partition,
+    qgZ's exchange inside a node); ``cross``: the ranks holding the same place on every node (the k-th data rank
+    of each node: qgZ's exchange across nodes). ``ValueError`` when the nodes hold different numbers of the
+    group's ranks."""
+    node_size = int(node_size)
+    if node_size < 1:
+        raise ValueError(f"node size must be >= 1, got {node_size}")
+    by_node: dict[int, list[int]] = {}
+    for r in sorted(int(r) for r in data_ranks):
+        by_node.setdefault(r // node_size, []).append(r)
+    counts = {n: len(v) for n, v in sorted(by_node.items())}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"data-parallel ranks {sorted(data_ranks)} are spread unevenly over nodes of {node_size} "
+                         f"ranks ({counts} per node): ZeRO++ needs the same number of data ranks on every node")
+    local = [tuple(v) for _, v in sorted(by_node.items())]
+    cross = [tuple(node[i] for node in local) for i in range(len(local[0]))]
+    return local, cross

@@ -6,8 +6,9 @@ axis's size, once the plan knows every size (``shardwise/runtime/plan.py``). Its
 ``ProcessTopology`` (``shardwise/rank_layout.py``: rank arithmetic only). It hands its groups out by name:
 ``grid.group(axis)``, ``grid.size(axis)``, ``grid.axis_rank(axis)`` for ``data``, ``pipe``, ``model``
 (tensor), ``sequence``, ``sequence_data``, ``model_parallel`` (pipe x tensor, DeepSpeed's
-``get_model_parallel_*``), ``expert`` and ``expert_data``; ``grid.tied_group(stages)`` for layers tied across
-pipeline stages. The groups the project uses are created here (and in ``shardwise.comm``), nowhere else: a
+``get_model_parallel_*``), ``expert`` and ``expert_data``, ``node`` and ``inter_node`` (ZeRO++: each data-parallel
+group cut by node, ``ParallelDims.node_size``); ``grid.tied_group(stages)`` for layers tied across pipeline
+stages. The groups the project uses are created here (and in ``shardwise.comm``), nowhere else: a
 test walks the sources.
 
 Every group is created collectively: every rank creates every group of an axis, in the same order (a
@@ -40,17 +41,19 @@ from shardwise.rank_layout import (  # noqa: F401 (the layout's names, where cal
     PipeModelDataParallelTopology,
     ProcessTopology,
     expert_rank_lists,
+    node_rank_lists,
     split_data_ranks,
     stage_expert_ranks,
+    zero_data_ranks,
 )
 
 _AXES = ("pipe", "data", "model", "sequence")  # the axes of the rank layout (each has a group per rank)
 _EXPERT_AXES = ("expert", "expert_data")  # cut from the data axis (``ParallelGrid.expert_groups``)
-# Groups the coming node-local (hpZ: ZeRO++'s secondary partition within a node) and replica
-# (fault tolerance) features add are built here too: a method on ParallelGrid that cuts them from
-# ``self.topology`` (collective, every rank the same order, cached on the grid like ``expert_groups``)
-# and a name in ``group()``/``size()``/``axis_rank()``; nothing outside this module creates a group.
 _NODE_AXES = ("node", "inter_node")  # cut from the data axis by node (``ParallelGrid.node_groups``)
+# A group a coming feature needs is built here too: cut from ``self.topology`` in ``ParallelGrid.__init__``
+# from a size in ``ParallelDims`` (collective, every rank the same order, each rank list once: ``_group``), and
+# a name in ``group()``/``size()``/``axis_rank()``; nothing outside this module (and ``shardwise.comm``) creates
+# a group. (Fault tolerance's replica axis is torchft's own process group, re-formed by its manager.)
 _SCOPES: list = []
 _DEFAULT: list = [None]
 _GROUPS: dict = {}  # every group created, by its ranks (this world's; forgotten with it)
@@ -67,10 +70,11 @@ def _group(ranks):
 
 @dataclass(frozen=True)
 class NodeGroups:
-    """The data-parallel ranks cut by node, as this rank sees them (ZeRO++'s hpZ and qgZ). A rank's node is
-    ``global_rank // node_size``. ``group``/``ranks``: the data ranks on this rank's node (hpZ's secondary
-    partition, qgZ's intra-node exchange); ``cross_group``/``cross_ranks``: the data ranks holding this
-    rank's place (k-th data rank of its node) on every node (qgZ's inter-node exchange)."""
+    """The data-parallel ranks cut by node, as this rank sees them (ZeRO++'s hpZ and qgZ; the grid's ``node``
+    and ``inter_node`` groups). A rank's node is ``global_rank // node_size``. ``group``/``ranks``: the data
+    ranks on this rank's node (hpZ's secondary partition, qgZ's intra-node exchange); ``cross_group``/
+    ``cross_ranks``: the data ranks holding this rank's place (k-th data rank of its node) on every node (qgZ's
+    inter-node exchange)."""
 
     node_size: int
     group: object
@@ -95,44 +99,28 @@ class NodeGroups:
         return self.cross_ranks.index(comm.get_rank())
 
 
-_NODE_GROUPS: dict = {}  # (node_size, data rank lists) -> NodeGroups; forgotten with the world
-comm.on_destroy(_NODE_GROUPS.clear)
-
-
-def node_groups(data_rank_lists: list[list[int]], node_size: int) -> NodeGroups:
-    """This rank's ``NodeGroups`` for nodes of ``node_size`` ranks, cut from every data-parallel group's
-    ranks (``data_rank_lists``: all of them, the same on every rank). Collective the first time (every rank
-    creates every group in the same order); cached after."""
-    node_size = int(node_size)
-    if node_size < 1:
-        raise ValueError(f"node size must be >= 1, got {node_size}")
-    lists = tuple(tuple(sorted(r)) for r in data_rank_lists)
-    key = (node_size, lists)
-    if key in _NODE_GROUPS:
-        return _NODE_GROUPS[key]
+def _cut_node_groups(data_rank_lists, node_size: int) -> NodeGroups:
+    """This rank's ``NodeGroups`` for nodes of ``node_size`` ranks, cut from every data-parallel group's ranks
+    (``data_rank_lists``: all of them, the same on every rank; ``rank_layout.node_rank_lists``). Collective: every
+    rank creates every group in the same order (each list of ranks once, ``_group``)."""
     me, mine = comm.get_rank(), {}
-    layouts = []
-    for ranks in lists:
-        by_node: dict[int, list[int]] = {}
-        for r in ranks:
-            by_node.setdefault(r // node_size, []).append(r)
-        per_node = {len(v) for v in by_node.values()}
-        if len(per_node) != 1:
-            raise ValueError(f"data-parallel ranks {list(ranks)} are spread unevenly over nodes of {node_size} "
-                             f"ranks ({ {n: len(v) for n, v in sorted(by_node.items())} } per node): ZeRO++ "
-                             "needs the same number of data ranks on every node")
-        local = [tuple(v) for _, v in sorted(by_node.items())]
-        cross = [tuple(node[i] for node in local) for i in range(len(local[0]))]
-        layouts.append((local, cross))
+    layouts = [node_rank_lists(ranks, node_size) for ranks in data_rank_lists]  # (uneven nodes: ValueError)
     for local, cross in layouts:  # every rank creates every group, in order
-        for kind, lists_ in (("local", local), ("cross", cross)):
-            for ranks in lists_:
-                group = comm.new_group(list(ranks))
+        for kind, lists in (("local", local), ("cross", cross)):
+            for ranks in lists:
+                group = _group(ranks)
                 if me in ranks:
-                    mine[kind] = (group, ranks)
-    made = NodeGroups(node_size, mine["local"][0], mine["local"][1], mine["cross"][0], mine["cross"][1])
-    _NODE_GROUPS[key] = made
-    return made
+                    mine[kind] = (group, tuple(ranks))
+    return NodeGroups(int(node_size), mine["local"][0], mine["local"][1], mine["cross"][0], mine["cross"][1])
+
+
+def world_node_groups(node_size: int) -> NodeGroups:
+    """The node groups of the whole world's data axis (every rank a data rank), for ZeRO++ used without a grid
+    (a ZeRO-3 strategy built outside ``initialize``). Collective the first time; cached with the world."""
+    key = int(node_size)
+    if key not in _WORLD_NODES:
+        _WORLD_NODES[key] = _cut_node_groups([list(range(comm.get_world_size()))], key)
+    return _WORLD_NODES[key]
 
 
 def active_grid():
@@ -184,6 +172,7 @@ def created_expert_groups() -> dict:
 
 
 _WORLD_EXPERTS: dict = {}  # expert groups cut with no grid active (forgotten with the world)
+_WORLD_NODES: dict = {}  # node groups cut with no grid (forgotten with the world)
 
 
 def _forget_grids() -> None:
@@ -194,6 +183,7 @@ def _forget_grids() -> None:
 def _forget_world() -> None:
     _GROUPS.clear()
     _WORLD_EXPERTS.clear()
+    _WORLD_NODES.clear()
 
 
 comm.on_destroy(_forget_world)
@@ -252,10 +242,12 @@ def _cut_expert_groups(stage_ranks: list[list[int]], ep: int, data_before_expert
 
 
 class ParallelGrid:
-    """The process groups of the current rank along each axis of a topology, and its expert axis (``expert``
-    ranks of every stage's data x sequence ranks share a layer's experts; 1: none)."""
+    """The process groups of the current rank along each axis of a topology, its expert axis (``expert``
+    ranks of every stage's data x sequence ranks share a layer's experts; 1: none) and its node axis
+    (``node_size`` consecutive ranks are a node; ZeRO++ cuts each data-parallel group by node; 0: none)."""
 
-    def __init__(self, topology: ProcessTopology, rank: int | None = None, *, expert: int = 1) -> None:
+    def __init__(self, topology: ProcessTopology, rank: int | None = None, *, expert: int = 1,
+                 node_size: int = 0) -> None:
         self.topology = topology
         self.rank = comm.get_rank() if rank is None else rank
         self._world = comm.get_world_group() if comm.is_initialized() else None
@@ -287,14 +279,19 @@ class ParallelGrid:
         self.expert_size = int(expert)
         if self.expert_size > 1:
             self.expert_groups(self.expert_size)  # the expert axis: a sub-axis of data (collective)
+        self.node_size = int(node_size)
+        self._nodes = None
+        if self.node_size > 0:  # the node axis: each data-parallel group cut by node (collective)
+            self._nodes = _cut_node_groups(self.data_rank_lists(), self.node_size)
 
     def _alive(self) -> bool:
         return comm.is_initialized() and self._world is comm.get_world_group()
 
     @classmethod
     def from_dims(cls, dims: ParallelDims, topology: ProcessTopology | None = None) -> "ParallelGrid":
-        """The grid of ``dims``'s sizes, expert axis included (collective: every rank builds every group), laid
-        out by ``topology`` (a ``PipelineModule``'s or a user's grid's) or else ``ProcessTopology.from_dims``."""
+        """The grid of ``dims``'s sizes, expert and node axes included (collective: every rank builds every
+        group), laid out by ``topology`` (a ``PipelineModule``'s or a user's grid's) or else
+        ``ProcessTopology.from_dims``."""
         if topology is None:
             topology = ProcessTopology.from_dims(dims)
         else:
@@ -302,7 +299,7 @@ class ParallelGrid:
             want = {"pipe": dims.pipe, "data": dims.data, "model": dims.tensor, "sequence": dims.sequence}
             if has != want:
                 raise ValueError(f"topology {dict(zip(topology.axes, topology.dims))} does not have the sizes {want}")
-        return cls(topology, expert=dims.expert)
+        return cls(topology, expert=dims.expert, node_size=dims.node_size)
 
     def _expert_rank_lists(self) -> list[list[int]]:
         return stage_expert_ranks(self.topology)
@@ -325,7 +322,7 @@ class ParallelGrid:
     @property
     def dims(self) -> ParallelDims:
         return ParallelDims(data=self.size("data"), pipe=self.size("pipe"), tensor=self.size("model"),
-                            sequence=self.size("sequence"), expert=self.expert_size)
+                            sequence=self.size("sequence"), expert=self.expert_size, node_size=self.node_size)
 
     # -- expert groups (MoE): a sub-axis of every stage's data x sequence (x tensor) ranks ----------------
     def expert_groups(self, ep_size: int | None = None, *, data_before_expert: bool = False,
@@ -409,36 +406,23 @@ class ParallelGrid:
         return cls(topology)
 
     # -- node groups (ZeRO++): the data-parallel ranks cut by node ---------------------------------
-    node_size = None  # ranks per node once ``add_node_axis`` ran (``group("node")``, ``group("inter_node")``)
-
     def data_rank_lists(self) -> list[list[int]]:
         """Every data-parallel group's ranks (data x sequence with sequence parallelism: what ZeRO reduces over)."""
-        topo = self.topology
-        axes = [a for a in ("data", "sequence") if a in topo.axes]
-        others = [a for a in topo.axes if a not in axes]
-        return [sorted(topo.get_rank(**dict(zip(others, fixed)), **dict(zip(axes, free)))
-                       for free in product(*[range(topo.get_dim(a)) for a in axes]))
-                for fixed in product(*[range(topo.get_dim(a)) for a in others])]
+        return zero_data_ranks(self.topology)
 
-    def node_groups(self, node_size: int | None = None) -> NodeGroups:
-        """This rank's data-parallel ranks cut by nodes of ``node_size`` ranks (default: the node axis's);
-        collective on first use for a size, cached after (see ``topology.node_groups``)."""
-        size = self.node_size if node_size is None else int(node_size)
-        if size is None:
-            raise ValueError("this grid has no node axis: call grid.add_node_axis(ranks_per_node) first")
-        return node_groups(self.data_rank_lists(), size)
-
-    def add_node_axis(self, node_size: int) -> NodeGroups:
-        """Make nodes of ``node_size`` ranks this grid's node axis (``group("node")``: this rank's data
-        ranks on its node; ``group("inter_node")``: its peers on the other nodes) and create the groups."""
-        made = self.node_groups(node_size)
-        self.node_size = int(node_size)
-        return made
+    def node_groups(self) -> NodeGroups:
+        """This rank's data-parallel ranks cut by node (``group("node")``: those on its node; ``group("inter_node")``:
+        its peers, one per node), created with the grid from ``ParallelDims.node_size``."""
+        if self._nodes is None:
+            raise ValueError("this grid has no node axis (its ParallelDims.node_size is 0): ZeRO++'s hpZ and qgZ need "
+                             "one; initialize builds it when zero_optimization turns them on, else build the grid with "
+                             "ParallelGrid.from_dims(dims.replace(node_size=ranks_per_node))")
+        return self._nodes
 
     def group(self, axis: str):
         """This rank's group along ``axis``: None when the axis spans the whole world (None is the
         world everywhere), a group of this rank alone when the axis has size 1. Also ``node`` and
-        ``inter_node`` (after ``add_node_axis``: the data ranks on this rank's node, and its peers on the
+        ``inter_node`` (with a node axis: the data ranks on this rank's node, and its peers on the
         other nodes), ``sequence_data``
         (the data x sequence ranks ZeRO reduces over with sequence parallelism), ``model_parallel``
         (pipe x tensor), ``expert`` and ``expert_data`` (of the grid's expert size)."""

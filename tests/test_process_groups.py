@@ -149,6 +149,31 @@ def _named_groups(rank, world):
 
     # inference tensor groups: the grid's tensor axis
     out["inference tp"] = _ranks(InferenceEngine._tensor_group(2, None, None))
+
+    # ZeRO++'s node axis: a size of the dims, its groups built with the grid's others (nodes of 2 ranks)
+    made["n"] = 0
+    comm.new_group = counted
+    try:
+        nodes = ParallelGrid.from_dims(ParallelDims(data=4, node_size=2))
+        built = made["n"]
+        again = ParallelGrid.from_dims(ParallelDims(data=4, node_size=2))
+        asked = (nodes.node_groups() is nodes.node_groups(), nodes.group("node") is again.group("node"),
+                 nodes.group("node") is grid.group("expert"))
+        out["nodes created"] = (built, made["n"] - built, asked)
+    finally:
+        comm.new_group = real
+    out["nodes"] = (_ranks(nodes.group("node")), _ranks(nodes.group("inter_node")), nodes.size("node"),
+                    nodes.size("inter_node"), nodes.axis_rank("node"), nodes.axis_rank("inter_node"),
+                    nodes.dims.node_size, hasattr(nodes, "add_node_axis"))
+    # tensor peers are neighbours: a node of 2 ranks holds one rank of each data group, so the inter-node group
+    # is the data group itself (one group per rank list)
+    tp_nodes = ParallelGrid.from_dims(ParallelDims(data=2, tensor=2, node_size=2))
+    out["tp nodes"] = (_ranks(tp_nodes.group("node")), tp_nodes.group("inter_node") is tp_nodes.group("data"))
+    try:
+        grid.group("node")
+        out["no node axis"] = None
+    except ValueError as e:
+        out["no node axis"] = str(e)
     return out
 
 
@@ -177,6 +202,15 @@ def test_the_grid_hands_out_every_group_by_name():
         assert out["inference tp"] == ([0, 1] if rank < 2 else [2, 3])
         assert out["megatron"] == (2, 2, True)
         assert "get_data_parallel_group() holds ranks" in out["megatron swapped"], out["megatron swapped"]
+        # nodes [0, 1] and [2, 3], inter-node groups [0, 2] and [1, 3]: the rank lists of the expert grid's expert
+        # and expert-data groups, so the same groups (one per rank list); asking again or building the same
+        # grid again creates none
+        node, place = rank // 2, rank % 2
+        assert out["nodes"] == ([2 * node, 2 * node + 1], [place, place + 2], 2, 2, place, node, 2, False), \
+            (rank, out["nodes"])
+        assert out["nodes created"] == (0, 0, (True, True, True)), out["nodes created"]
+        assert out["tp nodes"] == ([rank], True), (rank, out["tp nodes"])
+        assert "this grid has no node axis" in out["no node axis"]
 
 
 def test_expert_axis_is_part_of_the_dims():

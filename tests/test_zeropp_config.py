@@ -1,13 +1,17 @@
 """ZeRO++ and the honest config: every DeepSpeed 0.19.8 key shardwise lacks is refused by name with its reason,
-ZeRO++ keys below stage 3 and an hpZ size that does not divide ZeRO-3's ranks are named errors, and the
-memory estimator shows hpZ's secondary partition.
+ZeRO++ keys below stage 3 and an hpZ size that does not divide ZeRO-3's ranks are named errors, the node size
+is one of the plan's sizes (``ParallelDims.node_size``), the memory estimator shows hpZ's secondary partition,
+and ``shardwise plan`` plans ZeRO++ configs.
 
-All in this process: config validation, ``ParallelDims``, the planner over torch's fake backend, the estimator.
+In this process: config validation, ``ParallelDims``, the planner over torch's fake backend, the estimator. One
+spawn of 4 gloo ranks (2 nodes x 2) checks the planner's bytes per step, by op and across nodes, against what
+the comms logger counts in a real run.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import pytest
@@ -242,10 +246,198 @@ def test_docs_list_every_refused_key():
             assert f"`{full}`" in text or f"(or `{key}`)" in text, full  # DeepSpeed's alias beside its stage3_ name
 
 
-def test_plan_says_zeropp_is_not_planned(_no_process_group):
-    from shardwise.planning import PlanError, make_plan
+# -- the node size: one of the plan's sizes ----------------------------------------------------------------------
+def _zero(**keys):
+    return _load({"zero_optimization": {"stage": 3, **keys}}).zero_optimization
+
+
+def test_node_size_comes_from_hpz_else_the_launcher(monkeypatch):
+    from shardwise.runtime.plan import zeropp_node_size
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert zeropp_node_size(_zero(zero_hpz_partition_size=4)) == 4  # hpZ's node, whatever the launcher says
+    assert zeropp_node_size(_zero(zero_quantized_gradients=True)) == 8  # qgZ alone: the launcher's ranks per node
+    assert zeropp_node_size(_zero(zero_quantized_gradients=True), ranks_per_node=2) == 2  # shardwise plan's
+    assert zeropp_node_size(_zero(zero_quantized_weights=True)) == 0  # qwZ needs no node groups
+    assert zeropp_node_size(_zero()) == 0
+    assert zeropp_node_size(_load({"zero_optimization": {"stage": 2}}).zero_optimization) == 0
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # no launcher, no process group: one node
+    assert zeropp_node_size(_zero(zero_quantized_gradients=True)) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="environment variable LOCAL_WORLD_SIZE='two'"):
+        zeropp_node_size(_zero(zero_quantized_gradients=True))
+
+
+@pytest.mark.parametrize("sizes,rule,message", [
+    # tensor peers are neighbours: a node of 2 ranks holds one rank of each of two data-parallel groups
+    (dict(data=2, tensor=2, hpz_partition=2, node_size=2), "zero_hpz_node",
+     "zero_optimization.zero_hpz_partition_size 2 with 2 tensor-parallel x 1 pipeline ranks: not supported."),
+    # 6 data ranks on nodes of 4: 4 on the first, 2 on the second
+    (dict(data=6, node_size=4), "zero_nodes", "ZeRO++ nodes of 4 ranks (zero_hpz_partition_size, else the "
+     "launcher's ranks per node) with 6 data-parallel x 1 sequence-parallel x 1 tensor-parallel x 1 pipeline "
+     "ranks: not supported."),
+    (dict(data=4, tensor=2, node_size=4), None, None),  # data groups [0,2,4,6], [1,3,5,7]: 2 on each node
+    (dict(data=4, sequence=2, hpz_partition=4, node_size=4), None, None),  # (data, sequence): 4 data ranks a node
+    (dict(data=8, node_size=0, hpz_partition=1), None, None),
+])
+def test_node_size_rules(sizes, rule, message):
+    from shardwise.parallel_dims import RULES, ParallelDims, data_ranks_per_node
+
+    dims = ParallelDims(zero_stage=3, **sizes)
+    if rule is None:
+        dims.validate()
+        assert dims.node_size == 0 or data_ranks_per_node(dims) is not None
+        return
+    with pytest.raises(ValueError) as info:
+        dims.validate()
+    assert str(info.value).startswith(message), str(info.value)
+    assert next(r for r in RULES if r.applies(dims)).name == rule
+
+
+def test_plan_refuses_hpz_over_tensor_peers_with_the_engines_error(_no_process_group):
+    from shardwise.planning import make_plan
 
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}}
-    with pytest.raises(PlanError, match=r"^zero_optimization.zero_hpz_partition_size: ZeRO\+\+ is not planned yet"):
+              "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}
+    with pytest.raises(ValueError, match="zero_optimization.zero_hpz_partition_size 2 with 2 tensor-parallel x 1 "
+                                         "pipeline ranks: not supported"):
         make_plan(world=4, gpus_per_node=2, model=GPT, config=config)
+
+
+# -- shardwise plan with ZeRO++ ------------------------------------------------------------------------------------
+def _plan_config(extra: dict, gas: int = 2) -> dict:
+    # tests/test_zeropp.py's run: units of at most 4000 elements (embeddings, each block, the head), none persistent
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "Adam", "params": {"lr": 3e-3}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "stage3_prefetch_bucket_size": 4000, **extra}}
+
+
+QW, HPZ, QG = {"zero_quantized_weights": True}, {"zero_hpz_partition_size": 2}, {"zero_quantized_gradients": True}
+ALL = {**QW, **HPZ, **QG}
+
+
+def _plan(extra, **kwargs):
+    from shardwise.planning import make_plan
+
+    return make_plan(**{"world": 4, "gpus_per_node": 2, "model": GPT, "config": _plan_config(extra), **kwargs})
+
+
+def test_plan_zeropp_moves_bytes_off_the_links_between_nodes(_no_process_group):
+    from shardwise.comm import quantize as q
+
+    plain, qw, hpz, qg, every = (_plan(x) for x in ({}, QW, HPZ, QG, ALL))
+    r0 = {name: p.ranks[0] for name, p in (("plain", plain), ("qw", qw), ("hpz", hpz), ("qg", qg), ("all", every))}
+    assert plain.zeropp is None and r0["plain"].group_bytes.keys() == {"data"} and r0["plain"].hpz_secondary_bytes == 0
+    gathered = r0["plain"].comm_ops["all_gather_into_tensor"]
+    # qwZ: int8 values and an fp32 scale per block instead of fp32 values (a quarter, plus scales and padding)
+    q8 = r0["qw"].comm_ops["all_gather_into_tensor"]
+    assert gathered / 4 < q8 < gathered / 4 * (1 + 4 / q.MIN_BLOCK) + 64 * 4 * 4 * 4
+    assert r0["qw"].comm_ops["reduce_scatter_tensor"] == r0["plain"].comm_ops["reduce_scatter_tensor"]
+    # hpZ: the backward gathers (half of them) go to the node group, in full precision
+    assert r0["hpz"].group_bytes["node"] == pytest.approx(gathered / 2, rel=0.02)
+    assert r0["hpz"].group_bytes["data"] + r0["hpz"].group_bytes["node"] == pytest.approx(
+        r0["plain"].group_bytes["data"], rel=0.02)
+    whole = plain.parameters
+    assert whole * 4 / 2 <= r0["hpz"].hpz_secondary_bytes < whole * 4 / 2 + 4 * 8  # fp32, half of each unit a rank
+    assert r0["hpz"].model_states_bytes == r0["plain"].model_states_bytes + r0["hpz"].hpz_secondary_bytes
+    # qgZ: no reduce-scatter; two all-to-alls of int4 blocks, in the node (4 rows) and across nodes (2 rows)
+    assert "reduce_scatter_tensor" not in r0["qg"].comm_ops
+    node, inter = r0["qg"].group_bytes["node"], r0["qg"].group_bytes["inter_node"]
+    assert node == pytest.approx(2 * inter, rel=1e-9)
+    assert node < r0["plain"].comm_ops["reduce_scatter_tensor"] / 4
+    # every part cuts the bytes received from the other node; all three below a third of ZeRO-3's
+    cross = {name: r.cross_node_bytes for name, r in r0.items()}
+    assert cross["plain"] > cross["qw"] and cross["plain"] > cross["hpz"] and cross["plain"] > cross["qg"]
+    assert 0 < cross["all"] <= 0.35 * cross["plain"], cross
+    assert every.dims.node_size == 2 and every.zeropp == {"quantized_weights": True, "hpz": 2,
+                                                          "quantized_gradients": True, "local": 2, "nodes": 2}
+
+
+def test_plan_nodes_are_gpus_per_node_not_this_shells_launcher(_no_process_group, monkeypatch, capsys):
+    from shardwise.cli import main
+    from shardwise.planning import make_plan
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    plan = make_plan(world=8, gpus_per_node=4, model=GPT, config=_plan_config(QG))
+    assert plan.dims.node_size == 4 and (plan.zeropp["local"], plan.zeropp["nodes"]) == (4, 2)
+    one_node = make_plan(world=4, gpus_per_node=4, model=GPT, config=_plan_config(QG))
+    assert one_node.zeropp["nodes"] == 1 and "inter_node" not in one_node.ranks[0].group_bytes
+    assert all(r.cross_node_bytes == 0 for r in one_node.ranks)
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "ds.json")
+        with open(path, "w") as f:
+            json.dump(_plan_config(ALL), f)
+        assert main(["plan", "--world", "4", "--gpus_per_node", "2", "--model", GPT, "--config", path,
+                     "--json", os.path.join(d, "plan.json")]) == 0
+        out = json.load(open(os.path.join(d, "plan.json")))
+    text = capsys.readouterr().out
+    assert "ZeRO++: qwZ + hpZ k=2 + qgZ; node groups of 2 data ranks on each of 2 nodes" in text, text
+    assert "hpZ secondary weights" in text and "cross-node" in text
+    assert set(out["group_bytes_per_step_per_rank"]) == {"data", "node", "inter_node"}
+    assert out["cross_node_bytes_per_step_per_rank"] > 0 and out["layout"]["node_size"] == 2
+
+
+# -- against a real run: 4 gloo ranks as 2 nodes x 2 -----------------------------------------------------------------
+MEASURED = [("ZeRO-3", {}), ("qwZ + hpZ + qgZ", ALL), ("qwZ + qgZ, nodes from LOCAL_WORLD_SIZE", {**QW, **QG})]
+
+
+def _measured_case(case, rank, world):
+    import torch
+
+    import shardwise
+    from shardwise import comm
+    from shardwise.comm import ops
+    from shardwise.models.gpt import GPT as Model
+    from shardwise.planning.model import parse_model_arg
+
+    _, extra = case
+    torch.manual_seed(0)
+    model = Model(parse_model_arg(GPT)[1])
+    engine = shardwise.initialize(model=model, config=_plan_config(extra) | {"comms_logger": {"enabled": True}})[0]
+    pp = engine.strategy.zeropp
+    from_grid = pp is None or pp.nodes is None or pp.nodes is engine.grid.node_groups()
+    g = torch.Generator().manual_seed(rank)
+    for step in range(2):
+        if step == 1:
+            ops.logger.reset()  # the second step is the steady one (the first checks ZeRO-3's gather order)
+        for _ in range(2):
+            t = torch.randint(0, 32, (2, 9), generator=g)
+            engine.backward(engine(t[:, :-1], t[:, 1:]))
+            engine.step()
+    sent: dict = {}
+    for name, sizes in comm.comms_summary().items():
+        sent[name] = sent.get(name, 0) + sum(size * s["count"] for size, s in sizes.items())
+    out = {"cross": ops.logger.cross_node_bytes(2), "sent": sent, "from_grid": from_grid,
+           "node_size": engine.grid.node_size, "hpz": engine.memory_breakdown().hpz_secondary}
+    comm.configure(comms_logger={"enabled": False})
+    engine.destroy()
+    return out
+
+
+def _measured_body(rank, world):
+    from distributed import run_subtests
+
+    return run_subtests(_measured_case, MEASURED, rank, world)
+
+
+def test_plan_predicts_the_bytes_a_gloo_run_sends_and_receives_across_nodes(_no_process_group):
+    """The planner's bytes per step, op by op, and the bytes each rank receives from the other node equal
+    what the comms logger counts in the second training step of a real 4-rank run laid out as 2 nodes x 2
+    (tolerance: none, the counts are exact)."""
+    from distributed import run_distributed
+
+    measured = run_distributed(_measured_body, 4, env={"LOCAL_WORLD_SIZE": "2"}, timeout=240)
+    for i, (name, extra) in enumerate(MEASURED):
+        plan = _plan(extra)
+        for r in plan.ranks:
+            got = measured[r.rank][i]
+            assert got["from_grid"], name  # the engine's node groups are its grid's
+            assert got["node_size"] == (2 if extra else 0), name
+            assert r.comm_ops == got["sent"], (name, r.rank, r.comm_ops, got["sent"])
+            assert r.cross_node_bytes == got["cross"], (name, r.rank, r.cross_node_bytes, got["cross"])
+            assert r.hpz_secondary_bytes == got["hpz"], name
+    assert plan.ranks[0].cross_node_bytes > 0

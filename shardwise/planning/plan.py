@@ -54,10 +54,14 @@ class RankPlan:
     comm_bytes: dict  # axis -> bytes per step (comms-logger convention: the whole message)
     comm_ops: dict  # op -> bytes per step
     wire_bytes: dict  # axis -> bytes this rank's links carry per step (nccl-tests bus factors)
+    group_bytes: dict = field(default_factory=dict)  # group -> bytes per step: the axes, ZeRO++'s node, inter_node
+    cross_node_bytes: int = 0  # bytes per step this rank receives from other nodes (the comms logger's count)
+    hpz_secondary_bytes: int = 0  # ZeRO++ hpZ: the node-local secondary partition of the weights
 
     @property
     def model_states_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_bytes
+        return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_bytes + \
+            self.hpz_secondary_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -86,6 +90,7 @@ class Plan:
     seconds: float = 0.0
     gpu_memory: int | None = None
     over_limit: list[int] = field(default_factory=list)
+    zeropp: dict | None = None  # the ZeRO++ parts on, and the node layout of their groups
 
     def largest(self, key) -> RankPlan:
         return max(self.ranks, key=key)
@@ -96,7 +101,8 @@ class Plan:
         busiest = self.largest(lambda r: sum(r.comm_bytes.values()))
         return {
             "world": self.world, "gpus_per_node": self.gpus_per_node, "nodes": -(-self.world // self.gpus_per_node),
-            "layout": {a: getattr(self.dims, a) for a in AXES} | {"zero_stage": self.dims.zero_stage},
+            "layout": {a: getattr(self.dims, a) for a in AXES} | {"zero_stage": self.dims.zero_stage,
+                                                                   "node_size": self.dims.node_size},
             "model": self.shape.__dict__, "precision": self.precision, "batch": self.batch,
             "parameters": self.parameters,
             "model_states_bytes_per_rank": states.model_states_bytes,
@@ -105,6 +111,9 @@ class Plan:
             "activation_bytes_per_micro_batch": acts.activation_bytes_per_micro_batch,
             "comm_bytes_per_step_per_rank": dict(busiest.comm_bytes),
             "wire_bytes_per_step_per_rank": dict(busiest.wire_bytes),
+            "group_bytes_per_step_per_rank": dict(busiest.group_bytes),
+            "cross_node_bytes_per_step_per_rank": max(r.cross_node_bytes for r in self.ranks),
+            "zeropp": self.zeropp,
             "pipeline": self.pipeline, "checkpoint": self.checkpoint,
             "process_groups": self.group_count, "group_creation_seconds": self.group_seconds,
             "gpu_memory": self.gpu_memory, "over_limit": self.over_limit,
@@ -155,13 +164,14 @@ class _GroupCounter:
 
 
 # -- layout -------------------------------------------------------------------------------------------
-def build_grid(cfg, *, world: int, pipe: int, kind: str):
-    """``(grid, dims)`` as ``initialize`` makes them (collective: creates every group)."""
+def build_grid(cfg, *, world: int, pipe: int, kind: str, gpus_per_node: int | None = None):
+    """``(grid, dims)`` as ``initialize`` makes them (collective: creates every group), with ZeRO++'s nodes of
+    ``gpus_per_node`` ranks (without hpZ; the engine takes the launcher's ranks per node)."""
     from shardwise.parallel_dims import ParallelDims
     from shardwise.runtime import plan as engine_plan
     from shardwise.topology import ParallelGrid, ProcessTopology
 
-    features = engine_plan.config_features(cfg)
+    features = engine_plan.config_features(cfg, ranks_per_node=gpus_per_node)
     tp = max(1, cfg.tensor_parallel.autotp_size)
     sp = max(1, cfg.sequence_parallel_size)
     if pipe > 1:
@@ -172,16 +182,16 @@ def build_grid(cfg, *, world: int, pipe: int, kind: str):
         if sp > 1:
             raise PlanError("--pipe with sequence_parallel_size > 1 is not planned")
         topology = ProcessTopology.for_world(world, pipe=pipe, model=tp)  # its error: sizes not dividing
-        grid = ParallelGrid(topology)
-        dims = engine_plan._requested(grid.dims, tensor=tp, sequence=sp, features=features).validate(world)
-        return grid, dims
+        sizes = ParallelDims(pipe=pipe, data=topology.get_dim("data"), tensor=tp)
+        dims = engine_plan._requested(sizes, tensor=tp, sequence=sp, features=features).validate(world)
+        return ParallelGrid.from_dims(dims, topology=topology), dims  # (the PipelineModule's layout)
     if sp > 1:  # the groups register_with_transformers makes: (data, sequence) or (pipe, data, sequence, model)
         if world % (sp * tp):
             raise PlanError(f"sequence_parallel_size {sp} x tensor_parallel.autotp_size {tp} does not divide the "
                             f"world size {world}")
         dims = ParallelDims(data=world // (sp * tp), tensor=tp, sequence=sp, **features).validate(world)
         return ParallelGrid.from_dims(dims), dims
-    return engine_plan.plan_grid(cfg)
+    return engine_plan.plan_grid(cfg, ranks_per_node=gpus_per_node)
 
 
 # -- the model, per pipeline stage ------------------------------------------------------------------------
@@ -280,17 +290,45 @@ class Layout:
     master: int
     optimizer: int
     offloaded: int
-    ops: dict  # op -> bytes per step on the data axis
+    ops: dict  # (group, op) -> bytes per step: the data axis ("data"), ZeRO++'s "node" and "inter_node" groups
+    hpz_secondary: int = 0  # ZeRO++ hpZ: the node-local secondary partition of the weights
+
+
+@dataclass(frozen=True)
+class ZeroPP:
+    """What of ZeRO++ the config turns on (stage 3), and the grid's node layout: ``local`` data ranks on each
+    node (its ``node`` group) and ``nodes`` nodes (its ``inter_node`` group)."""
+
+    quantized_weights: bool = False
+    hpz: int = 1
+    quantized_gradients: bool = False
+    local: int = 1
+    nodes: int = 1
+
+    @classmethod
+    def of(cls, zc, grid) -> "ZeroPP | None":
+        if int(zc.stage) != 3:
+            return None
+        qw, hpz, qg = bool(zc.zero_quantized_weights), int(zc.zero_hpz_partition_size or 1), bool(
+            zc.zero_quantized_gradients)
+        if not (qw or hpz > 1 or qg):
+            return None
+        local = nodes = 1
+        if grid.node_size > 0:
+            made = grid.node_groups()
+            local, nodes = made.size, made.nodes
+        return cls(qw, hpz, qg, local, nodes)
 
 
 def zero_layout(named_params, *, stage: int, n: int, rank: int, precision, zc, state_bytes: int,
-                gas: int, module=None, ep: int = 1) -> Layout:
+                gas: int, module=None, ep: int = 1, zeropp: ZeroPP | None = None) -> Layout:
     """Bytes of params, grads, fp32 masters and optimizer states on data-parallel rank ``rank`` of ``n``,
     and the bytes its ZeRO stage sends per step of ``gas`` micro-batches (the comms logger's sizes).
 
     With expert parallelism (``ep`` > 1) the expert parameters are partitioned over their expert-data
     group (``n / ep`` ranks; data rank ``d`` is its ``d // ep``-th, the grid's expert layout, ``topology.py``): at
-    stages 1-2 flat buffers of their own (their reduce domain, ``moe/layout.py``), at stage 3 their own chunks."""
+    stages 1-2 flat buffers of their own (their reduce domain, ``moe/layout.py``), at stage 3 their own chunks.
+    ``zeropp``: ZeRO++'s messages and hpZ's secondary partition at stage 3 (``_stage3_ops``)."""
     experts = [(nm, p) for nm, p in named_params if _is_expert(p)] if ep > 1 else []
     if experts and stage in (1, 2):
         dense = [(nm, p) for nm, p in named_params if not _is_expert(p)]
@@ -303,11 +341,11 @@ def zero_layout(named_params, *, stage: int, n: int, rank: int, precision, zc, s
         return Layout(a.params + b.params, a.grads + b.grads, a.master + b.master, a.optimizer + b.optimizer,
                       a.offloaded + b.offloaded, ops)
     return _zero_part(named_params, stage=stage, n=n, rank=rank, precision=precision, zc=zc,
-                      state_bytes=state_bytes, gas=gas, module=module, tag="all", ep=ep)
+                      state_bytes=state_bytes, gas=gas, module=module, tag="all", ep=ep, zeropp=zeropp)
 
 
 def _zero_part(named_params, *, stage: int, n: int, rank: int, precision, zc, state_bytes: int, gas: int,
-               module=None, tag: str = "all", ep: int = 1) -> Layout:
+               module=None, tag: str = "all", ep: int = 1, zeropp: ZeroPP | None = None) -> Layout:
     b = _itemsize(precision.param_dtype)
     acc = _itemsize(precision.grad_accum_dtype or precision.param_dtype)
     trainable = [(nm, p) for nm, p in named_params if p.requires_grad]
@@ -333,36 +371,87 @@ def _zero_part(named_params, *, stage: int, n: int, rank: int, precision, zc, st
         optimizer = owned * state_bytes
         offloaded = (master + optimizer if offload_opt != "none" else 0) + \
                     (params if _offload(zc.offload_param) != "none" else 0)
-        ops = {}
+        ops, secondary = {}, 0
         if n > 1 and module is not None:
-            ops = _cached(module, ("z3ops", n, gas, b, acc), lambda: _stage3_ops(module, numels, n, zc, gas, b, acc))
-        return Layout(params, grads, master, optimizer, offloaded, dict(ops))
+            ops, secondary = _cached(module, ("z3ops", n, gas, b, acc, ep, zeropp),
+                                     lambda: _stage3_ops(module, numels, n, zc, gas, b, acc, ep=ep, zeropp=zeropp))
+        return Layout(params, grads, master, optimizer, offloaded, dict(ops), secondary)
     return _flat_layout(named_params, trainable, numels, stage=stage, n=n, rank=rank, zc=zc, b=b, acc=acc,
                         master_on=master_on, precision=precision, offload_opt=offload_opt,
                         state_bytes=state_bytes, gas=gas, module=module, tag=tag)
 
 
-def _stage3_ops(module, numels, n, zc, gas, b, acc) -> dict:
-    """Stage 3's messages per step: each unit all-gathered whole (padded), its gradients reduce-scattered."""
+def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: ZeroPP | None = None):
+    """Stage 3's messages per step, ``({(group, op): bytes}, hpZ secondary bytes)``: each unit all-gathered
+    whole (padded), its gradients reduce-scattered; with ZeRO++ (``zero/zeropp.py``, ``comm/quantize.py``), on
+    the units sharded over the data axis (not expert units):
+
+    * qwZ: a gather sends each rank's shard as int8 values padded to whole blocks of
+      ``weight_block_size(shard)`` elements, and one fp32 scale per block (two all-gathers);
+    * hpZ: the backward gather all-gathers the secondary shards, ``ceil(unit / k)`` elements of the working
+      dtype each, inside the node (``node`` group); those shards stay allocated (the secondary bytes);
+    * qgZ: the reduce-scatter becomes int4 values (two a byte) and fp32 scales of blocks of
+      ``qgz_block(shard)`` elements, all-to-all inside the node (``L x M`` rows of the padded shard) and
+      then across nodes (``M`` rows; ``L`` data ranks on each of ``M`` nodes)."""
+    from shardwise.comm import quantize as q
+
     ops: dict = {}
+    secondary = 0
 
-    def add(op, nbytes):
-        ops[op] = ops.get(op, 0) + nbytes
+    def add(group, op, nbytes):
+        ops[(group, op)] = ops.get((group, op), 0) + nbytes
 
+    def gather(group, shard, times, quantized):
+        if quantized:  # QuantizedGather: the int8 values and the fp32 scales, each rank's padded to whole blocks
+            block = q.weight_block_size(shard)
+            padded = q.padded_numel(shard, block)
+            add(group, "all_gather_into_tensor", times * n * padded)
+            add(group, "all_gather_into_tensor", times * n * (padded // block) * 4)
+        else:
+            add(group, "all_gather_into_tensor", times * shard * n * b)
+
+    pp = zeropp
     units = stage3_units(module, int(zc.stage3_prefetch_bucket_size))
     threshold = int(zc.stage3_param_persistence_threshold)
     for unit in units:
-        full = sum(-(-numels[id(p)] // n) * n for p in unit)
+        shard = sum(-(-numels[id(p)] // n) for p in unit)
+        on = pp is not None and not (ep > 1 and any(_is_expert(p) for p in unit))  # (expert units: plain ZeRO-3)
         persistent = all(numels[id(p)] <= threshold for p in unit)
         # a unit holding the whole model, or a persistent one (every parameter at most
         # stage3_param_persistence_threshold), stays gathered from forward to backward: once per
         # micro-batch; the others are gathered for forward and again for backward
-        times = gas if (persistent or len(units) == 1) else 2 * gas
-        add("all_gather_into_tensor", times * full * b)
-        if any(p.requires_grad for p in unit):
-            add("reduce_scatter_tensor", gas * sum(-(-numels[id(p)] // n) * n for p in unit
-                                                   if p.requires_grad) * acc)
-    return ops
+        again = not (persistent or len(units) == 1)
+        gather("data", shard, gas, on and pp.quantized_weights)
+        hpz = on and pp.hpz > 1
+        if hpz:  # the secondary partition of the unit over the node's data ranks
+            piece = -(-sum(numels[id(p)] for p in unit) // pp.local)
+            secondary += piece * b
+        if again and hpz:
+            add("node", "all_gather_into_tensor", gas * piece * pp.local * b)
+        elif again:
+            gather("data", shard, gas, on and pp.quantized_weights)
+        if not any(p.requires_grad for p in unit):
+            continue
+        if on and pp.quantized_gradients:  # the whole bucket: the unit's shard of every rank
+            from shardwise.zero.zeropp import GRAD_BITS
+
+            block = qgz_block(shard)
+            padded = q.padded_numel(shard, block)
+            for group, rows in (("node", pp.local * pp.nodes), ("inter_node", pp.nodes)):
+                if (pp.local if group == "node" else pp.nodes) > 1:
+                    add(group, "all_to_all_single", gas * q.packed_numel(rows * padded, GRAD_BITS))
+                    add(group, "all_to_all_single", gas * rows * (padded // block) * 4)
+        else:
+            add("data", "reduce_scatter_tensor", gas * sum(-(-numels[id(p)] // n) * n for p in unit
+                                                           if p.requires_grad) * acc)
+    return ops, secondary
+
+
+def qgz_block(shard: int) -> int:
+    """Elements per int4 block of a gradient row of ``shard`` elements (``zeropp.HierarchicalReduceScatter``)."""
+    from shardwise.zero.zeropp import GRAD_BLOCK
+
+    return min(GRAD_BLOCK, max(2, shard + (shard & 1)))
 
 
 def _flat_layout(named_params, trainable, numels, *, stage, n, rank, zc, b, acc, master_on, precision, offload_opt,
@@ -374,7 +463,7 @@ def _flat_layout(named_params, trainable, numels, *, stage, n, rank, zc, b, acc,
     ops: dict = {}
 
     def add(op, nbytes):
-        ops[op] = ops.get(op, 0) + nbytes
+        ops[("data", op)] = ops.get(("data", op), 0) + nbytes
 
     world = n if stage in (1, 2) else 1
     bucket = int(zc.reduce_bucket_size)
@@ -511,8 +600,7 @@ def make_plan(*, world: int, gpus_per_node: int, model: str, config, gpu_memory:
     with fake_world(world):
         t = time.perf_counter()
         with counter.counting():
-            grid, dims = build_grid(cfg, world=world, pipe=pipe, kind=kind)
-        _refuse_zeropp(cfg)
+            grid, dims = build_grid(cfg, world=world, pipe=pipe, kind=kind, gpus_per_node=gpus_per_node)
         group_seconds = time.perf_counter() - t
         batch = cfg.resolve_batch_sizes(dims.data)
         stages, whole = build_stages(kind, model_cfg, grid=grid, dims=dims, partition_method=partition_method,
@@ -529,6 +617,8 @@ def make_plan(*, world: int, gpus_per_node: int, model: str, config, gpu_memory:
         b = _itemsize(precision.param_dtype)
         layouts: dict = {}
         rank_plans = []
+        zeropp = ZeroPP.of(zc, grid)
+        groups = _RankGroups(grid, dims)
         for r in chosen:
             coord = topo.get_coord(r)
             s = coord.get("pipe", 0)
@@ -538,45 +628,35 @@ def make_plan(*, world: int, gpus_per_node: int, model: str, config, gpu_memory:
             if key not in layouts:
                 layouts[key] = zero_layout(st.named_params, stage=stage, n=n, rank=dp_rank, precision=precision,
                                            zc=zc, state_bytes=state_bytes, gas=gas, module=st.module,
-                                           ep=dims.expert)
+                                           ep=dims.expert, zeropp=zeropp)
             lay = layouts[key]
             act = activation_bytes(shape, micro_batch=micro, layers=st.layers, tp=dims.tensor, sp=dims.sequence,
                                    bytes_per_value=b, checkpointing=ckpt, first=st.first, last=st.last)
             in_flight = min(dims.pipe - s, gas) if dims.pipe > 1 else 1
-            comm_bytes, comm_ops, wire = _comm(lay, shape=shape, dims=dims, stage_model=st, micro=micro, gas=gas,
-                                               b=b, zero_stage=stage)
+            comm_bytes, comm_ops, wire, by_group, ops = _comm(lay, shape=shape, dims=dims, stage_model=st,
+                                                              micro=micro, gas=gas, b=b, zero_stage=stage,
+                                                              zeropp=zeropp)
             rank_plans.append(RankPlan(
                 rank=r, coord={a: coord.get(a, 0) for a in topo.axes}, node=r // gpus_per_node,
                 parameters=_cached(st.module, ("parameters",), lambda: sum(_numel(p) for _, p in st.named_params)),
                 params_bytes=lay.params,
                 grads_bytes=lay.grads, master_bytes=lay.master, optimizer_bytes=lay.optimizer,
                 offloaded_bytes=lay.offloaded, activation_bytes_per_micro_batch=act,
-                activation_bytes_peak=act * in_flight, comm_bytes=comm_bytes, comm_ops=comm_ops, wire_bytes=wire))
+                activation_bytes_peak=act * in_flight, comm_bytes=comm_bytes, comm_ops=comm_ops, wire_bytes=wire,
+                group_bytes=by_group, hpz_secondary_bytes=lay.hpz_secondary,
+                cross_node_bytes=cross_node_bytes(ops, rank=r, gpus_per_node=gpus_per_node, groups=groups,
+                                                  stage_model=st)))
     pipeline = _pipeline_report(stages, dims, gas)
     plan = Plan(world=world, gpus_per_node=gpus_per_node, dims=dims, shape=shape, parameters=whole, ranks=rank_plans,
                 pipeline=pipeline, checkpoint=_checkpoint_report(rank_plans, stages, dims, whole, b, world, stage,
                                                                   precision),
                 batch=batch._asdict(), precision={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
                     precision.param_dtype, "fp32"), group_count=counter.count, group_seconds=group_seconds,
-                gpu_memory=gpu_memory)
+                gpu_memory=gpu_memory, zeropp=None if zeropp is None else dict(zeropp.__dict__))
     if gpu_memory:
         plan.over_limit = [r.rank for r in rank_plans if r.device_bytes > gpu_memory]
     plan.seconds = time.perf_counter() - start
     return plan
-
-
-def _refuse_zeropp(cfg) -> None:
-    """ZeRO++ changes stage 3's messages (int8/int4 blocks, node-local and cross-node groups) and adds hpZ's
-    secondary partition; the plan lays out plain ZeRO-3 only, so it says so rather than print those figures."""
-    zc = cfg.zero_optimization
-    on = [key for key, value in (("zero_quantized_weights", zc.zero_quantized_weights),
-                                 ("zero_quantized_nontrainable_weights", zc.zero_quantized_nontrainable_weights),
-                                 ("zero_hpz_partition_size", zc.zero_hpz_partition_size > 1),
-                                 ("zero_quantized_gradients", zc.zero_quantized_gradients)) if value]
-    if on:
-        raise PlanError(f"zero_optimization.{on[0]}: ZeRO++ is not planned yet (the plan's bytes and messages are "
-                        "plain ZeRO-3's); plan without the ZeRO++ keys, and see `shardwise estimate "
-                        "--zero_hpz_partition_size` for hpZ's memory")
 
 
 def _choose_ranks(ranks, world, topo, dims, gpus_per_node) -> list[int]:
@@ -595,11 +675,13 @@ def _choose_ranks(ranks, world, topo, dims, gpus_per_node) -> list[int]:
     return sorted(r for r in picked if 0 <= r < world)
 
 
-def _comm(lay: Layout, *, shape, dims, stage_model, micro, gas, b, zero_stage):
-    """Bytes per step by axis (comms-logger message sizes) and by op, and what the links carry."""
+def _comm(lay: Layout, *, shape, dims, stage_model, micro, gas, b, zero_stage, zeropp: ZeroPP | None = None):
+    """Bytes per step by axis (comms-logger message sizes), by op, what the links carry, by group (the axes,
+    and ZeRO++'s ``node`` and ``inter_node`` groups, which are counted on the data axis too), and
+    ``{(group, op): bytes}``."""
     from shardwise.comm.logger import bus_factor
 
-    ops = {("data", op): v for op, v in lay.ops.items()}
+    ops = dict(lay.ops)
     n = dims.data * dims.sequence
     # the clipped step's one all-reduce of the squared gradient norm (train_step.norm_scope)
     if dims.pipe * dims.tensor > 1:
@@ -626,13 +708,97 @@ def _comm(lay: Layout, *, shape, dims, stage_model, micro, gas, b, zero_stage):
         ops[("expert", "all_to_all")] = gas * stage_model.layers * 4 * act * k
     by_axis = {a: 0 for a in AXES}
     by_op: dict = {}
+    by_group: dict = {}
     wire = {a: 0 for a in AXES}
-    size = {"data": n, "tensor": dims.tensor, "pipe": dims.pipe, "sequence": dims.sequence, "expert": dims.expert}
-    for (axis, op), v in ops.items():
+    size = {"data": n, "tensor": dims.tensor, "pipe": dims.pipe, "sequence": dims.sequence, "expert": dims.expert,
+            "node": zeropp.local if zeropp else 1, "inter_node": zeropp.nodes if zeropp else 1}
+    for (group, op), v in ops.items():
+        axis = GROUP_AXIS.get(group, group)
         by_axis[axis] += v
         by_op[op] = by_op.get(op, 0) + v
-        wire[axis] += int(v * (1.0 if op in ("send_recv", "all_to_all") else bus_factor(op, max(size[axis], 2))))
-    return by_axis, by_op, wire
+        by_group[group] = by_group.get(group, 0) + v
+        wire[axis] += int(v * (1.0 if op in ("send_recv", "all_to_all") else bus_factor(op, max(size[group], 2))))
+    return by_axis, by_op, wire, by_group, ops
+
+
+GROUP_AXIS = {"node": "data", "inter_node": "data"}  # ZeRO++'s groups: each data-parallel group cut by node
+
+
+class _RankGroups:
+    """The ranks of each group a rank's messages go over (``_comm``'s group names), from the grid's layout:
+    the rank arithmetic of ``rank_layout.py``, once for the whole world."""
+
+    def __init__(self, grid, dims) -> None:
+        from shardwise.rank_layout import node_rank_lists, zero_data_ranks
+
+        topo = grid.topology
+        self.world = topo.world_size
+        self.of: dict = {}
+        self._off: dict = {}
+
+        def index(name, lists):
+            for ranks in lists:
+                ranks = tuple(ranks)
+                for r in ranks:
+                    self.of[(name, r)] = ranks
+
+        data = zero_data_ranks(topo)
+        index("data", data)
+        if dims.node_size > 0:
+            for ranks in data:
+                local, cross = node_rank_lists(ranks, dims.node_size)
+                index("node", local)
+                index("inter_node", cross)
+        for group, axis in (("tensor", "model"), ("sequence", "sequence")):
+            if axis in topo.axes:
+                index(group, topo.axis_groups(axis))
+        if dims.expert > 1:
+            experts = grid.expert_groups(create=False)
+            if experts is not None:
+                index("expert", [ranks for ep_lists, _ in experts.layout for ranks in ep_lists])
+        self.grid = grid
+
+    def ranks(self, group: str, rank: int):
+        return self.of.get((group, rank), (rank,))
+
+    def off_node(self, group: str, rank: int, gpus_per_node: int) -> tuple[int, int]:
+        """(size of ``rank``'s ``group``, how many of its ranks are on other nodes)."""
+        ranks = self.ranks(group, rank)
+        me = rank // gpus_per_node
+        key = (id(ranks), me)
+        if key not in self._off:
+            self._off[key] = (len(ranks), sum(1 for r in ranks if r // gpus_per_node != me))
+        return self._off[key]
+
+
+def cross_node_bytes(ops: dict, *, rank: int, gpus_per_node: int, groups: _RankGroups, stage_model=None) -> int:
+    """Bytes ``rank`` receives per step from ranks on other nodes (nodes of ``gpus_per_node`` ranks), counted as
+    the comms logger's ``cross_node_bytes`` counts them (``comm/logger.py``: S/n from each peer of an all-gather,
+    reduce-scatter or all-to-all of S bytes on n ranks, 2S/n of an all-reduce). The pipeline's all-reduces are
+    over the whole world; its point-to-point messages come from the neighbouring stages' ranks."""
+    from shardwise.comm.logger import _received_off_node
+
+    me = rank // gpus_per_node
+    total = 0
+    for (group, op), v in ops.items():
+        if op == "send_recv":  # one message from the previous stage forward, one from the next backward
+            sends = (0 if stage_model.last else 1) + (0 if stage_model.first else 1)
+            if not sends:
+                continue
+            coord = groups.grid.topology.get_coord(rank)._asdict()
+            stage = coord.get("pipe", 0)
+            others = {a: c for a, c in coord.items() if a != "pipe"}
+            peers = ([groups.grid.topology.get_rank(**others, pipe=stage - 1)] if not stage_model.first else []) + \
+                    ([groups.grid.topology.get_rank(**others, pipe=stage + 1)] if not stage_model.last else [])
+            total += v // sends * sum(1 for p in peers if p // gpus_per_node != me)
+            continue
+        if group == "pipe":  # (the batch agreement, the loss average, the norm: over the world)
+            size = groups.world
+            off = size - min(gpus_per_node, size)
+        else:
+            size, off = groups.off_node(group, rank, gpus_per_node)
+        total += _received_off_node(op, v, size, off)
+    return total
 
 
 def tensor_parallel_reductions(module) -> int:

@@ -56,7 +56,7 @@ def format_plan(plan: Plan) -> str:
         "",
     ]
     cols = ["rank", "coord", "params", "weights", "grads", "fp32 master", "optimizer", "offloaded", "activations",
-            "device", *[f"comm {a}" for a in AXES if _axis_used(plan, a)]]
+            "device", *[f"comm {a}" for a in AXES if _axis_used(plan, a)], "cross-node"]
     rows = []
     shown = _shown_ranks(plan)
     for r in shown:
@@ -65,13 +65,15 @@ def format_plan(plan: Plan) -> str:
         rows.append([str(r.rank) + flag, coord, f"{r.parameters:,}", _human(r.params_bytes), _human(r.grads_bytes),
                      _human(r.master_bytes), _human(r.optimizer_bytes), _human(r.offloaded_bytes),
                      _human(r.activation_bytes_peak), _human(r.device_bytes),
-                     *[_human(r.comm_bytes[a]) for a in AXES if _axis_used(plan, a)]])
+                     *[_human(r.comm_bytes[a]) for a in AXES if _axis_used(plan, a)], _human(r.cross_node_bytes)])
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
     if len(shown) < len(plan.ranks):
         lines.append(f"({len(plan.ranks) - len(shown)} more ranks with the same figures as a rank shown; --json "
                      "lists every rank)")
+    if plan.zeropp:
+        lines += ["", _zeropp_line(plan)]
     p = plan.pipeline
     if p["stages"] > 1:
         lines += ["", f"pipeline: {p['stages']} stages, layers {p['layers_per_stage']}, parameters "
@@ -87,6 +89,21 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _zeropp_line(plan: Plan) -> str:
+    z = plan.zeropp
+    parts = [name for name, on in (("qwZ", z["quantized_weights"]), (f"hpZ k={z['hpz']}", z["hpz"] > 1),
+                                   ("qgZ", z["quantized_gradients"])) if on]
+    r = max(plan.ranks, key=lambda r: r.cross_node_bytes)
+    groups = ", ".join(f"{g} {_human(v)}" for g, v in r.group_bytes.items() if g in ("data", "node", "inter_node"))
+    text = f"ZeRO++: {' + '.join(parts)}"
+    if plan.dims.node_size:
+        text += f"; node groups of {z['local']} data ranks on each of {z['nodes']} nodes (nodes of {plan.dims.node_size} ranks)"
+    text += f"; rank {r.rank} per step: {groups}; {_human(r.cross_node_bytes)} from other nodes"
+    if r.hpz_secondary_bytes:
+        text += f"; hpZ secondary weights {_human(r.hpz_secondary_bytes)}"
+    return text
+
+
 def _axis_used(plan: Plan, axis: str) -> bool:
     return any(r.comm_bytes[axis] for r in plan.ranks)
 
@@ -97,7 +114,8 @@ def _shown_ranks(plan: Plan, limit: int = 16):
         return plan.ranks
     seen, out = set(), []
     for r in plan.ranks:
-        key = (r.coord.get("pipe", 0), r.model_states_bytes, r.activation_bytes_peak, tuple(r.comm_bytes.values()))
+        key = (r.coord.get("pipe", 0), r.model_states_bytes, r.activation_bytes_peak, tuple(r.comm_bytes.values()),
+               r.cross_node_bytes)
         if key not in seen:
             seen.add(key)
             out.append(r)

@@ -5,7 +5,7 @@ Each route into the plan contributes sizes: a ``PipelineModule`` its topology (p
 (a shardwise grid, a registered grid view such as the compat package's ``parallel_state_sp``, or a
 Megatron-style mpu) its sizes, the grid ``register_with_transformers`` laid out its sequence and tensor sizes,
 the config ``tensor_parallel.autotp_size`` and ``sequence_parallel_size``, the model and the config the expert
-size (``config_features``). Two sources that disagree are named in the error; a combination the table refuses
+size, the config (ZeRO++'s hpZ and qgZ) and the launcher the node size (``config_features``). Two sources that disagree are named in the error; a combination the table refuses
 (``shardwise/parallel_dims.py``) is named by ``validate()``. Then the grid is built once
 (``ParallelGrid.from_dims``), laid out as the route's topology says; groups a route already needed (the
 pipeline module's tensor group, the registered sequence group) are found again, not re-created. A route's
@@ -14,6 +14,8 @@ grid that already is the grid of those sizes (expert axis included) is used as i
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from shardwise import comm
@@ -21,10 +23,11 @@ from shardwise.parallel_dims import ParallelDims
 from shardwise.topology import ParallelGrid, active_grid, grid_of_view
 
 
-def plan_grid(cfg, *, mpu=None, model=None, optimizer=None):
-    """``(grid, dims)`` for this configuration: ``dims`` validated, ``grid`` built once from them."""
+def plan_grid(cfg, *, mpu=None, model=None, optimizer=None, ranks_per_node: int | None = None):
+    """``(grid, dims)`` for this configuration: ``dims`` validated, ``grid`` built once from them.
+    ``ranks_per_node``: the node size ZeRO++ uses without hpZ (default: the launcher's, ``zeropp_node_size``)."""
     world = comm.get_world_size()
-    features = config_features(cfg, model=model, optimizer=optimizer)
+    features = config_features(cfg, model=model, optimizer=optimizer, ranks_per_node=ranks_per_node)
     tp = max(1, cfg.tensor_parallel.autotp_size)
     sp = max(1, cfg.sequence_parallel_size)
     sizes, route_grid, megatron, source = _route(mpu, model, tp=tp, sp=sp, world=world)
@@ -74,7 +77,7 @@ def _build(dims: ParallelDims, route_grid) -> ParallelGrid:
 
 
 _NO_FEATURES = {f: v for f, v in vars(ParallelDims()).items() if f not in ("data", "pipe", "tensor", "sequence",
-                                                                            "expert")}
+                                                                            "expert", "node_size")}
 
 
 def megatron_sizes(mpu, world: int) -> ParallelDims:
@@ -120,8 +123,9 @@ def _check_same_groups(mpu, grid: ParallelGrid) -> None:
                              "as Megatron does): lay the mpu's groups out that way, or pass a shardwise grid")
 
 
-def config_features(cfg, *, model=None, optimizer=None) -> dict:
-    """What besides the sizes decides whether a grid trains: ZeRO stage, offload, the optimizer, the model."""
+def config_features(cfg, *, model=None, optimizer=None, ranks_per_node: int | None = None) -> dict:
+    """What besides the sizes decides whether a grid trains: ZeRO stage, offload, the optimizer, the model; and
+    the sizes the config gives: the expert size (AutoEP), the node size (ZeRO++, ``zeropp_node_size``)."""
     zero = cfg.zero_optimization
     out = {"zero_stage": int(zero.stage),
            "offload_optimizer": _offloaded(zero.offload_optimizer),
@@ -129,9 +133,39 @@ def config_features(cfg, *, model=None, optimizer=None) -> dict:
            "tied_pipeline_layers": bool(getattr(model, "tied_comms", None)) if _is_pipeline_module(model) else False,
            "virtual_stages": int(getattr(model, "virtual_stages", 1)) if _is_pipeline_module(model) else 1,
            "expert": max(_expert_size(model), cfg.expert_parallel.autoep_size if cfg.expert_parallel.enabled else 1),
-           "hpz_partition": int(zero.zero_hpz_partition_size) if int(zero.stage) == 3 else 1}
+           "hpz_partition": int(zero.zero_hpz_partition_size) if int(zero.stage) == 3 else 1,
+           "node_size": zeropp_node_size(zero, ranks_per_node=ranks_per_node)}
     out.update(optimizer_features(_optimizer_class(cfg, optimizer)))
     return out
+
+
+def zeropp_node_size(zero, *, ranks_per_node: int | None = None) -> int:
+    """The ranks per node of ZeRO++'s node groups, 0 when no part that needs them is on (hpZ, qgZ; stage 3):
+    ``zero_hpz_partition_size`` when above 1 (hpZ's node), else ``ranks_per_node`` (``shardwise plan``'s
+    ``--gpus_per_node``), else the launcher's ranks per node (``LOCAL_WORLD_SIZE``: ``shardwise run``, torchrun,
+    the DeepSpeed launcher set it), else the whole world: processes started without a launcher (``mp.spawn``,
+    one script) are taken to share one node, so nothing is assumed to cross nodes."""
+    if int(zero.stage) != 3:
+        return 0
+    hpz = int(zero.zero_hpz_partition_size or 1)
+    if hpz <= 1 and not zero.zero_quantized_gradients:
+        return 0
+    if hpz > 1:
+        return hpz
+    if ranks_per_node is not None:
+        return int(ranks_per_node)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if local:
+        try:
+            size = int(local)
+        except ValueError:
+            raise ValueError(f"environment variable LOCAL_WORLD_SIZE={local!r} (the launcher's ranks per node, "
+                             "which ZeRO++'s zero_quantized_gradients cuts nodes by) is not an integer") from None
+        if size < 1:
+            raise ValueError(f"environment variable LOCAL_WORLD_SIZE={size}: the launcher's ranks per node must "
+                             "be >= 1")
+        return size
+    return comm.get_world_size() if comm.is_initialized() else 1
 
 
 def optimizer_features(optimizer_or_class) -> dict:
@@ -206,7 +240,7 @@ def _registered_sequence_grid(sp: int):
 def _active_grid_of(sizes: ParallelDims):
     """The active grid when it is laid out for exactly these sizes (its groups exist already), else None."""
     current = active_grid()
-    if isinstance(current, ParallelGrid) and current.dims.replace(expert=1) == sizes \
+    if isinstance(current, ParallelGrid) and current.dims.replace(expert=1, node_size=0) == sizes \
             and current.topology.axes == ("pipe", "data", "model"):
         return current
     return None
