@@ -97,7 +97,8 @@ def _zeropp_line(plan: Plan) -> str:
     groups = ", ".join(f"{g} {_human(v)}" for g, v in r.group_bytes.items() if g in ("data", "node", "inter_node"))
     text = f"ZeRO++: {' + '.join(parts)}"
     if plan.dims.node_size:
-        text += f"; node groups of {z['local']} data ranks on each of {z['nodes']} nodes (nodes of {plan.dims.node_size} ranks)"
+        text += (f"; node groups of {z['local']} data ranks on each of {z['nodes']} nodes (nodes of "
+                 f"{plan.dims.node_size} ranks)")
     text += f"; rank {r.rank} per step: {groups}; {_human(r.cross_node_bytes)} from other nodes"
     if r.hpz_secondary_bytes:
         text += f"; hpZ secondary weights {_human(r.hpz_secondary_bytes)}"

@@ -5,11 +5,12 @@ Each route into the plan contributes sizes: a ``PipelineModule`` its topology (p
 (a shardwise grid, a registered grid view such as the compat package's ``parallel_state_sp``, or a
 Megatron-style mpu) its sizes, the grid ``register_with_transformers`` laid out its sequence and tensor sizes,
 the config ``tensor_parallel.autotp_size`` and ``sequence_parallel_size``, the model and the config the expert
-size, the config (ZeRO++'s hpZ and qgZ) and the launcher the node size (``config_features``). Two sources that disagree are named in the error; a combination the table refuses
-(``shardwise/parallel_dims.py``) is named by ``validate()``. Then the grid is built once
+size, the config (ZeRO++'s hpZ and qgZ) and the launcher the node size (``config_features``). Two sources
+that disagree are named in the error; a combination the table refuses (``shardwise/parallel_dims.py``) is
+named by ``validate()``. Then the grid is built once
 (``ParallelGrid.from_dims``), laid out as the route's topology says; groups a route already needed (the
 pipeline module's tensor group, the registered sequence group) are found again, not re-created. A route's
-grid that already is the grid of those sizes (expert axis included) is used as it is.
+grid that already is the grid of those sizes (expert and node axes included) is used as it is.
 """
 
 from __future__ import annotations
