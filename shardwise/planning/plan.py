@@ -390,9 +390,9 @@ def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: Zero
       ``weight_block_size(shard)`` elements, and one fp32 scale per block (two all-gathers);
     * hpZ: the backward gather all-gathers the secondary shards, ``ceil(unit / k)`` elements of the working
       dtype each, inside the node (``node`` group); those shards stay allocated (the secondary bytes);
-    * qgZ: the reduce-scatter becomes int4 values (two a byte) and fp32 scales of blocks of
-      ``qgz_block(shard)`` elements, all-to-all inside the node (``L x M`` rows of the padded shard) and
-      then across nodes (``M`` rows; ``L`` data ranks on each of ``M`` nodes)."""
+    * qgZ: the reduce-scatter becomes all-to-alls of int4 codes (two a byte) with an fp32 scale per block,
+      inside the node (``L x M`` rows of the shard) and then across nodes (``M`` rows; ``L`` data ranks on
+      each of ``M`` nodes), the row laid out as ``zero/zeropp.py`` lays it out (``_qgz_messages``)."""
     from shardwise.comm import quantize as q
 
     ops: dict = {}
@@ -433,25 +433,56 @@ def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: Zero
         if not any(p.requires_grad for p in unit):
             continue
         if on and pp.quantized_gradients:  # the whole bucket: the unit's shard of every rank
-            from shardwise.zero.zeropp import GRAD_BITS
-
-            block = qgz_block(shard)
-            padded = q.padded_numel(shard, block)
-            for group, rows in (("node", pp.local * pp.nodes), ("inter_node", pp.nodes)):
-                if (pp.local if group == "node" else pp.nodes) > 1:
-                    add(group, "all_to_all_single", gas * q.packed_numel(rows * padded, GRAD_BITS))
-                    add(group, "all_to_all_single", gas * rows * (padded // block) * 4)
+            for group, nbytes in _qgz_messages(unit, numels, n, shard, acc, pp):
+                add(group, "all_to_all_single", gas * nbytes)
         else:
             add("data", "reduce_scatter_tensor", gas * sum(-(-numels[id(p)] // n) * n for p in unit
                                                            if p.requires_grad) * acc)
     return ops, secondary
 
 
-def qgz_block(shard: int) -> int:
-    """Elements per int4 block of a gradient row of ``shard`` elements (``zeropp.HierarchicalReduceScatter``)."""
-    from shardwise.zero.zeropp import GRAD_BLOCK
+def _qgz_messages(unit, numels, n, shard, acc, pp) -> list:
+    """``[(group, bytes)]``: the all-to-alls of qgZ's reduce-scatter of one unit's gradient bucket (a row per
+    rank: this rank's shard of the unit), ``L x M`` rows inside the node, then ``M`` rows across nodes, each
+    stage when its group has more than one rank. The row's wire layout is ``zero/zeropp.py``'s: where it
+    quantizes each parameter's piece in groups of DeepSpeed's size (``grad_group_size``), a row is the int4
+    codes, one fp32 scale per group and the pieces sent at full precision (1-D parameters, sizes DeepSpeed
+    does not quantize), in one message; else the whole row is int4 blocks of ``qgz_block(shard)`` elements,
+    sent as two messages (codes, scales)."""
+    from shardwise.comm import quantize as q
+    from shardwise.zero import zeropp
 
-    return min(GRAD_BLOCK, max(2, shard + (shard & 1)))
+    stages = [(g, rows) for g, rows, size in (("node", pp.local * pp.nodes, pp.local), ("inter_node", pp.nodes,
+                                                                                        pp.nodes)) if size > 1]
+    group_size = getattr(zeropp, "grad_group_size", None)
+    if group_size is not None:
+        quantized = plain = blocks = 0
+        for p in unit:
+            c = -(-numels[id(p)] // n)
+            if not p.requires_grad or c == 0:
+                continue
+            g = group_size(tuple(p.shape), n)
+            if g is None:
+                plain += c
+            else:
+                quantized += c
+                blocks += -(-c // g)
+        row = quantized // 2 + 4 * blocks + acc * plain
+        return [(g, rows * row) for g, rows in stages]
+    block = qgz_block(shard)
+    padded = q.padded_numel(shard, block)
+    out = []
+    for g, rows in stages:
+        out += [(g, q.packed_numel(rows * padded, zeropp.GRAD_BITS)), (g, rows * (padded // block) * 4)]
+    return out
+
+
+def qgz_block(shard: int) -> int:
+    """Elements per int4 block of a gradient row of ``shard`` elements (``zeropp.HierarchicalReduceScatter``
+    with one block size for the whole row)."""
+    from shardwise.zero import zeropp
+
+    return min(getattr(zeropp, "GRAD_BLOCK", 256), max(2, shard + (shard & 1)))
 
 
 def _flat_layout(named_params, trainable, numels, *, stage, n, rank, zc, b, acc, master_on, precision, offload_opt,
