@@ -92,8 +92,9 @@ class SelectiveAdamW(torch.optim.AdamW):
 
     def copy_mv_to_cpu(self, params) -> None:
         for param in params:
-            param.exp_avg_cpu_data.copy_(param.exp_avg.data, non_blocking=True)
-            param.exp_avg_sq_cpu_data.copy_(param.exp_avg_sq.data, non_blocking=True)
+            for host, moment in ((param.exp_avg_cpu_data, param.exp_avg), (param.exp_avg_sq_cpu_data, param.exp_avg_sq)):
+                if moment.data_ptr() != host.data_ptr():  # (on a CPU run the moments were updated in place)
+                    host.copy_(moment.data.reshape(host.shape), non_blocking=True)
             param.exp_avg = param.exp_avg_sq = None
 
     def clear_selected_mv(self) -> None:
@@ -131,10 +132,10 @@ class SelectiveAdamW(torch.optim.AdamW):
                     state["exp_avg"] = torch.zeros_like(cols)
                     state["exp_avg_sq"] = torch.zeros_like(cols)
             if self.offload:
-                param.exp_avg = param.exp_avg.to(cols.device).view_as(cols)
-                param.exp_avg_sq = param.exp_avg_sq.to(cols.device).view_as(cols)
-                exp_avgs.append(param.exp_avg)
-                exp_avg_sqs.append(param.exp_avg_sq)
+                param.exp_avg = param.exp_avg.to(cols.device)
+                param.exp_avg_sq = param.exp_avg_sq.to(cols.device)
+                exp_avgs.append(param.exp_avg.view_as(cols))  # views: the update lands in param.exp_avg
+                exp_avg_sqs.append(param.exp_avg_sq.view_as(cols))
             else:
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
