@@ -536,3 +536,37 @@ def test_hybrid_engine_rollout_generates_through_the_hybrid_engine():
     prompt_masks = [[0, 1, 1]] * 2 + [[1, 1, 1]] * 2
     assert out["mask"] == [p + [int(t != 1) for t in row[3:]] for p, row in zip(prompt_masks, out["want"])]
     assert out["fused_calls"] > 0 and out["lora_fused_after"] is False and out["generate_latency"] > 0
+
+
+# ------------------------------------------------------------------ zero.Init under a multi-process launcher
+
+def _one_rank_init_body(rank: int, world: int):
+    import shardwise
+
+    os.environ["WORLD_SIZE"] = "4"  # what a launcher of 4 processes says, while this process's group has 1 rank
+    try:
+        try:
+            with shardwise.zero.Init():
+                torch.nn.Linear(2, 2)
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+        with shardwise.zero.Init(data_parallel_group=torch.distributed.group.WORLD):  # asked for: fine
+            torch.nn.Linear(2, 2)
+    finally:
+        os.environ["WORLD_SIZE"] = "1"
+    return refused
+
+
+def test_zero_init_refuses_a_one_rank_group_under_a_multi_process_launcher():
+    """DeepSpeed's guard (``partition_parameters._contradicting_single_rank_pg_error``): a one-rank group where
+    the launcher says WORLD_SIZE > 1 would leave every rank holding the whole model, so zero.Init raises."""
+    from shardwise.zero.init import single_rank_group_error
+
+    message = single_rank_group_error(1, None, {"WORLD_SIZE": "8"})
+    assert "WORLD_SIZE=8" in message and "init_distributed" in message
+    for args in ((1, None, {"WORLD_SIZE": "1"}), (1, None, {}), (8, None, {"WORLD_SIZE": "8"}),
+                 (1, object(), {"WORLD_SIZE": "8"}), (1, None, {"WORLD_SIZE": "many"})):
+        assert single_rank_group_error(*args) is None, args
+    refused = run_distributed(_one_rank_init_body, 1)[0]
+    assert refused is not None and "WORLD_SIZE=4" in refused
