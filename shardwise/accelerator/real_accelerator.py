@@ -250,6 +250,10 @@ class Accelerator:
     def is_pinned(self, tensor) -> bool:
         return False if self._cpu else tensor.is_pinned()
 
+    def unpin_memory(self, tensor) -> None:
+        """Nothing to do: torch frees a pinned tensor's page-locked memory when the tensor is collected."""
+        return None
+
     def on_accelerator(self, tensor) -> bool:
         return tensor.device.type == self._name
 

@@ -44,6 +44,29 @@ def find_config_arg(script_args: list[str]) -> tuple[int, str]:
     raise ValueError("autotune: the script's arguments need --deepspeed_config PATH (the config to tune)")
 
 
+def config_value(config: dict, key: str):
+    """The value of ``key`` in ``config``, else in the blocks nested in it (depth first, the first found that is
+    not None); None when it is nowhere. An ``arg_mappings`` key names a config key wherever it sits
+    (``"device"`` finds ``zero_optimization.offload_optimizer.device``), as DeepSpeed's autotuner reads it."""
+    if key in config:
+        return config[key]
+    for value in config.values():
+        if isinstance(value, dict):
+            found = config_value(value, key)
+            if found is not None:
+                return found
+    return None
+
+
+def clean_arg_mappings(arg_mappings: dict | None) -> dict[str, str]:
+    """``autotuning.arg_mappings`` (config key -> the script's flag) with the spaces around each name dropped;
+    of two keys that are the same once stripped, the first wins."""
+    out: dict[str, str] = {}
+    for key, flag in (arg_mappings or {}).items():
+        out.setdefault(key.strip(), flag.strip())
+    return out
+
+
 def _set_arg(args: list[str], flag: str, value) -> list[str]:
     """Set ``flag``'s value in ``args`` (appending ``flag value`` when it is absent)."""
     args = list(args)
@@ -76,7 +99,7 @@ class TrialRunner:
         self.opts = opts
         self.exps_dir = exps_dir
         self.timeout = timeout
-        self.arg_mappings = dict(arg_mappings or {})
+        self.arg_mappings = clean_arg_mappings(arg_mappings)
         self.overwrite = overwrite
         self.config_index, self.user_config_path = find_config_arg(opts.script_args)
 
@@ -85,8 +108,9 @@ class TrialRunner:
         i = self.config_index
         args[i] = config_path if not args[i].startswith("--") else args[i].split("=", 1)[0] + "=" + config_path
         for key, flag in self.arg_mappings.items():  # e.g. train_micro_batch_size_per_gpu -> --per_device_batch
-            if key in config:
-                args = _set_arg(args, flag, config[key])
+            value = config_value(config, key)
+            if value is not None and str(value) != "auto":  # "auto": the script works it out itself
+                args = _set_arg(args, flag, value)
         return [sys.executable, "-m", "shardwise", "run", *launcher_flags(self.opts), self.opts.script, *args]
 
     def run(self, name: str, config: dict, *, metric_file: str, settings: dict | None = None) -> TrialResult:

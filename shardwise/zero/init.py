@@ -11,6 +11,8 @@ MoE expert parameters are sharded within their expert-data-parallel group.
 from __future__ import annotations
 
 import contextlib
+import os
+
 import torch
 
 from shardwise import comm
@@ -85,6 +87,27 @@ def _refresh_owner(p: torch.nn.Parameter) -> None:
         strategy.refresh_master(name, p)
 
 
+def single_rank_group_error(group_size: int, explicit_group, env=None) -> str | None:
+    """Why ``zero.Init`` must not go on, or None: the launcher says several processes (``WORLD_SIZE`` > 1) but
+    the group the parameters would be sharded over has one rank, and nobody asked for it (no explicit
+    ``data_parallel_group``). That happens when a one-rank process group was set up before ``zero.Init``
+    (``from_pretrained`` before ``init_distributed()``); every rank would then hold the whole model."""
+    if group_size != 1 or explicit_group is not None:
+        return None
+    env = os.environ if env is None else env
+    try:
+        launcher_world = int(env.get("WORLD_SIZE", "0") or "0")
+    except (TypeError, ValueError):
+        return None
+    if launcher_world <= 1:
+        return None
+    return (f"zero.Init resolved a process group of world_size=1, but the launcher environment reports "
+            f"WORLD_SIZE={launcher_world}: a one-rank process group was set up before zero.Init (for example "
+            "`from_pretrained` ran before `deepspeed.init_distributed()`), so parameters would not be partitioned "
+            "and every rank would hold the whole model. Call `init_distributed()` before building the model under "
+            "zero.Init, or pass `data_parallel_group` if a one-rank group is meant.")
+
+
 class Init:
     """Build a model already partitioned for ZeRO stage 3 (DeepSpeed's ``deepspeed.zero.Init``)."""
 
@@ -94,13 +117,20 @@ class Init:
         self.enabled = enabled
         self.group = data_parallel_group if data_parallel_group is not None else (
             mpu.get_data_parallel_group() if mpu is not None else None)
+        self._explicit_group = data_parallel_group
         self.dtype = dtype
         self._patched: list[tuple[type, str, object]] = []
         self._depth: dict[int, int] = {}
         self._meta_depth = 0  # modules being built on the meta device (skip_init), outermost included
         if module is not None and enabled:  # DeepSpeed also accepts an already built module
             comm.init_distributed()
+            self._check_group()
             self._shard_tree(module)
+
+    def _check_group(self) -> None:
+        problem = single_rank_group_error(comm.get_world_size(self.group), self._explicit_group)
+        if problem is not None:
+            raise RuntimeError(problem)
 
     def _shard_tree(self, module: torch.nn.Module) -> None:
         for p in module.parameters():
@@ -125,6 +155,7 @@ class Init:
         if not self.enabled:
             return self
         comm.init_distributed()
+        self._check_group()
         return_large_frees_to_the_os()  # modules are built and sharded one by one: keep RSS honest
         for cls in _all_module_classes():
             if "__init__" in cls.__dict__:

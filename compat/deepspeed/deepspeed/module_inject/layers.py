@@ -164,6 +164,13 @@ def collect_autotp_universal_checkpoint_info(model: nn.Module) -> dict[str, Any]
 
 # -- sub-parameter layouts (fused q/k/v, gate/up): shardwise.tensor_parallel.sharding ------------------------------
 
+def _subparam_shard_widths(subparam_sizes, tp_world_size, meta=None, name=None) -> list:
+    """DeepSpeed's per-rank width of each sub-parameter, one list per sub-parameter: the split of
+    ``shardwise.tensor_parallel.sharding.ShardSpec`` (whole key/value heads where ``meta`` says so; a rank may
+    hold none of a sub-parameter narrower than the tensor size)."""
+    return [list(w) for w in ShardSpec.of(tuple(subparam_sizes), tp_world_size, 0, meta or AutoTPMeta(), name).widths]
+
+
 def _prod(values) -> int:
     out = 1
     for v in values:

@@ -11,6 +11,17 @@ class DeepSpeedFP16Config(ConfigView):
     model = FP16Config
     where = "fp16"
 
+    def __init__(self, **data) -> None:
+        # DeepSpeed's class reads loss_scale with float(value), so a numeric string ("3") is a scale there. The
+        # config shardwise loads keeps its one type rule (docs/config.md): a string is refused there, by name.
+        value = data.get("loss_scale")
+        if isinstance(value, str) and value.strip() != "auto":
+            try:
+                data["loss_scale"] = float(value)
+            except ValueError:
+                pass  # not a number: refused below as "must be a number"
+        super().__init__(**data)
+
 
 class DeepSpeedBF16Config(ConfigView):
     model = BF16Config

@@ -7,6 +7,7 @@ from enum import Enum
 from shardwise.config.zero import ZeroConfig
 
 from ..._config_view import ConfigView
+from ..zenflow.zenflow_config import ZenFlowConfig
 from .offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig, OffloadDeviceEnum
 
 
@@ -35,6 +36,19 @@ class DeepSpeedZeroConfig(ConfigView):
 
     # a key shardwise does not take; its default (off) is what shardwise does
     pipeline_loading_checkpoint = False
+
+    def __init__(self, **data) -> None:
+        # ZenFlow's block parses as DeepSpeed's (ZenFlowConfig); shardwise's engine refuses to run it, so it
+        # stays out of the block shardwise validates
+        zenflow = data.pop("zenflow", None)
+        super().__init__(**data)
+        if zenflow is not None and not isinstance(zenflow, ZenFlowConfig):
+            zenflow = ZenFlowConfig(**zenflow) if isinstance(zenflow, dict) else ZenFlowConfig.model_validate(zenflow)
+        object.__setattr__(self, "_zenflow", zenflow)
+
+    @property
+    def zenflow(self) -> ZenFlowConfig | None:
+        return self.__dict__.get("_zenflow")
 
 
 __all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig",

@@ -62,3 +62,11 @@ __all__ += ["MultipleAllGatherHandles"]
 # (shardwise.zero.partitioned_param) as in DeepSpeed.
 partitioned_param_data_shape = [0]
 __all__ += ["partitioned_param_data_shape"]
+
+
+def _contradicting_single_rank_pg_error(dp_world_size, explicit_process_group, env=None):
+    """DeepSpeed's check that ``zero.Init``'s group does not contradict the launcher's ``WORLD_SIZE`` (its message,
+    or None); ``shardwise.zero.init.single_rank_group_error``, which ``zero.Init`` raises as ``RuntimeError``."""
+    from shardwise.zero.init import single_rank_group_error
+
+    return single_rank_group_error(dp_world_size, explicit_process_group, env)
