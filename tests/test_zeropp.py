@@ -258,8 +258,10 @@ def test_all_off_is_plain_zero3_bitwise(zeropp_runs):
 
 def test_the_task_learns_and_is_not_chaotic(zeropp_runs):
     """The comparisons below measure quantization, not the task: a 1e-6 change of the gradients' scale
-    moves no step's loss by more than 0.01%, and the loss falls."""
-    assert 0 < _gap(zeropp_runs, "perturbed") < 1e-4, _gap(zeropp_runs, "perturbed")
+    moves no step's loss by more than 1e-5 relative, and the loss falls."""
+    gap = _gap(zeropp_runs, "perturbed")
+    print(f"\nnoise floor: largest per-step loss gap of a 1 + 1e-6 loss scale over {STEPS} steps: {gap:.2e}")
+    assert gap < 1e-5, gap
     for r in zeropp_runs:
         plain = torch.tensor(r["plain"]["losses"])
         assert plain[-10:].mean() < 0.9 * plain[:10].mean(), plain
@@ -307,6 +309,7 @@ def test_qgz_quantizes_what_deepspeed_quantizes(zeropp_runs):
 def test_cross_node_bytes_drop_below_a_third(zeropp_runs):
     for r in zeropp_runs:
         plain, allpp = r["plain"]["cross"], r["all"]["cross"]
+        print(f"\ncross-node bytes of a step, qwZ + hpZ + qgZ / ZeRO-3: {allpp} / {plain} = {allpp / plain:.3f}")
         assert plain > 0 and allpp <= 0.35 * plain, (allpp, plain, allpp / plain)
         # hpZ alone: the backward gathers stay inside the node (node groups are ranks [0-1], [2-3])
         assert r["hpz"]["cross"] < 0.75 * plain
