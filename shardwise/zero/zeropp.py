@@ -27,7 +27,8 @@ messages at full precision. Partial sums are fp32. With ``zeropp_loco_param`` (`
 "reset_T": 1024}``) each quantization adds LoCo's error feedback (DeepSpeed's ``loco_swizzle_quant`` /
 ``loco_quantized_reduction``): the tensor sent is ``x + e``, then ``e <- err_beta * e + (1 - err_beta) *
 (x + e - dequantize(quantize(x + e)))``, the buffers kept as int8 groups, cleared after every ``reset_T``
-reductions of a unit.
+reductions of a unit. The all-to-all inside the node runs in the background while backward goes on
+(``OVERLAP``); the bucket's handle finishes the chain when the reducer waits on it.
 """
 
 from __future__ import annotations
