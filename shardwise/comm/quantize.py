@@ -11,6 +11,10 @@ by up to ``s`` (values above ``(2**(bits-1) - 1/2) * s``; ``s`` is ``absmax / 12
 int8 values are one byte each; int4 values are packed two to a byte (element ``2i`` in the low nibble,
 ``2i + 1`` in the high one), so ``block`` must be even for 4 bits.
 
+``quantize_rows`` / ``dequantize_rows`` do the same to the rows of a 2-D tensor whose blocks are given per
+element (runs of consecutive elements, of any lengths): qgZ's gradient rows, where each parameter's piece
+has its own block size.
+
 Block sizes: ``weight_block_size(n)`` is the group layout DeepSpeed's ``CUDAQuantizer`` picks for the
 parameter all-gather (``runtime/zero/partition_parameters.py``): about ``n / 8000`` groups, grown until
 ``n`` divides into groups of a multiple of 8 elements, then halved in size while they stay above 8000
@@ -72,31 +76,16 @@ def packed_numel(numel: int, bits: int) -> int:
 
 
 def _quantize_blocks(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``blocks`` [n_blocks, block] (any float dtype) -> (uint8 values, fp32 scales). One pass when compiled."""
+    """``blocks`` [n_blocks, block] (any float dtype) -> (uint8 values, fp32 scales)."""
     blocks = blocks.float()
-    scales = blocks.abs().amax(dim=1, keepdim=True) * (2.0 / (1 << bits))
+    scales = blocks.abs().amax(dim=1) * (2.0 / (1 << bits))
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    q = torch.round(blocks * inv).clamp(-(1 << (bits - 1)), (1 << (bits - 1)) - 1).to(torch.int8)
-    if bits == 4:  # element 2i in the low nibble, 2i + 1 in the high one (int8 shifts wrap: same bits)
-        q = q.view(q.shape[0], -1, 2)
-        q = (q[..., 0] & 0xF) | (q[..., 1] << 4)
-    return q.view(torch.uint8).reshape(-1), scales.reshape(-1)
-
-
-_NIBBLE_SHIFT = torch.tensor([4, 0], dtype=torch.int8)  # (v << 4) >> 4: the low nibble, v >> 4: the high one
+    return _codes(blocks * inv[:, None], bits).reshape(-1), scales
 
 
 def _dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
     """fp32 [n_blocks, block] of what ``_quantize_blocks`` encoded."""
-    v = values.view(torch.int8).view(scales.shape[0], -1)
-    if bits == 4:  # arithmetic shifts of int8 sign-extend each nibble
-        v = ((v.unsqueeze(-1) << _NIBBLE_SHIFT.to(v.device)) >> 4).view(scales.shape[0], -1)
-    return v.float() * scales[:, None]
-
-
-def _dequantize_sum(values: torch.Tensor, scales: torch.Tensor, bits: int, parts: int) -> torch.Tensor:
-    """The sum over ``parts`` equal consecutive pieces of the dequantized tensor (fp32, flat)."""
-    return _dequantize_blocks(values, scales, bits).view(parts, -1).sum(dim=0)
+    return _unpack(values.view(scales.shape[0], -1), bits) * scales[:, None]
 
 
 class _Kernels:
@@ -143,6 +132,51 @@ def quantize(x: torch.Tensor, block: int, bits: int = 8) -> tuple[torch.Tensor, 
     return kernels(f"quantize{bits}", _quantize_blocks, x.detach().reshape(-1, block), bits)
 
 
+def _codes(scaled: torch.Tensor, bits: int) -> torch.Tensor:
+    """Round and clamp ``scaled`` (values over their block's scale) to ``bits``-bit codes, packed as uint8
+    along the last dimension (its length must be even for 4 bits)."""
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = torch.round(scaled).clamp_(lo, hi).to(torch.int8)
+    if bits == 8:
+        return q.view(torch.uint8)
+    u = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def _unpack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes of ``values`` as float32 (the last dimension doubles for 4 bits)."""
+    if bits == 8:
+        return values.view(torch.int8).float()
+    lo = (values & 0xF).to(torch.int16)
+    hi = (values >> 4).to(torch.int16)
+    q = torch.stack((lo, hi), dim=-1).flatten(-2)
+    return torch.where(q >= 8, q - 16, q).float()
+
+
+def quantize_rows(x: torch.Tensor, block_of: torch.Tensor, nblocks: int,
+                  bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)`` of the rows of ``x`` (``[R, Q]``), each row cut into the same ``nblocks`` blocks:
+    element ``j`` belongs to block ``block_of[j]`` (int64, ``[Q]``). The codes and scales are those of
+    ``quantize`` (a block of ``block`` elements gives the same codes either way). ``values``: uint8 ``[R, Q]``
+    (int8) or ``[R, Q / 2]`` (int4, ``Q`` even); ``scales``: fp32 ``[R, nblocks]``."""
+    if bits not in (4, 8):
+        raise ValueError(f"quantize_rows: bits must be 4 or 8, got {bits}")
+    if bits == 4 and x.shape[-1] % 2:
+        raise ValueError(f"quantize_rows: int4 packs two values a byte; rows of {x.shape[-1]} elements are odd")
+    x = x.detach().float()
+    index = block_of.expand(x.shape[0], -1)
+    absmax = x.new_zeros(x.shape[0], nblocks).scatter_reduce_(1, index, x.abs(), "amax")
+    scales = absmax * (2.0 / (1 << bits))
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    return _codes(x * inv.gather(1, index), bits), scales
+
+
+def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, block_of: torch.Tensor,
+                    bits: int = 4) -> torch.Tensor:
+    """The fp32 rows ``quantize_rows`` encoded."""
+    return _unpack(values, bits) * scales.gather(1, block_of.expand(scales.shape[0], -1))
+
+
 def dequantize(values: torch.Tensor, scales: torch.Tensor, block: int, bits: int = 8, *,
                dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """The flat tensor ``quantize`` encoded (in ``dtype``, or written into ``out``)."""
@@ -151,12 +185,6 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, block: int, bits: int
         out.copy_(x)
         return out
     return x.to(dtype)
-
-
-def dequantize_sum(values: torch.Tensor, scales: torch.Tensor, block: int, bits: int, parts: int) -> torch.Tensor:
-    """``dequantize(values, scales, block, bits).view(parts, -1).sum(0)`` in one pass (fp32, flat): the
-    reduction of what ``parts`` peers sent."""
-    return kernels(f"dequantize_sum{bits}", _dequantize_sum, values, scales, bits, parts)
 
 
 def error_bound(x: torch.Tensor, block: int, bits: int = 8) -> torch.Tensor:

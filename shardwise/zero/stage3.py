@@ -211,7 +211,8 @@ class Stage3Strategy(ZeroStrategy):
                 for u in frozen:
                     u.offload_to_nvme(self.quantized_store)
         self.gradients = UnitGradients(self.units, accum_dtype=precision.grad_accum_dtype)
-        self.zeropp = zeropp.setup(zc, dp_group=dp_group)  # ZeRO++ (qwZ, hpZ, qgZ), None when off
+        self.zeropp = zeropp.setup(zc, dp_group=dp_group,  # ZeRO++ (qwZ, hpZ, qgZ), None when off
+                                   bucket_units=self.gradients.layout.unit_of_bucket)
         self._enable_zeropp()
         self.reducer = BucketReducer([self.gradients.layout], self.gradients, reduce=reduce, dp_group=dp_group,
                                      scatter=True, on_reduced=self._unit_reduced, before_launch=self._before_reduce,

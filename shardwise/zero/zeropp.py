@@ -4,7 +4,7 @@ backward gathers (hpZ), and a hierarchical, quantized gradient reduce-scatter (q
 Nodes: a rank's node is ``global_rank // node_size``, with ``node_size`` = ``zero_hpz_partition_size``
 when it is above 1, else the launcher's ranks per node (``LOCAL_WORLD_SIZE``). The data-parallel ranks are
 cut by node into a node group (the data ranks on one node) and an inter-node group (the k-th data rank of
-every node): the grid's ``node`` and ``inter_node`` groups (``ParallelGrid.node_groups``).
+every node): ``topology.node_groups``.
 
 qwZ (``zero_quantized_weights``): a unit's all-gather sends this rank's shard as int8 blocks with one fp32
 scale per block (``comm/quantize.py``; DeepSpeed's group layout), and every rank dequantizes what arrives.
@@ -17,17 +17,23 @@ included, all-gather the secondary shards inside the node: nothing crosses a nod
 buffers stay allocated (``memory_parts()["hpz_secondary"]``).
 
 qgZ (``zero_quantized_gradients``): a unit's gradient reduce-scatter becomes two all-to-alls. Rows of the
-rank-major gradient bucket go, as int4 blocks, to the node peer that will carry them across (the peer with
-the destination's place on its node); each rank sums what it received (one partial row per node), sends
-those as int4 blocks to the ranks with its place on the other nodes, and sums what comes back: its row of
-the reduced bucket. With ``zeropp_loco_param`` (``{"err_beta": 0.8, "reset_T": 1024}``) each quantization
-adds the error feedback of LoCo, as DeepSpeed 0.19 does: the tensor sent is ``x + e``, then
-``e <- err_beta * e + (1 - err_beta) * (x + e - dequantize(quantize(x + e)))``, the buffers kept as int8
-blocks, cleared after every ``reset_T`` reductions of a unit.
+rank-major gradient bucket go to the node peer that will carry them across (the peer with the destination's
+place on its node); each rank sums what it received (one partial row per node), sends those to the ranks
+with its place on the other nodes, and sums what comes back: its row of the reduced bucket. As in DeepSpeed's
+``all_to_all_quant_reduce``, both hops send int4 groups with an fp32 scale each, a parameter's groups
+``numel / max(shape[0], shape[1], world)`` elements long, and only the gradients of parameters of 2 or more
+dimensions whose ``numel`` divides by ``2 * world`` are quantized; the others (biases, norms) go in the same
+messages at full precision. Partial sums are fp32. With ``zeropp_loco_param`` (``{"err_beta": 0.8,
+"reset_T": 1024}``) each quantization adds LoCo's error feedback (DeepSpeed's ``loco_swizzle_quant`` /
+``loco_quantized_reduction``): the tensor sent is ``x + e``, then ``e <- err_beta * e + (1 - err_beta) *
+(x + e - dequantize(quantize(x + e)))``, the buffers kept as int8 groups, cleared after every ``reset_T``
+reductions of a unit. The all-to-all inside the node runs in the background while backward goes on
+(``OVERLAP``); the bucket's handle finishes the chain when the reducer waits on it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -37,8 +43,8 @@ import torch.nn.functional as F
 from shardwise import comm
 from shardwise.comm import quantize as q
 
-GRAD_BLOCK = 256  # elements per int4 block of a gradient row (qgZ)
 GRAD_BITS = 4  # DeepSpeed's all_to_all_quant_reduce sends int4
+OVERLAP = True  # qgZ: the all-to-all inside the node runs while backward goes on (False: in the hook)
 LOCO_DEFAULTS = {"err_beta": 0.8, "reset_T": 1024}
 
 
@@ -83,9 +89,10 @@ class ZeroPP:
         return group is self.dp_group or _group_ranks(group) == self.dp_ranks
 
 
-def setup(zero_config, *, dp_group) -> ZeroPP | None:
+def setup(zero_config, *, dp_group, bucket_units=()) -> ZeroPP | None:
     """The ZeRO++ settings of a stage-3 ``zero_optimization`` block, None when none is on. Collective
-    (node groups are created on first use)."""
+    (node groups are created on first use). ``bucket_units``: per gradient bucket, the unit it holds (qgZ
+    reads the parameters' shapes from it)."""
     if zero_config is None:
         return None
     qw = bool(getattr(zero_config, "zero_quantized_weights", False))
@@ -99,30 +106,26 @@ def setup(zero_config, *, dp_group) -> ZeroPP | None:
                 node_size=node_size_of(zero_config, world), dp_group=dp_group, dp_ranks=ranks)
     if world > 1 and (hpz > 1 or qg):
         pp.nodes = _node_groups(dp_group, ranks, pp.node_size)
-        pp.node_size = pp.nodes.node_size  # (the grid's: the plan's node size)
         if hpz > 1 and pp.nodes.size != hpz:
             raise ValueError(f"zero_optimization.zero_hpz_partition_size={hpz}: this rank's node holds "
                              f"{pp.nodes.size} of the data-parallel ranks {ranks}; the hpZ group must be "
                              "the data ranks of one node")
     if qg and world > 1:
-        pp.reducer = HierarchicalReduceScatter(pp)
+        pp.reducer = HierarchicalReduceScatter(pp, bucket_units)
     return pp
 
 
 def _node_groups(dp_group, ranks: list[int], node_size: int):
-    """The node groups of the grid (built with every other group, ``ParallelDims.node_size``) whose data axis
-    ``ranks`` are; else, with the whole world as the data axis (ZeRO-3 built outside ``initialize``), the
-    world's."""
     from shardwise import topology
 
     grid = topology.active_grid()
-    if grid is not None and grid.node_size > 0 and any(sorted(r) == sorted(ranks) for r in grid.data_rank_lists()):
-        return grid.node_groups()
+    if grid is not None and hasattr(grid, "data_rank_lists") and any(sorted(r) == sorted(ranks)
+                                                                      for r in grid.data_rank_lists()):
+        return grid.node_groups(node_size)
     if dp_group is None or ranks == list(range(comm.get_world_size())):
-        return topology.world_node_groups(node_size)
-    raise ValueError(f"ZeRO++ (hpZ / qgZ) over data-parallel ranks {ranks}: the engine's grid has no node groups "
-                     "over them; build the engine with shardwise.initialize (its grid has them), or pass a grid "
-                     "built with ParallelGrid.from_dims(dims) whose dims.node_size is the ranks per node")
+        return topology.node_groups([list(range(comm.get_world_size()))], node_size)
+    raise ValueError(f"ZeRO++ (hpZ / qgZ) over data-parallel ranks {ranks}: pass the engine a grid (mpu=) "
+                     "whose data axis they are, so that every rank can cut the node groups")
 
 
 # -- qwZ ----------------------------------------------------------------------------------------
@@ -160,106 +163,217 @@ class _Done:
         return True
 
 
+def grad_group_size(shape, world: int) -> int | None:
+    """Elements per int4 group of a gradient of ``shape`` reduced over ``world`` ranks, DeepSpeed's rule
+    (``all_to_all_quant_reduce``): ``numel / max(shape[0], shape[1], world)``; None where DeepSpeed sends the
+    gradient unquantized (a tensor of fewer than 2 dimensions, or ``numel`` not a multiple of ``2 * world``)."""
+    shape = tuple(int(d) for d in shape)
+    numel = math.prod(shape)
+    if len(shape) < 2 or numel == 0 or numel % (2 * world):
+        return None
+    return max(1, numel // max(shape[0], shape[1], world))
+
+
+@dataclass
+class RowPlan:
+    """Which elements of a bucket row (one rank's shard of a unit) qgZ sends as int4 blocks and which at full
+    precision. ``quantized``: row positions of the pieces of the parameters DeepSpeed quantizes, with
+    ``block_of`` (a block per group of the parameter's group size; a piece whose length the group size does
+    not divide ends in a shorter block); ``plain``: the row positions of the other trainable parameters.
+    Positions in neither (frozen parameters) reduce to zero."""
+
+    quantized: torch.Tensor
+    block_of: torch.Tensor
+    nblocks: int
+    plain: torch.Tensor
+    numel: int
+
+    @classmethod
+    def of_unit(cls, unit, world: int) -> "RowPlan":
+        qpos, blocks, ppos, nb = [], [], [], 0
+        for p, off, c in zip(unit.params, unit.offsets, unit.chunks):
+            if not p.requires_grad or c == 0:
+                continue
+            g = grad_group_size(getattr(p, "ds_shape", p.shape), world)
+            if g is None:
+                ppos.append(torch.arange(off, off + c))
+                continue
+            qpos.append(torch.arange(off, off + c))
+            blocks.append(torch.arange(c) // g + nb)
+            nb += -(-c // g)
+        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)  # noqa: E731
+        dev = unit.device
+        return cls(cat(qpos).to(dev), cat(blocks).to(dev), nb, cat(ppos).to(dev), unit.shard_numel)
+
+    def wire_bytes(self, plain_itemsize: int) -> int:
+        """Bytes one row takes on the wire: int4 codes, fp32 scales, the plain elements."""
+        return self.quantized.numel() // 2 + 4 * self.nblocks + plain_itemsize * self.plain.numel()
+
+
 class _ErrorFeedback:
-    """A LoCo error buffer, kept as int8 blocks between reductions."""
+    """A LoCo error buffer (rows of the quantized elements), kept as int8 blocks between reductions."""
 
     def __init__(self) -> None:
         self.values = self.scales = None
 
-    def get(self, numel: int, block: int, device) -> torch.Tensor:
+    def get(self, like: torch.Tensor, plan: RowPlan) -> torch.Tensor:
         if self.values is None:
-            return torch.zeros(numel, device=device)
-        return q.dequantize(self.values, self.scales, block, 8)
+            return torch.zeros_like(like)
+        return q.dequantize_rows(self.values, self.scales, plan.block_of, 8)
 
-    def put(self, err: torch.Tensor, block: int) -> None:
-        self.values, self.scales = q.quantize(err, block, 8)
+    def put(self, err: torch.Tensor, plan: RowPlan) -> None:
+        self.values, self.scales = q.quantize_rows(err, plan.block_of, plan.nblocks, 8)
 
     def clear(self) -> None:
         self.values = self.scales = None
 
 
-def _send_quantized(x: torch.Tensor, block: int, err: _ErrorFeedback | None, beta: float):
-    """int4 blocks of ``x`` (flat, a multiple of ``block``), with LoCo error feedback if ``err``."""
-    if err is None:
-        return q.quantize(x, block, GRAD_BITS)
-    e = err.get(x.numel(), block, x.device)
-    compensated = x + e
-    values, scales = q.quantize(compensated, block, GRAD_BITS)
-    new_err = compensated - q.dequantize(values, scales, block, GRAD_BITS)
-    err.put(beta * e + (1.0 - beta) * new_err, block)
-    return values, scales
+def _encode(xq: torch.Tensor, xp: torch.Tensor, plan: RowPlan, err: _ErrorFeedback | None,
+            beta: float) -> torch.Tensor:
+    """The rows to send as bytes: ``[R, wire_bytes]``, each row its int4 codes, fp32 scales and plain
+    elements. ``xq`` (fp32 ``[R, Q]``) is quantized with LoCo's error feedback if ``err``."""
+    if err is not None:
+        e = err.get(xq, plan)
+        xq = xq + e
+    values, scales = q.quantize_rows(xq, plan.block_of, plan.nblocks, GRAD_BITS)
+    if err is not None:
+        new = xq - q.dequantize_rows(values, scales, plan.block_of, GRAD_BITS)
+        err.put(beta * e + (1.0 - beta) * new, plan)
+    r = xq.shape[0]
+    return torch.cat([values, scales.view(torch.uint8).view(r, -1), xp.contiguous().view(torch.uint8).view(r, -1)],
+                     dim=1)
 
 
-def _all_to_all(values: torch.Tensor, scales: torch.Tensor, group):
-    out_v, out_s = torch.empty_like(values), torch.empty_like(scales)
-    comm.all_to_all_single(out_v, values, group=group)
-    comm.all_to_all_single(out_s, scales, group=group)
-    return out_v, out_s
+def _decode(buf: torch.Tensor, plan: RowPlan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``[R, Q]`` dequantized values and ``[R, P]`` plain elements (in ``dtype``) of received rows."""
+    nq, nb = plan.quantized.numel() // 2, 4 * plan.nblocks
+    values = buf[:, :nq]
+    scales = buf[:, nq:nq + nb].contiguous().view(torch.float32)
+    plain = buf[:, nq + nb:].contiguous().view(dtype)
+    return q.dequantize_rows(values, scales, plan.block_of, GRAD_BITS), plain
+
+
+class _Pending:
+    """qgZ's reduction of one bucket with its first all-to-all (inside the node) in flight: ``wait()`` sums
+    what arrived, runs the all-to-all across nodes and writes this rank's row of the reduced bucket."""
+
+    def __init__(self, owner: "HierarchicalReduceScatter", out, plan, recv, work, errs, dtype) -> None:
+        self.owner, self.out, self.plan, self.recv, self.work, self.errs = owner, out, plan, recv, work, errs
+        self.dtype = dtype
+        self.send = None
+        self.done = False
+
+    def wait(self) -> bool:
+        if not self.done:
+            self.done = True
+            if self.work is not None:
+                self.work.wait()
+                self.work = self.send = None
+            self.owner._finish(self)
+        return True
 
 
 class HierarchicalReduceScatter:
-    """qgZ's reduce-scatter of a rank-major gradient bucket (the ``BucketReducer`` hook)."""
+    """qgZ's reduce-scatter of a rank-major gradient bucket (the ``BucketReducer`` hook).
 
-    def __init__(self, pp: ZeroPP) -> None:
+    A row of the bucket is one rank's shard of a unit: a piece of each of its parameters. The pieces of the
+    parameters DeepSpeed quantizes (2-D and more, ``numel`` a multiple of ``2 * world``) travel as int4 groups
+    of DeepSpeed's size (``grad_group_size``) with an fp32 scale each; the other trainable parameters' pieces
+    (biases, norms: DeepSpeed reduces those with a plain reduce-scatter) travel alongside at full precision,
+    in the same message. Partial sums are fp32. With ``overlap`` the first all-to-all runs in the background
+    while backward goes on; the handle's ``wait()`` finishes the chain."""
+
+    def __init__(self, pp: ZeroPP, bucket_units) -> None:
         self.pp = pp
+        self.bucket_units = list(bucket_units)  # bucket position -> the Unit whose gradients it holds
+        self.overlap = OVERLAP
+        self.plans: dict[int, RowPlan] = {}
         nodes = pp.nodes
         index = {r: i for i, r in enumerate(pp.dp_ranks)}  # global rank -> row of the bucket
-        # Global ranks of the nodes, node by node, each in local order: node m's local rank l.
         local_ranks = list(nodes.ranks)
         cross_ranks = list(nodes.cross_ranks)
         self.L, self.M = len(local_ranks), len(cross_ranks)
-        self.l, self.m = nodes.rank, nodes.node
-        # rows[l'][m'] = the bucket row of the data rank at place l' on node m'. Node m' of this rank's
-        # place l is cross_ranks[m']; its node's ranks are those of the same node (global // node_size).
+        # rows[l'][m'] = the bucket row of the data rank at place l' on node m' (nodes in the order of this
+        # rank's inter-node group; a node's ranks in their global order).
         size = pp.node_size
         node_of = {r: r // size for r in pp.dp_ranks}
         members: dict[int, list[int]] = {}
         for r in pp.dp_ranks:
             members.setdefault(node_of[r], []).append(r)
-        order = [node_of[r] for r in cross_ranks]  # node ids in inter-node group order
-        self.rows = [[index[sorted(members[n])[lp]] for n in order] for lp in range(self.L)]
+        order = [node_of[r] for r in cross_ranks]
+        rows = [[index[sorted(members[n])[lp]] for n in order] for lp in range(self.L)]
+        self.send_order = torch.tensor([r for per_place in rows for r in per_place], dtype=torch.long)
         self.errors: dict[int, tuple[_ErrorFeedback, _ErrorFeedback]] = {}
         self.counts: dict[int, int] = {}
+
+    def plan(self, bucket) -> RowPlan:
+        if bucket.index not in self.plans:
+            self.plans[bucket.index] = RowPlan.of_unit(self.bucket_units[bucket.position], len(self.pp.dp_ranks))
+        return self.plans[bucket.index]
+
+    def _loco(self, bucket):
+        loco = self.pp.loco
+        if loco is None:
+            return None
+        errs = self.errors.setdefault(bucket.index, (_ErrorFeedback(), _ErrorFeedback()))
+        self.counts[bucket.index] = self.counts.get(bucket.index, 0) + 1
+        if self.counts[bucket.index] > int(loco["reset_T"]):
+            self.counts[bucket.index] = 1
+            errs[0].clear()
+            errs[1].clear()
+        return errs
 
     def __call__(self, bucket, out: torch.Tensor, data: torch.Tensor, group):
         if not self.pp.applies_to(group):
             return comm.reduce_scatter_tensor(out, data, group=group, async_op=True)
         world = len(self.pp.dp_ranks)
-        S = data.numel() // world
-        block = min(GRAD_BLOCK, max(2, S + (S & 1)))
-        Sp = q.padded_numel(S, block)
-        rows = data.view(world, S).float()
-        if Sp != S:
-            rows = F.pad(rows, (0, Sp - S))
-        loco = self.pp.loco
-        errs = None
-        if loco is not None:
-            errs = self.errors.setdefault(bucket.index, (_ErrorFeedback(), _ErrorFeedback()))
-            self.counts[bucket.index] = self.counts.get(bucket.index, 0) + 1
-            if self.counts[bucket.index] > int(loco["reset_T"]):
-                self.counts[bucket.index] = 0
-                errs[0].clear()
-                errs[1].clear()
-        beta = float(loco["err_beta"]) if loco is not None else 0.0
-        nodes = self.pp.nodes
+        plan = self.plan(bucket)
+        rows = data.view(world, plan.numel)
+        errs = self._loco(bucket)
         # Stage 1, inside the node: to local peer l' the rows of the destinations at place l' on every node.
-        send = torch.stack([rows[self.rows[lp]] for lp in range(self.L)])  # [L, M, Sp]
-        if self.L > 1:
-            values, scales = _send_quantized(send.reshape(-1), block, errs[0] if errs else None, beta)
-            values, scales = _all_to_all(values, scales, nodes.group)
-            # [M, Sp]: this node's sum for the destinations at place l
-            partial = q.dequantize_sum(values, scales, block, GRAD_BITS, self.L).view(self.M, Sp)
-        else:
-            partial = send[0]
-        # Stage 2, across nodes: to node m' its destination's partial row.
-        if self.M > 1:
-            values, scales = _send_quantized(partial.reshape(-1), block, errs[1] if errs else None, beta)
-            values, scales = _all_to_all(values, scales, nodes.cross_group)
-            mine = q.dequantize_sum(values, scales, block, GRAD_BITS, self.M)
-        else:
-            mine = partial[0]
-        out.copy_(mine[:S])
-        return _Done()
+        send = rows.index_select(0, self.send_order.to(rows.device))  # [L * M, S]
+        xq = send.index_select(1, plan.quantized).float()
+        xp = send.index_select(1, plan.plain)
+        pending = _Pending(self, out, plan, None, None, errs, data.dtype)
+        if self.L == 1:  # one rank a node: nothing to send inside it
+            pending.recv = (xq.view(1, self.M, -1), xp.view(1, self.M, -1))
+            self._cross(pending)
+            return _Done()
+        buf = _encode(xq, xp, plan, errs[0] if errs else None, self._beta())
+        recv = torch.empty_like(buf)
+        pending.recv, pending.send = recv, buf  # (the send buffer lives until the all-to-all is done)
+        pending.work = comm.all_to_all_single(recv, buf, group=self.pp.nodes.group, async_op=self.overlap)
+        if not self.overlap:
+            pending.wait()
+            return _Done()
+        return pending
+
+    def _beta(self) -> float:
+        return float(self.pp.loco["err_beta"]) if self.pp.loco is not None else 0.0
+
+    def _finish(self, pending: _Pending) -> None:
+        """After the all-to-all inside the node: decode what arrived, then reduce across nodes."""
+        plan = pending.plan
+        got_q, got_p = _decode(pending.recv, plan, pending.dtype)
+        pending.recv = (got_q.view(self.L, self.M, -1), got_p.view(self.L, self.M, -1))
+        self._cross(pending)
+
+    def _cross(self, pending: _Pending) -> None:
+        plan, out, errs = pending.plan, pending.out, pending.errs
+        got_q, got_p = pending.recv
+        partial_q = got_q.sum(dim=0)  # [M, Q]: this node's sums for the destinations at this rank's place
+        partial_p = got_p.float().sum(dim=0)
+        if self.M > 1:  # Stage 2, across nodes: to node m' its destination's partial row
+            buf = _encode(partial_q, partial_p.to(pending.dtype), plan, errs[1] if errs else None, self._beta())
+            recv = torch.empty_like(buf)
+            comm.all_to_all_single(recv, buf, group=self.pp.nodes.cross_group)
+            got_q, got_p = _decode(recv, plan, pending.dtype)
+            partial_q, partial_p = got_q.sum(dim=0, keepdim=True), got_p.float().sum(dim=0, keepdim=True)
+        mine = torch.zeros(plan.numel, dtype=torch.float32, device=out.device)
+        mine.index_copy_(0, plan.quantized, partial_q[0])
+        mine.index_copy_(0, plan.plain, partial_p[0])
+        out.copy_(mine)
+        pending.recv = None
 
 
 # -- zero_quantized_nontrainable_weights ------------------------------------------------------------
