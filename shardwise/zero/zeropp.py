@@ -4,7 +4,7 @@ backward gathers (hpZ), and a hierarchical, quantized gradient reduce-scatter (q
 Nodes: a rank's node is ``global_rank // node_size``, with ``node_size`` = ``zero_hpz_partition_size``
 when it is above 1, else the launcher's ranks per node (``LOCAL_WORLD_SIZE``). The data-parallel ranks are
 cut by node into a node group (the data ranks on one node) and an inter-node group (the k-th data rank of
-every node): ``topology.node_groups``.
+every node): the grid's ``node`` and ``inter_node`` groups (``ParallelGrid.node_groups``).
 
 qwZ (``zero_quantized_weights``): a unit's all-gather sends this rank's shard as int8 blocks with one fp32
 scale per block (``comm/quantize.py``; DeepSpeed's group layout), and every rank dequantizes what arrives.
@@ -106,6 +106,7 @@ def setup(zero_config, *, dp_group, bucket_units=()) -> ZeroPP | None:
                 node_size=node_size_of(zero_config, world), dp_group=dp_group, dp_ranks=ranks)
     if world > 1 and (hpz > 1 or qg):
         pp.nodes = _node_groups(dp_group, ranks, pp.node_size)
+        pp.node_size = pp.nodes.node_size  # (the grid's: the plan's node size)
         if hpz > 1 and pp.nodes.size != hpz:
             raise ValueError(f"zero_optimization.zero_hpz_partition_size={hpz}: this rank's node holds "
                              f"{pp.nodes.size} of the data-parallel ranks {ranks}; the hpZ group must be "
@@ -116,16 +117,19 @@ def setup(zero_config, *, dp_group, bucket_units=()) -> ZeroPP | None:
 
 
 def _node_groups(dp_group, ranks: list[int], node_size: int):
+    """The node groups of the grid (built with every other group, ``ParallelDims.node_size``) whose data axis
+    ``ranks`` are; else, with the whole world as the data axis (ZeRO-3 built outside ``initialize``), the
+    world's."""
     from shardwise import topology
 
     grid = topology.active_grid()
-    if grid is not None and hasattr(grid, "data_rank_lists") and any(sorted(r) == sorted(ranks)
-                                                                      for r in grid.data_rank_lists()):
-        return grid.node_groups(node_size)
+    if grid is not None and grid.node_size > 0 and any(sorted(r) == sorted(ranks) for r in grid.data_rank_lists()):
+        return grid.node_groups()
     if dp_group is None or ranks == list(range(comm.get_world_size())):
-        return topology.node_groups([list(range(comm.get_world_size()))], node_size)
-    raise ValueError(f"ZeRO++ (hpZ / qgZ) over data-parallel ranks {ranks}: pass the engine a grid (mpu=) "
-                     "whose data axis they are, so that every rank can cut the node groups")
+        return topology.world_node_groups(node_size)
+    raise ValueError(f"ZeRO++ (hpZ / qgZ) over data-parallel ranks {ranks}: the engine's grid has no node groups "
+                     "over them; build the engine with shardwise.initialize (its grid has them), or pass a grid "
+                     "built with ParallelGrid.from_dims(dims) whose dims.node_size is the ranks per node")
 
 
 # -- qwZ ----------------------------------------------------------------------------------------
