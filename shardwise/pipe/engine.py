@@ -274,8 +274,11 @@ class PipelineEngine(EngineBase):
         key = (ins.micro_batch_id, ins.chunk)
         tensors, single = st.inputs[key]
         self.timers.start("forward")
-        with torch_autocast.autocast(self.device, self._autocast_dtype):  # (the torch_autocast block)
+        if self._autocast_dtype is None:
             out = self.module(tensors[0] if single else tensors, chunk=ins.chunk)
+        else:  # the torch_autocast block
+            with torch_autocast.autocast(self.device, self._autocast_dtype):
+                out = self.module(tensors[0] if single else tensors, chunk=ins.chunk)
         self.timers.stop("forward")
         if self._is_last_vs(ins.chunk):
             if st.keep_logits:
@@ -294,7 +297,7 @@ class PipelineEngine(EngineBase):
                 st.inputs.pop(key, None)
                 st.outputs.pop(key, None)
             return
-        out_tensors, out_single = as_tensors(out, f"pipeline stage {self.stage_id}'s "
+        out_tensors, out_single = as_tensors(out, lambda: f"pipeline stage {self.stage_id}'s "
                                              f"{self.module.stage_output_layer(ins.chunk)}")
         st.outputs[key] = (out_tensors, out_single)
 
