@@ -63,6 +63,7 @@ class TrainingStep:
         self.lr_scheduler = lr_scheduler
         self.batch = batch  # BatchSizes (the engine's set_train_batch_size replaces it)
         self._grid, self._module, self._norm_skip = grid, module, frozenset(norm_skip)
+        self._scopes: dict[bool, NormScope] = {}  # norm_scope by strategy.norm_is_local (1-bit Adam flips it)
         self._after_update = list(after_update)
         self._clip, self._check_overflow, self._device = float(clip), bool(check_overflow), device
         self.global_steps = 0
@@ -136,7 +137,10 @@ class TrainingStep:
         if self.before_update is not None and not self.before_update():
             return self._discard()
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-        scope = norm_scope(self.strategy, grid=self._grid, module=self._module, skip=self._norm_skip)
+        scope = self._scopes.get(self.strategy.norm_is_local)
+        if scope is None:  # (the grid, the parameters and the strategy's groups are fixed: found once)
+            scope = self._scopes[self.strategy.norm_is_local] = norm_scope(
+                self.strategy, grid=self._grid, module=self._module, skip=self._norm_skip)
         result = clipped_step(self.strategy, scope, loss_scale=scale, clip=self._clip,
                               check_overflow=self._check_overflow, device=self._device)
         if self.loss_scaler is not None:
