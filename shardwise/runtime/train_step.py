@@ -191,7 +191,9 @@ class NormScope:
 
     group: object = None  # the process group summed over (None: the world)
     reduce: bool = True  # False: this rank's sum is already the whole norm
-    counted: Callable[[str], bool] | None = None  # parameter names that count (None: all)
+    # parameter names that count (None: all): a set's membership test, so the strategy asking it per
+    # fragment calls nothing back in this file
+    counted: Callable[[str], bool] | None = None
     contributes: bool = True  # False: this rank's sum is a copy of another rank's, counted there
 
 
@@ -205,14 +207,14 @@ def norm_scope(strategy, *, grid, module: torch.nn.Module, skip=frozenset()) -> 
             return NormScope(reduce=False)
         return NormScope(group=strategy.dp_group)
     tensor_rank = grid.get_tensor_model_parallel_rank() if tensor_size > 1 else 0
-    sharded = {n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+    named = list(module.named_parameters())
+    sharded = {n for n, p in named if getattr(p, "tensor_model_parallel", False)}
     if not strategy.norm_is_local:  # MoE experts: partitioned over expert-data groups that span the tensor ranks
         sharded |= strategy.layout.expert_names
     skip = frozenset(skip)
-
-    def counted(name: str) -> bool:
-        return name not in skip and (tensor_rank == 0 or name in sharded)
-
+    # every name a strategy's fragments carry: the module's, and the layout's (experts: by global index)
+    names = {n for n, _ in named} | {n for n, _ in strategy.layout.named(named)}
+    counted = frozenset(n for n in names if n not in skip and (tensor_rank == 0 or n in sharded)).__contains__
     if not strategy.norm_is_local:
         return NormScope(group=None, counted=counted)
     model_group = grid.get_model_parallel_group()
