@@ -12,6 +12,11 @@ shardwise caller frame is in another shardwise file. "Gradient path" leaves out 
 (timers, monitors, logging, config reads, the accelerator shim, the grid's rank arithmetic, the engine's
 liveness checks) that a step also calls, and the model's own code (the reference GPT's layers and loss,
 whose backward autograd runs).
+
+The files of the gradient path are counted two ways: every shardwise file on it, and the engine / ZeRO /
+pipeline files (``runtime/``, ``zero/``, ``pipe/``) with the layers below them counted apart: the comm
+layer (``comm/``, which plays torch.distributed's role) and the leaf helpers outside those packages
+(``precision.py``'s gradient kernels, ...), which are called and call nothing back.
 """
 
 from __future__ import annotations
@@ -56,6 +61,17 @@ class _Walk:
             self.crossings.append((caller, callee))
 
 
+ENGINE_LAYERS = ("runtime/", "zero/", "pipe/")  # the engine, ZeRO and pipeline files
+COMM_LAYER = ("comm/",)  # below them, in torch.distributed's role
+
+
+def layer_of(f: str) -> str:
+    """``"engine/ZeRO/pipe"``, ``"comm"`` or ``"helpers"`` (a file outside both, e.g. ``precision.py``)."""
+    if f.startswith(ENGINE_LAYERS):
+        return "engine/ZeRO/pipe"
+    return "comm" if f.startswith(COMM_LAYER) else "helpers"
+
+
 def _summary(walk: _Walk) -> dict:
     def path(f):
         return not any(f.startswith(b) for b in BOOKKEEPING)
@@ -67,7 +83,8 @@ def _summary(walk: _Walk) -> dict:
         pairs = {(a, b) for a, b in cross}
         both = sorted({tuple(sorted(p)) for p in pairs if (p[1], p[0]) in pairs})
         counts = {f"{a} -> {b}": cross.count((a, b)) for a, b in sorted(pairs)}
-        out[name] = {"files": files, "crossings": len(cross), "distinct crossings": len(pairs),
+        layers = {k: [f for f in files if layer_of(f) == k] for k in ("engine/ZeRO/pipe", "helpers", "comm")}
+        out[name] = {"files": files, "layers": layers, "crossings": len(cross), "distinct crossings": len(pairs),
                      "both ways": [f"{a} <-> {b}" for a, b in both], "pairs": counts}
     return out
 
@@ -151,9 +168,14 @@ def main() -> None:
         result = json.loads(run_two_ranks(__file__, args.tree, "--what", what, label=what))
         print(f"## {title}")
         for name, r in result.items():
-            print(f"{name}: {len(r['files'])} files, {r['crossings']} crossings ({r['distinct crossings']} distinct), "
+            layers = r["layers"]
+            print(f"{name}: {len(r['files'])} shardwise files; {len(layers['engine/ZeRO/pipe'])} engine/ZeRO/pipe "
+                  f"files, besides {len(layers['helpers'])} helpers and {len(layers['comm'])} of the comm layer; "
+                  f"{r['crossings']} crossings ({r['distinct crossings']} distinct), "
                   f"{len(r['both ways'])} pairs both ways")
-            print("  files: " + ", ".join(r["files"]))
+            for layer, files in layers.items():
+                if files:
+                    print(f"  {layer}: " + ", ".join(files))
             if "python calls per rank" in r:
                 print("  Python calls of one train_batch (cProfile), per stage: " + str(r["python calls per rank"]))
             if r["both ways"]:

@@ -3,7 +3,8 @@ declared once here with their accessors. Everything else goes through these func
 
 * ``ds_grad_is_ready`` (parameter; DeepSpeed's name, so code written for DeepSpeed keeps working):
   False while a tiled computation (``runtime/sequence_parallel/tiled.py``) still adds to the
-  gradient; ZeRO's bucket hooks (``zero/buckets.py``) wait for True.
+  gradient; ZeRO's bucket hooks (``zero/buckets.py``) wait for True. The hooks run once per gradient
+  and read the attribute by its name here (``GRAD_IS_READY``) instead of calling ``grad_is_ready``.
 * ``_ds_unit`` (parameter): the ZeRO-3 unit holding the parameter's shard (``zero/coordinator.py``).
 * ``_autotp_grad_allreduce`` (parameter): automatic tensor parallelism already sums this replicated
   parameter's gradient over the tensor group (``tensor_parallel/autotp.py``).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-_GRAD_IS_READY = "ds_grad_is_ready"
+GRAD_IS_READY = "ds_grad_is_ready"  # (absent: True)
 _ZERO_UNIT = "_ds_unit"
 _AUTOTP_GRAD_ALLREDUCE = "_autotp_grad_allreduce"
 _EXTERNAL_PARAMS = "_sw_external_params"
@@ -25,11 +26,11 @@ _Z3_LEAF = "_z3_leaf"
 
 
 def grad_is_ready(param: torch.Tensor) -> bool:
-    return bool(getattr(param, _GRAD_IS_READY, True))
+    return bool(getattr(param, GRAD_IS_READY, True))
 
 
 def set_grad_is_ready(param: torch.Tensor, ready: bool) -> None:
-    setattr(param, _GRAD_IS_READY, bool(ready))
+    setattr(param, GRAD_IS_READY, bool(ready))
 
 
 def zero_unit(param: torch.Tensor):

@@ -195,20 +195,23 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# Each wrapper gives ``ops.run`` the backend function and its arguments (no closure: ``ops`` calls
+# nothing back in this file).
+
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
-    return ops.run("all_reduce", lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+    return ops.run("all_reduce", dist.all_reduce, (tensor,), {"op": op, "group": group, "async_op": async_op},
                    group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
-    return ops.run("broadcast", lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+    return ops.run("broadcast", dist.broadcast, (tensor,), {"src": src, "group": group, "async_op": async_op},
                    group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
 
 
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     """Broadcast a small JSON-like python object (tag names, paths)."""
     box = [obj]
-    ops.run("broadcast_object", lambda: dist.broadcast_object_list(box, src=src, group=group),
+    ops.run("broadcast_object", dist.broadcast_object_list, (box,), {"src": src, "group": group},
             group=group, tensors=(), nbytes=0)
     return box[0]
 
@@ -217,8 +220,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, gr
     # message size: the whole gathered buffer (nccl-tests' convention)
     output = output_tensor
     impl = direct.all_gather if direct.enabled(group, output, tensor) else _all_gather_single
-    return ops.run("all_gather_into_tensor",
-                   lambda: impl(output, tensor, group=group, async_op=async_op),
+    return ops.run("all_gather_into_tensor", impl, (output, tensor), {"group": group, "async_op": async_op},
                    group=group, tensors=(tensor,), nbytes=_nbytes(output), async_op=async_op)
 
 
@@ -227,19 +229,17 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op=
     # message size: the whole buffer being reduced and scattered
     output = output_tensor
     if op == ReduceOp.SUM and direct.enabled(group, output, tensor):
-        def call():
-            return direct.reduce_scatter(output, tensor, group=group, async_op=async_op)
+        impl, kwargs = direct.reduce_scatter, {"group": group, "async_op": async_op}
     else:
-        def call():
-            return _reduce_scatter_single(output, tensor, op=op, group=group, async_op=async_op)
-    return ops.run("reduce_scatter_tensor", call,
+        impl, kwargs = _reduce_scatter_single, {"op": op, "group": group, "async_op": async_op}
+    return ops.run("reduce_scatter_tensor", impl, (output, tensor), kwargs,
                    group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
 
 
 def barrier(group=None, async_op=False, device_ids=None):
     """Wait until every rank of ``group`` (default: all) gets here; a no-op without a process group."""
     if is_initialized():
-        return ops.run("barrier", lambda: dist.barrier(group=group, async_op=async_op, device_ids=device_ids),
+        return ops.run("barrier", dist.barrier, (), {"group": group, "async_op": async_op, "device_ids": device_ids},
                        group=group, tensors=(), nbytes=0, async_op=async_op)
     return None
 
@@ -249,33 +249,32 @@ def barrier(group=None, async_op=False, device_ids=None):
 # unused because the comms logger here records every collective by itself.
 
 def all_gather(tensor_list, tensor, group=None, async_op=False, prof=False, log_name="all_gather", debug=None):
-    return ops.run("all_gather", lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op),
+    return ops.run("all_gather", dist.all_gather, (tensor_list, tensor), {"group": group, "async_op": async_op},
                    group=group, tensors=(tensor,), nbytes=sum(_nbytes(t) for t in tensor_list), async_op=async_op)
 
 
 def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False,
                       prof=False, log_name="all_to_all_single", debug=None):
-    return ops.run("all_to_all_single",
-                   lambda: dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
-                                                  input_split_sizes=input_split_sizes, group=group,
-                                                  async_op=async_op),
+    return ops.run("all_to_all_single", dist.all_to_all_single, (output, tensor),
+                   {"output_split_sizes": output_split_sizes, "input_split_sizes": input_split_sizes,
+                    "group": group, "async_op": async_op},
                    group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="reduce", debug=None):
-    return ops.run("reduce", lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op),
+    return ops.run("reduce", dist.reduce, (tensor,), {"dst": dst, "op": op, "group": group, "async_op": async_op},
                    group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
 
 
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, prof=False, log_name="gather", debug=None):
-    return ops.run("gather", lambda: dist.gather(tensor, gather_list=gather_list, dst=dst, group=group,
-                                                 async_op=async_op),
+    return ops.run("gather", dist.gather, (tensor,),
+                   {"gather_list": gather_list, "dst": dst, "group": group, "async_op": async_op},
                    group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, prof=False, log_name="scatter", debug=None):
-    return ops.run("scatter", lambda: dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group,
-                                                   async_op=async_op),
+    return ops.run("scatter", dist.scatter, (tensor,),
+                   {"scatter_list": scatter_list, "src": src, "group": group, "async_op": async_op},
                    group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=async_op)
 
 
@@ -283,22 +282,22 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, prof=F
 # collectives above, only the two ranks involved take part.
 
 def send(tensor, dst, group=None, tag=0, prof=False, log_name="send", debug=None):
-    return ops.run("send", lambda: dist.send(tensor, dst=dst, group=group, tag=tag),
+    return ops.run("send", dist.send, (tensor,), {"dst": dst, "group": group, "tag": tag},
                    group=group, tensors=(tensor,), nbytes=_nbytes(tensor))
 
 
 def recv(tensor, src=None, group=None, tag=0, prof=False, log_name="recv", debug=None):
-    return ops.run("recv", lambda: dist.recv(tensor, src=src, group=group, tag=tag),
+    return ops.run("recv", dist.recv, (tensor,), {"src": src, "group": group, "tag": tag},
                    group=group, tensors=(tensor,), nbytes=_nbytes(tensor))
 
 
 def isend(tensor, dst, group=None, tag=0, prof=False, log_name="isend", debug=None):
-    return ops.run("isend", lambda: dist.isend(tensor, dst=dst, group=group, tag=tag),
+    return ops.run("isend", dist.isend, (tensor,), {"dst": dst, "group": group, "tag": tag},
                    group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=True)
 
 
 def irecv(tensor, src=None, group=None, tag=0, prof=False, log_name="irecv", debug=None):
-    return ops.run("irecv", lambda: dist.irecv(tensor, src=src, group=group, tag=tag),
+    return ops.run("irecv", dist.irecv, (tensor,), {"src": src, "group": group, "tag": tag},
                    group=group, tensors=(tensor,), nbytes=_nbytes(tensor), async_op=True)
 
 

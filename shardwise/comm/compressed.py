@@ -175,13 +175,13 @@ def _decompress(message: torch.Tensor, segments: list[list[tuple[int, int, int]]
 
 
 def _all_to_all(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
-    ops.run("compressed_all_to_all", lambda: dist.all_to_all_single(output, tensor, group=group),
+    ops.run("compressed_all_to_all", dist.all_to_all_single, (output, tensor), {"group": group},
             group=group, tensors=(tensor,), nbytes=tensor.numel() * tensor.element_size())
 
 
 def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
     impl = direct.all_gather if direct.enabled(group, output, tensor) else dist.all_gather_into_tensor
-    ops.run("compressed_all_gather", lambda: impl(output, tensor, group=group),
+    ops.run("compressed_all_gather", impl, (output, tensor), {"group": group},
             group=group, tensors=(tensor,), nbytes=output.numel() * output.element_size())
 
 

@@ -1,9 +1,9 @@
 """Bookkeeping around every collective: what it is, its sequence number, whether it is done.
 
-Each wrapper in ``comm.py`` calls :func:`run`. It gives the collective a record (op name,
-group, tensor shapes, dtype, bytes, a per-group sequence number), keeps the record in the
-in-flight table until the op completes, hands completed records to the comms logger, and
-turns a backend failure into a :class:`CollectiveError` that says which collective it was,
+Each wrapper in ``comm.py`` calls :func:`run` with the backend function and its arguments. It
+gives the collective a record (op name, group, tensor shapes, dtype, bytes, a per-group sequence
+number), keeps the record in the in-flight table until the op completes, hands completed records to
+the comms logger, and turns a backend failure into a :class:`CollectiveError` that says which collective it was,
 on this rank and, through the watchdog, on every other rank.
 
 All ranks of a group issue the same collectives in the same order, so the sequence
@@ -213,12 +213,18 @@ class TrackedWork:
         return getattr(self._work, name)
 
 
-def run(name: str, call: Callable[[], Any], *, group, tensors: Sequence[torch.Tensor],
-        nbytes: int, async_op: bool = False):
-    """Issue one collective through ``call`` with its record; see the module docstring."""
+_NO_KWARGS: dict = {}
+
+
+def run(name: str, fn: Callable[..., Any], args: tuple = (), kwargs: dict = _NO_KWARGS, *, group,
+        tensors: Sequence[torch.Tensor], nbytes: int, async_op: bool = False):
+    """Issue one collective, ``fn(*args, **kwargs)``, with its record; see the module docstring.
+
+    ``fn`` is the backend's function (``torch.distributed``'s, or a ``direct`` exchange) and the caller
+    gives its arguments up front, so this module calls nothing back in the caller's."""
     rec = _begin(name, group, tensors, nbytes, async_op)
     try:
-        work = call()
+        work = fn(*args, **kwargs)
     except RuntimeError as exc:
         raise _failure(rec, exc) from exc
     except Exception:  # refused before anything was sent (bad sizes): not in flight

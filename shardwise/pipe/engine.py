@@ -52,6 +52,7 @@ class PipelineEngine(EngineBase):
             model.activation_checkpoint_interval = interval
         self.num_stages = model.num_stages
         self.stage_id = model.stage_id
+        self._last_vs = model.num_stages * model.virtual_stages - 1  # the last virtual stage (its loss)
         self.is_pipe_parallel = self.num_stages > 1
         self.is_data_parallel = self.dp_world_size > 1
         self.data_iterator = None
@@ -130,11 +131,11 @@ class PipelineEngine(EngineBase):
             raise RuntimeError("train_batch() needs gradients enabled; use eval_batch() to evaluate")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
-        self.module.train()
-        batches = self._load_batches(self.micro_batches)
-        schedule = sched.make_schedule(self.module.schedule, micro_batches=self.micro_batches,
-                                       stages=self.num_stages, stage_id=self.stage_id,
-                                       virtual_stages=self.module.virtual_stages)
+        module, m = self.module, self.micro_batches  # (m: set_train_batch_size may change it between batches)
+        module.train()
+        batches = self._load_batches(m)
+        schedule = sched.make_schedule(module.schedule, micro_batches=m, stages=self.num_stages,
+                                       stage_id=self.stage_id, virtual_stages=module.virtual_stages)
         self._run(schedule, batches)
         return self.agg_train_loss
 
@@ -253,7 +254,7 @@ class PipelineEngine(EngineBase):
         return chunk * self.num_stages + self.stage_id
 
     def _is_last_vs(self, chunk: int) -> bool:
-        return self._vs(chunk) == self.num_stages * self.module.virtual_stages - 1
+        return self._vs(chunk) == self._last_vs
 
     def _exec_load(self, ins, st) -> None:
         batch = st.batches[ins.micro_batch_id]
@@ -274,8 +275,11 @@ class PipelineEngine(EngineBase):
         key = (ins.micro_batch_id, ins.chunk)
         tensors, single = st.inputs[key]
         self.timers.start("forward")
-        with torch_autocast.autocast(self.device, self._autocast_dtype):  # (the torch_autocast block)
+        if self._autocast_dtype is None:
             out = self.module(tensors[0] if single else tensors, chunk=ins.chunk)
+        else:  # the torch_autocast block
+            with torch_autocast.autocast(self.device, self._autocast_dtype):
+                out = self.module(tensors[0] if single else tensors, chunk=ins.chunk)
         self.timers.stop("forward")
         if self._is_last_vs(ins.chunk):
             if st.keep_logits:
@@ -294,7 +298,7 @@ class PipelineEngine(EngineBase):
                 st.inputs.pop(key, None)
                 st.outputs.pop(key, None)
             return
-        out_tensors, out_single = as_tensors(out, f"pipeline stage {self.stage_id}'s "
+        out_tensors, out_single = as_tensors(out, lambda: f"pipeline stage {self.stage_id}'s "
                                              f"{self.module.stage_output_layer(ins.chunk)}")
         st.outputs[key] = (out_tensors, out_single)
 
@@ -355,10 +359,11 @@ class PipelineEngine(EngineBase):
 
     def _exec_optimizer_step(self, ins, st) -> None:
         self._check_can_step()
-        self.agg_train_loss = self._replica_mean(st.losses, self.micro_batches).sum() / self.micro_batches
+        m = st.micro_batches  # the batch's (as its schedule was made)
+        self.agg_train_loss = self._replica_mean(st.losses, m).sum() / m
         self.timers.start("step")
         # the norm is taken over every stage (the grid's norm group), so all stages clip and skip together
-        self._after_update(self.train_step.batch_step(self.micro_batches, batch_loss=self.agg_train_loss))
+        self._after_update(self.train_step.batch_step(m, batch_loss=self.agg_train_loss))
 
     def _replica_mean(self, losses, m: int) -> torch.Tensor:
         """Each micro-batch's loss averaged over the data-parallel replicas, the same on every rank (train
@@ -383,6 +388,7 @@ class _BatchState:
 
     def __init__(self, schedule, batches) -> None:
         self.batches = batches
+        self.micro_batches = schedule.micro_batches
         self.inputs: dict = {}
         self.outputs: dict = {}
         self.labels: dict = {}

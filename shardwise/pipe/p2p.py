@@ -22,12 +22,15 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 
-def as_tensors(value, where: str) -> tuple[tuple[torch.Tensor, ...], bool]:
-    """``(tensors, single)``; anything but a tensor or a tuple/list of tensors is refused naming ``where``."""
+def as_tensors(value, where) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """``(tensors, single)``; anything but a tensor or a tuple/list of tensors is refused naming ``where``
+    (a string, or a function returning it, called only then)."""
     if isinstance(value, torch.Tensor):
         return (value,), True
     if isinstance(value, (tuple, list)) and value and all(isinstance(t, torch.Tensor) for t in value):
         return tuple(value), False
+    if callable(where):
+        where = where()
     kinds = type(value).__name__ if not isinstance(value, (tuple, list)) else \
         f"{type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
     raise PipelineError(f"{where} returned a {kinds}: the output of a pipeline stage must be a tensor or a "

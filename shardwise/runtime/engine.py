@@ -372,8 +372,12 @@ class Engine(EngineBase, metaclass=abc.ABCMeta):
         if self.precision.auto_cast:
             args = cast_inputs(args, self.precision.param_dtype)
             kwargs = cast_inputs(kwargs, self.precision.param_dtype)
-        with self.grid.active(), torch_autocast.autocast(self.device, self._autocast_dtype):
-            out = self.module(*args, **kwargs)  # (layers called without a group use this engine's grid)
+        with self.grid.active():  # (layers called without a group use this engine's grid)
+            if self._autocast_dtype is None:
+                out = self.module(*args, **kwargs)
+            else:  # the torch_autocast block
+                with torch_autocast.autocast(self.device, self._autocast_dtype):
+                    out = self.module(*args, **kwargs)
         self.timers.stop("forward")
         return out
 

@@ -97,6 +97,7 @@ class EngineLifecycleMixin:
         train_step = self.__dict__.get("train_step")
         if train_step is not None:  # (it keeps the counters: engine.global_steps still answers)
             train_step.strategy = train_step.lr_scheduler = train_step._grid = None
+            train_step._scopes = {}  # (their process groups)
         for name in ("strategy", "optimizer", "observer", "monitor", "grid", "dp_group", "training_dataloader",
                      "_checkpoint_writer", "_compiled_blocks"):
             if name in self.__dict__:

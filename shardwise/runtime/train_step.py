@@ -63,6 +63,7 @@ class TrainingStep:
         self.lr_scheduler = lr_scheduler
         self.batch = batch  # BatchSizes (the engine's set_train_batch_size replaces it)
         self._grid, self._module, self._norm_skip = grid, module, frozenset(norm_skip)
+        self._scopes: dict[bool, NormScope] = {}  # norm_scope by strategy.norm_is_local (1-bit Adam flips it)
         self._after_update = list(after_update)
         self._clip, self._check_overflow, self._device = float(clip), bool(check_overflow), device
         self.global_steps = 0
@@ -136,7 +137,10 @@ class TrainingStep:
         if self.before_update is not None and not self.before_update():
             return self._discard()
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-        scope = norm_scope(self.strategy, grid=self._grid, module=self._module, skip=self._norm_skip)
+        scope = self._scopes.get(self.strategy.norm_is_local)
+        if scope is None:  # (the grid, the parameters and the strategy's groups are fixed: found once)
+            scope = self._scopes[self.strategy.norm_is_local] = norm_scope(
+                self.strategy, grid=self._grid, module=self._module, skip=self._norm_skip)
         result = clipped_step(self.strategy, scope, loss_scale=scale, clip=self._clip,
                               check_overflow=self._check_overflow, device=self._device)
         if self.loss_scaler is not None:
@@ -187,7 +191,9 @@ class NormScope:
 
     group: object = None  # the process group summed over (None: the world)
     reduce: bool = True  # False: this rank's sum is already the whole norm
-    counted: Callable[[str], bool] | None = None  # parameter names that count (None: all)
+    # parameter names that count (None: all): a set's membership test, so the strategy asking it per
+    # fragment calls nothing back in this file
+    counted: Callable[[str], bool] | None = None
     contributes: bool = True  # False: this rank's sum is a copy of another rank's, counted there
 
 
@@ -201,14 +207,14 @@ def norm_scope(strategy, *, grid, module: torch.nn.Module, skip=frozenset()) -> 
             return NormScope(reduce=False)
         return NormScope(group=strategy.dp_group)
     tensor_rank = grid.get_tensor_model_parallel_rank() if tensor_size > 1 else 0
-    sharded = {n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+    named = list(module.named_parameters())
+    sharded = {n for n, p in named if getattr(p, "tensor_model_parallel", False)}
     if not strategy.norm_is_local:  # MoE experts: partitioned over expert-data groups that span the tensor ranks
         sharded |= strategy.layout.expert_names
     skip = frozenset(skip)
-
-    def counted(name: str) -> bool:
-        return name not in skip and (tensor_rank == 0 or name in sharded)
-
+    # every name a strategy's fragments carry: the module's, and the layout's (experts: by global index)
+    names = {n for n, _ in named} | {n for n, _ in strategy.layout.named(named)}
+    counted = frozenset(n for n in names if n not in skip and (tensor_rank == 0 or n in sharded)).__contains__
     if not strategy.norm_is_local:
         return NormScope(group=None, counted=counted)
     model_group = grid.get_model_parallel_group()

@@ -41,7 +41,7 @@ import torch
 
 from shardwise import comm
 from shardwise.comm import direct
-from shardwise.param_attrs import grad_is_ready
+from shardwise.param_attrs import GRAD_IS_READY
 from shardwise.zero.flat import FlatGroup
 from shardwise.zero.strategy import ReduceSettings
 
@@ -178,7 +178,7 @@ class BucketReducer:
 
     def _on_grad(self, gi: int, i: int, p: torch.Tensor) -> None:
         """Parameter ``i`` of group ``gi`` has its gradient for this backward (its hook)."""
-        if not grad_is_ready(p):
+        if not getattr(p, GRAD_IS_READY, True):  # (param_attrs.grad_is_ready, read without a call per gradient)
             return  # a tiled computation (sequence_parallel.tiled) adds more of this gradient first
         bucket = self._bucket_of[id(p)]
         self.seen.add((gi, i))

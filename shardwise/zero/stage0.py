@@ -103,7 +103,7 @@ class DataParallelStrategy(ZeroStrategy):
         return self.gradients.buffers
 
     def prepare_backward(self, *, boundary: bool, no_sync: bool = False) -> None:
-        self.reducer.begin(active=boundary and not no_sync and self.reduce_gradients and self.reducer.needed)
+        self.reducer.begin(active=boundary and not no_sync and self._reduce_gradients and self.reducer.needed)
         self.gradients.attach()
 
     def finish_backward(self) -> None:

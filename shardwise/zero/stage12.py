@@ -134,8 +134,8 @@ class PartitionedStrategy(ZeroStrategy):
         if no_sync and self.gradients.reduce_every_backward:
             raise ValueError(f"zero_optimization.stage {self.stage} reduces gradients on every backward; "
                              "engine.no_sync() is not supported with it (use stage 0 or 1)")
-        self.reducer.begin(active=self.gradients.reduce_every_backward
-                           or (boundary and not no_sync and self.reducer.needed and self.reduce_gradients))
+        self.reducer.begin(active=self.gradients.reduce_every_backward  # (_reduce_gradients: reduce_gradients' value)
+                           or (boundary and not no_sync and self.reducer.needed and self._reduce_gradients))
         self.gradients.attach()
         if boundary and not no_sync:
             self.partition.arm()
