@@ -1,5 +1,6 @@
 """ZeRO++'s block quantizer compiled with torch.compile (comm/quantize.py ``kernels``) gives the bits the
-eager functions give: int8 and int4 codes, scales and dequantized values.
+eager functions give: int8 and int4 codes, scales and dequantized values, for flat blocks (qwZ) and for
+rows cut into blocks of uneven lengths (qgZ).
 
 The rest of the suite runs the quantizer eagerly (``SHARDWISE_ZEROPP_COMPILE=0`` in tests/conftest.py: no
 compile time in every rank of every multi-process test), so this file is what ties the two together.
@@ -33,6 +34,20 @@ def test_compiled_quantizer_gives_the_eager_bits(monkeypatch):
             assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1]), (n, block, bits)
             assert torch.equal(q.dequantize(*got, block, bits), eager_x), (n, block, bits)
             assert (eager_x - x).abs().max() <= q.error_bound(x, block, bits).max() + 1e-6 * x.abs().max()
+
+    # qgZ's rows: 3 rows of 2 "parameters" cut into groups of 6 and 10 elements (the last one shorter)
+    rows = torch.randn(3, 40, generator=g)
+    block_of = torch.tensor([0] * 6 + [1] * 6 + [2] * 4 + [3] * 10 + [4] * 10 + [5] * 4)
+    for bits in (8, 4):
+        with monkeypatch.context() as m:
+            m.setenv("SHARDWISE_ZEROPP_COMPILE", "0")
+            eager = q.quantize_rows(rows, block_of, 6, bits)
+            eager_x = q.dequantize_rows(*eager, block_of, bits)
+        got = q.quantize_rows(rows, block_of, 6, bits)
+        assert f"quantize_rows{bits}" in q.kernels.compiled and q.kernels.failed is None, q.kernels.failed
+        assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1]), bits
+        assert torch.equal(q.dequantize_rows(*got, block_of, bits), eager_x), bits
+        assert 0 < (eager_x - rows).abs().max() < rows.abs().max() / 2 ** (bits - 2)
 
 
 def test_compile_switch_and_failure_fall_back_to_eager(monkeypatch):

@@ -163,7 +163,11 @@ def quantize_rows(x: torch.Tensor, block_of: torch.Tensor, nblocks: int,
         raise ValueError(f"quantize_rows: bits must be 4 or 8, got {bits}")
     if bits == 4 and x.shape[-1] % 2:
         raise ValueError(f"quantize_rows: int4 packs two values a byte; rows of {x.shape[-1]} elements are odd")
-    x = x.detach().float()
+    return kernels(f"quantize_rows{bits}", _quantize_rows, x.detach(), block_of, nblocks, bits)
+
+
+def _quantize_rows(x: torch.Tensor, block_of: torch.Tensor, nblocks: int, bits: int):
+    x = x.float()
     index = block_of.expand(x.shape[0], -1)
     absmax = x.new_zeros(x.shape[0], nblocks).scatter_reduce_(1, index, x.abs(), "amax")
     scales = absmax * (2.0 / (1 << bits))
@@ -174,6 +178,10 @@ def quantize_rows(x: torch.Tensor, block_of: torch.Tensor, nblocks: int,
 def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, block_of: torch.Tensor,
                     bits: int = 4) -> torch.Tensor:
     """The fp32 rows ``quantize_rows`` encoded."""
+    return kernels(f"dequantize_rows{bits}", _dequantize_rows, values, scales, block_of, bits)
+
+
+def _dequantize_rows(values: torch.Tensor, scales: torch.Tensor, block_of: torch.Tensor, bits: int):
     return _unpack(values, bits) * scales.gather(1, block_of.expand(scales.shape[0], -1))
 
 
