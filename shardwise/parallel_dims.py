@@ -13,6 +13,9 @@ from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from typing import Callable
 
+from shardwise.rank_layout import (  # noqa: F401  (check_expert_size: the one "ep divides data" check, named here too)
+    ProcessTopology, check_expert_size, expert_divides, node_rank_lists, zero_data_ranks)
+
 AXES = ("data", "pipe", "tensor", "sequence", "expert")
 
 
@@ -93,8 +96,6 @@ def data_ranks_per_node(d: ParallelDims) -> int | None:
     when some node holds more of a group than another (or ``d.node_size`` is 0)."""
     if d.node_size < 1:
         return None
-    from shardwise.rank_layout import ProcessTopology, node_rank_lists, zero_data_ranks
-
     counts = set()
     for ranks in zero_data_ranks(ProcessTopology.from_dims(d)):
         try:
@@ -103,20 +104,6 @@ def data_ranks_per_node(d: ParallelDims) -> int | None:
             return None
         counts.add(len(local[0]))
     return counts.pop() if len(counts) == 1 else None
-
-
-def expert_divides(ep: int, routing_ranks: int) -> bool:
-    """Whether an expert size ``ep`` splits ``routing_ranks`` (a stage's data x sequence ranks: every one
-    routes its own tokens) into whole expert-parallel groups: the one "ep divides data" check."""
-    return routing_ranks % ep == 0
-
-
-def check_expert_size(ep: int, routing_ranks: int, *, key: str = "MoE ep_size") -> None:
-    """Raise ``ValueError`` naming ``key`` when ``ep`` does not divide ``routing_ranks``."""
-    if not expert_divides(ep, routing_ranks):
-        raise ValueError(f"{key}={ep} does not divide the data-parallel size {routing_ranks} (times "
-                         "sequence_parallel_size): the experts of a layer are split over that many ranks of the "
-                         "data axis")
 
 
 @dataclass(frozen=True)

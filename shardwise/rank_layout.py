@@ -13,7 +13,10 @@ from collections import namedtuple
 from dataclasses import dataclass
 from itertools import product
 
-from shardwise.parallel_dims import ParallelDims, check_expert_size
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardwise.parallel_dims import ParallelDims
 
 class _Count(int):
     """A rank count that can also be called: ``topology.world_size`` and DeepSpeed's ``world_size()``."""
@@ -224,3 +227,17 @@ def node_rank_lists(data_ranks, node_size: int) -> tuple[list[tuple[int, ...]], 
     local = [tuple(v) for _, v in sorted(by_node.items())]
     cross = [tuple(node[i] for node in local) for i in range(len(local[0]))]
     return local, cross
+
+
+def expert_divides(ep: int, routing_ranks: int) -> bool:
+    """Whether an expert size ``ep`` splits ``routing_ranks`` (a stage's data x sequence ranks: every one
+    routes its own tokens) into whole expert-parallel groups: the one "ep divides data" check."""
+    return routing_ranks % ep == 0
+
+
+def check_expert_size(ep: int, routing_ranks: int, *, key: str = "MoE ep_size") -> None:
+    """Raise ``ValueError`` naming ``key`` when ``ep`` does not divide ``routing_ranks``."""
+    if not expert_divides(ep, routing_ranks):
+        raise ValueError(f"{key}={ep} does not divide the data-parallel size {routing_ranks} (times "
+                         "sequence_parallel_size): the experts of a layer are split over that many ranks of the "
+                         "data axis")
