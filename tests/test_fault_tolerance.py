@@ -139,12 +139,15 @@ def test_kill_late_join_lighthouse_gone_and_checkpoints_2x1(tmp_path):
     ckpt_ft, ckpt_plain = tmp_path / "ckpt_ft", tmp_path / "ckpt_plain"
     free = _start(out["free"], 8, "--save", str(ckpt_ft), restarts=0)
     killed = _start(out["killed"], 8, "--kill_at", "3")
-    plain = _start(out["plain"], 4, "--no_ft", "--save", str(ckpt_plain), restarts=0, launcher=[])
+    # (the two jobs started with one launcher each get ports of their own: both would take the default one)
+    plain = _start(out["plain"], 4, "--no_ft", "--save", str(ckpt_plain), restarts=0,
+                   launcher=["--master_port", str(_free_port())])
     port = _free_port()
     lighthouse = _lighthouse(port)
     try:
         gone = _start(out["gone"], 100000, "--step_sleep", "0.05", "--quorum_timeout", "3", restarts=0, replicas=1,
-                      launcher=["--ft_replicas", "1", "--ft_lighthouse", f"127.0.0.1:{port}", "--ft_replica_id", "0"])
+                      launcher=["--ft_replicas", "1", "--ft_lighthouse", f"127.0.0.1:{port}", "--ft_replica_id", "0",
+                                "--master_port", str(_free_port())])
         deadline = time.monotonic() + JOB_TIMEOUT
         rec = out["gone"] / "r0_0_a0.json"
         while time.monotonic() < deadline and gone.poll() is None:
@@ -162,7 +165,8 @@ def test_kill_late_join_lighthouse_gone_and_checkpoints_2x1(tmp_path):
     for name in ("free", "plain"):
         _ok({"free": free, "plain": plain}[name], out[name])
     # round 2 starts as soon as the checkpoints are there
-    plain_load = _start(out["plain_load"], 12, "--no_ft", "--load", str(ckpt_ft), restarts=0, launcher=[])
+    plain_load = _start(out["plain_load"], 12, "--no_ft", "--load", str(ckpt_ft), restarts=0,
+                        launcher=["--master_port", str(_free_port())])
     late_load = _start(out["late_load"], 8, "--load", str(ckpt_plain), "--late", "6", "--quorum_timeout", "4",
                        restarts=0)
     _ok(killed, out["killed"])
