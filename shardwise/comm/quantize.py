@@ -91,7 +91,7 @@ def _dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, bits: int) ->
 class _Kernels:
     """The quantizer's functions, compiled with ``torch.compile`` on first use of each size where that works
     (each is then one pass over memory instead of several), else the same functions run eagerly. Compiled and
-    eager give the same bits (tests/test_zeropp.py). ``SHARDWISE_ZEROPP_COMPILE=0`` keeps them eager (no
+    eager give the same bits (tests/test_quantize_compiled.py). ``SHARDWISE_ZEROPP_COMPILE=0`` keeps them eager (no
     compile time, e.g. for short runs or where no C++ compiler / Triton is installed)."""
 
     def __init__(self) -> None:
