@@ -11,7 +11,7 @@ is not traced). Pipeline: 2 stages, ZeRO-1, one ``train_batch`` of one micro-bat
 shardwise caller frame is in another shardwise file. "Gradient path" leaves out the bookkeeping files
 (timers, monitors, logging, config reads, the accelerator shim, the grid's rank arithmetic, the engine's
 liveness checks) that a step also calls, and the model's own code (the reference GPT's layers and loss,
-whose backward autograd runs).
+whose backward autograd runs, and ``PipelineModule``'s ``forward``, which runs a stage's layers).
 
 The files of the gradient path are counted two ways: every shardwise file on it, and the engine / ZeRO /
 pipeline files (``runtime/``, ``zero/``, ``pipe/``) with the layers below them counted apart: the comm
@@ -33,7 +33,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOOKKEEPING = ("runtime/timers.py", "monitor/", "runtime/progress.py", "training_state.py", "config/",
                "utils/logging.py", "accelerator/", "runtime/engine_compat.py", "runtime/data_efficiency.py",
                "topology.py", "rank_layout.py", "parallel_dims.py", "runtime/lifecycle.py", "models/",
-               "tensor_parallel/", "sequence/")
+               "tensor_parallel/", "sequence/", "pipe/module.py")
+# pipe/module.py is the model of a pipeline run: ``PipelineModule`` is the ``nn.Module`` the user builds, and the
+# gradient path calls only its ``forward`` (the stage's layers), as it calls the reference GPT's in a ZeRO-2 run.
 
 
 class _Walk:
@@ -41,6 +43,7 @@ class _Walk:
         self.package = package + os.sep
         self.files: set[str] = set()
         self.crossings: list[tuple[str, str]] = []
+        self.model_entries: set[str] = set()  # the functions of pipe/module.py the engine calls
 
     def _rel(self, frame):
         f = frame.f_code.co_filename
@@ -59,6 +62,8 @@ class _Walk:
         caller = self._rel(up) if up is not None else None
         if caller is not None and caller != callee:
             self.crossings.append((caller, callee))
+            if callee == "pipe/module.py":
+                self.model_entries.add(frame.f_code.co_name)
 
 
 ENGINE_LAYERS = ("runtime/", "zero/", "pipe/")  # the engine, ZeRO and pipeline files
@@ -128,13 +133,17 @@ def worker(args) -> None:
         calls = pstats.Stats(profile).total_calls
     rows = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(rows, {"files": sorted(walk.files), "crossings": walk.crossings,
+                                               "entries": sorted(walk.model_entries),
                                                "calls": locals().get("calls")})
     if rank == 0:
         merged = _Walk("")
         for r in rows:
             merged.files |= set(r["files"])
             merged.crossings += [tuple(c) for c in r["crossings"]]
+            merged.model_entries |= set(r["entries"])
         summary = _summary(merged)
+        if merged.model_entries:  # counted with the model only while the engine calls nothing there but forward
+            summary["gradient path"]["model calls"] = sorted(merged.model_entries)
         if rows[0]["calls"] is not None:
             summary["all"]["python calls per rank"] = [r["calls"] for r in rows]
         print("RESULT " + json.dumps(summary), flush=True)
@@ -182,6 +191,10 @@ def main() -> None:
                 print("  both ways: " + "; ".join(r["both ways"]))
             if name == "gradient path":
                 print("  crossings: " + "; ".join(f"{k} x{v}" for k, v in r["pairs"].items()))
+            if "model calls" in r:
+                print("  calls into pipe/module.py (the model, not counted): " + ", ".join(r["model calls"]))
+                if set(r["model calls"]) - {"forward"}:
+                    print("  NOTE: pipe/module.py is called for more than its forward; count it as an engine file")
 
 
 if __name__ == "__main__":

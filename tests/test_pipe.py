@@ -488,3 +488,18 @@ def _check_errors(results):
             assert "train_batch" in got[call]
     msg = results[0]["non-tensor output"]
     assert "layer 0 (_Dict) returned a dict" in msg and "tensor or a tuple of tensors" in msg, msg
+
+
+def test_stage_outputs_that_cannot_travel_are_refused_naming_the_stage():
+    from shardwise.comm.p2p import WIRE_DTYPES
+    from shardwise.pipe import PipelineError
+    from shardwise.pipe.engine import as_tensors
+
+    assert as_tensors(torch.ones(2), "stage 0")[1] is True
+    tensors, single = as_tensors([torch.ones(2), torch.zeros(1, dtype=torch.int64)], "stage 0")
+    assert len(tensors) == 2 and single is False
+    assert torch.complex64 not in WIRE_DTYPES
+    with pytest.raises(PipelineError, match="stage 3's output returned a tensor of dtype torch.complex64"):
+        as_tensors((torch.ones(2), torch.ones(2, dtype=torch.complex64)), lambda: "stage 3's output")
+    with pytest.raises(PipelineError, match="returned a dict"):
+        as_tensors({"x": torch.ones(2)}, "stage 1")

@@ -21,9 +21,9 @@ import logging
 import torch
 
 from shardwise import checkpointing, comm
+from shardwise.comm.p2p import WIRE_DTYPES, ActivationReceiver, ActivationSender, GradSender, recv_grads
 from shardwise.pipe import schedule as sched
 from shardwise.pipe.module import PipelineError, PipelineModule
-from shardwise.pipe.p2p import ActivationReceiver, ActivationSender, GradSender, as_tensors, grad_slots, recv_grads
 from shardwise.runtime import autocast as torch_autocast
 from shardwise.runtime.dataloader import RepeatingLoader
 from shardwise.runtime.engine import Engine, EngineBase
@@ -33,6 +33,35 @@ logger = logging.getLogger("shardwise")
 _ONLY_TRAIN_BATCH = ("engine.{}() is not available on a pipeline engine: the pipeline runs forward, backward "
                      "and step itself. Call loss = engine.train_batch(data_iter) once per batch "
                      "(engine.eval_batch(data_iter) to evaluate)")
+
+
+def as_tensors(value, where) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """``(tensors, single)``; anything but a tensor or a tuple/list of tensors of a wire dtype is refused naming
+    ``where`` (a string, or a function returning it, called only then)."""
+    if isinstance(value, torch.Tensor):
+        tensors, single = (value,), True
+    elif isinstance(value, (tuple, list)) and value and all(isinstance(t, torch.Tensor) for t in value):
+        tensors, single = tuple(value), False
+    else:
+        tensors = None
+    if tensors is not None:
+        bad = [t.dtype for t in tensors if t.dtype not in WIRE_DTYPES]
+        if not bad:
+            return tensors, single
+    if callable(where):
+        where = where()
+    if tensors is not None:
+        raise PipelineError(f"{where} returned a tensor of dtype {bad[0]}, which cannot be sent between pipeline "
+                            f"stages (one of {', '.join(str(d) for d in WIRE_DTYPES)})")
+    kinds = type(value).__name__ if not isinstance(value, (tuple, list)) else \
+        f"{type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
+    raise PipelineError(f"{where} returned a {kinds}: the output of a pipeline stage must be a tensor or a "
+                        "tuple of tensors (it is sent to the next stage)")
+
+
+def grad_slots(tensors) -> list[int]:
+    """Indices of the tensors that carry a gradient back (the floating-point ones)."""
+    return [i for i, t in enumerate(tensors) if t.is_floating_point()]
 
 
 class PipelineEngine(EngineBase):
@@ -199,10 +228,10 @@ class PipelineEngine(EngineBase):
         checkpointed block is cut off from autograd unless the first stage's inputs require grad.
         shardwise's ``checkpointing.checkpoint`` is non-reentrant (DeepSpeed's default is reentrant), so only
         a function the user passed (``activation_checkpoint_func``) counts."""
-        if self.module.activation_checkpoint_interval <= 0:
-            return False
         func = self.module.activation_checkpoint_func
         if func in (checkpointing.checkpoint, checkpointing.non_reentrant_checkpoint):
+            return False
+        if self.module.activation_checkpoint_interval <= 0:
             return False
         return getattr(func, "keywords", {}).get("use_reentrant", True) is not False  # functools.partial(...)
 
@@ -346,7 +375,10 @@ class PipelineEngine(EngineBase):
 
     def _exec_reduce_tied(self, ins, st) -> None:
         self._finish_reduction(st)  # tied gradients are summed over stages once reduced over replicas
-        self.module.allreduce_tied_weight_gradients()
+        for key, c in self.module.tied_comms.items():  # (the module's groups; the sum is the engine's work)
+            for p in self.module.tied_modules[key].parameters():
+                if p.grad is not None:
+                    comm.all_reduce(p.grad, group=c["group"])
 
     def _exec_reduce_grads(self, ins, st) -> None:
         self._finish_reduction(st)
