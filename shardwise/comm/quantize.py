@@ -85,7 +85,7 @@ def _quantize_blocks(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, tor
 
 def _dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
     """fp32 [n_blocks, block] of what ``_quantize_blocks`` encoded."""
-    return _unpack(values.view(scales.shape[0], -1), bits) * scales[:, None]
+    return _scaled_codes(values.view(scales.shape[0], -1), scales[:, None], bits)
 
 
 class _Kernels:
@@ -136,58 +136,144 @@ def _codes(scaled: torch.Tensor, bits: int) -> torch.Tensor:
     """Round and clamp ``scaled`` (values over their block's scale) to ``bits``-bit codes, packed as uint8
     along the last dimension (its length must be even for 4 bits)."""
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    q = torch.round(scaled).clamp_(lo, hi).to(torch.int8)
+    q = torch.round(scaled).clamp_(lo, hi)
     if bits == 8:
-        return q.view(torch.uint8)
-    u = (q.to(torch.int16) & 0xF).to(torch.uint8)
-    return u[..., 0::2] | (u[..., 1::2] << 4)
+        return q.to(torch.int8).view(torch.uint8)
+    pairs = q.to(torch.int32).view(*q.shape[:-1], -1, 2)  # (32-bit lanes: the compiled loop stays vectorized)
+    return ((pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)).to(torch.uint8)
 
 
-def _unpack(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """The codes of ``values`` as float32 (the last dimension doubles for 4 bits)."""
+def _scaled_codes(values: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
+    """``codes * step`` in fp32: ``values`` holds the codes (int8, or uint8 with two int4 a byte, which doubles
+    the last dimension), ``step`` broadcasts against ``values`` (for int4, each byte's two codes share it)."""
     if bits == 8:
-        return values.view(torch.int8).float()
-    lo = (values & 0xF).to(torch.int16)
-    hi = (values >> 4).to(torch.int16)
-    q = torch.stack((lo, hi), dim=-1).flatten(-2)
-    return torch.where(q >= 8, q - 16, q).float()
+        return (values if values.dtype == torch.int8 else values.view(torch.int8)).float() * step
+    v = values.to(torch.int32)
+    lo = ((v & 0xF) ^ 8) - 8  # the low nibble as a signed 4-bit integer
+    hi = ((v >> 4) ^ 8) - 8
+    return torch.stack((lo.float() * step, hi.float() * step), dim=-1).flatten(-2)
 
 
-def quantize_rows(x: torch.Tensor, block_of: torch.Tensor, nblocks: int,
-                  bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+class RowBlocks:
+    """The blocks of a row for ``quantize_rows``: runs of consecutive elements of any lengths, described by
+    ``sub``, the greatest common divisor of the run lengths, and ``of_sub`` (int64, ``[Q / sub]``), the block
+    of each run of ``sub`` elements. Every pass over the elements is then a pass over a ``[R, Q / sub, sub]``
+    view (no per-element index); only the per-``sub`` maxima and scales go through ``of_sub``."""
+
+    def __init__(self, sub: int, of_sub: torch.Tensor, nblocks: int) -> None:
+        self.sub, self.of_sub, self.nblocks = int(sub), of_sub, int(nblocks)
+
+    @classmethod
+    def of(cls, block_of: torch.Tensor, nblocks: int | None = None) -> "RowBlocks":
+        """From the block of every element (``[Q]``, runs of consecutive elements, numbered 0, 1, ...)."""
+        block_of = block_of.reshape(-1).long()
+        q = block_of.numel()
+        if q == 0:
+            return cls(1, block_of, int(nblocks or 0))
+        starts = torch.nonzero(torch.diff(block_of, prepend=block_of[:1] - 1)).reshape(-1).tolist() + [q]
+        sub = 0
+        for a, b in zip(starts[:-1], starts[1:]):
+            sub = math.gcd(sub, b - a)
+        of_sub = block_of[::sub].contiguous()
+        if not torch.equal(of_sub.repeat_interleave(sub), block_of):
+            raise ValueError("quantize_rows: block_of must number runs of consecutive elements")
+        return cls(sub, of_sub, int(of_sub.max()) + 1 if nblocks is None else nblocks)
+
+    def to(self, device) -> "RowBlocks":
+        return RowBlocks(self.sub, self.of_sub.to(device), self.nblocks)
+
+
+def _row_blocks(block_of, nblocks: int | None = None) -> RowBlocks:
+    return block_of if isinstance(block_of, RowBlocks) else RowBlocks.of(block_of, nblocks)
+
+
+def quantize_rows(x: torch.Tensor, block_of, nblocks: int, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, scales)`` of the rows of ``x`` (``[R, Q]``), each row cut into the same ``nblocks`` blocks:
-    element ``j`` belongs to block ``block_of[j]`` (int64, ``[Q]``). The codes and scales are those of
-    ``quantize`` (a block of ``block`` elements gives the same codes either way). ``values``: uint8 ``[R, Q]``
-    (int8) or ``[R, Q / 2]`` (int4, ``Q`` even); ``scales``: fp32 ``[R, nblocks]``."""
+    element ``j`` belongs to block ``block_of[j]`` (int64, ``[Q]``, or the ``RowBlocks`` made from it once). The
+    codes and scales are those of ``quantize`` (a block of ``block`` elements gives the same codes either way).
+    ``values``: uint8 ``[R, Q]`` (int8) or ``[R, Q / 2]`` (int4, ``Q`` even); ``scales``: fp32 ``[R, nblocks]``."""
     if bits not in (4, 8):
         raise ValueError(f"quantize_rows: bits must be 4 or 8, got {bits}")
     if bits == 4 and x.shape[-1] % 2:
         raise ValueError(f"quantize_rows: int4 packs two values a byte; rows of {x.shape[-1]} elements are odd")
-    return kernels(f"quantize_rows{bits}", _quantize_rows, x.detach(), block_of, nblocks, bits)
+    blocks = _row_blocks(block_of, nblocks)
+    return kernels(f"quantize_rows{bits}", _quantize_rows, x.detach(), blocks.of_sub, blocks.nblocks, blocks.sub, bits)
 
 
-def _quantize_rows(x: torch.Tensor, block_of: torch.Tensor, nblocks: int, bits: int):
-    x = x.float()
-    index = block_of.expand(x.shape[0], -1)
-    absmax = x.new_zeros(x.shape[0], nblocks).scatter_reduce_(1, index, x.abs(), "amax")
+def _quantize_rows(x: torch.Tensor, of_sub: torch.Tensor, nblocks: int, sub: int, bits: int):
+    r = x.shape[0]
+    xs = x.float().reshape(r, -1, sub)
+    index = of_sub.expand(r, -1)
+    absmax = xs.new_zeros(r, nblocks).scatter_reduce_(1, index, xs.abs().amax(dim=2), "amax")
     scales = absmax * (2.0 / (1 << bits))
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    return _codes(x * inv.gather(1, index), bits), scales
+    return _codes((xs * inv.gather(1, index)[:, :, None]).view(r, -1), bits), scales
 
 
-def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, block_of: torch.Tensor,
-                    bits: int = 4) -> torch.Tensor:
+def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, block_of, bits: int = 4) -> torch.Tensor:
     """The fp32 rows ``quantize_rows`` encoded."""
-    return kernels(f"dequantize_rows{bits}", _dequantize_rows, values, scales, block_of, bits)
+    blocks = _row_blocks(block_of, scales.shape[1])
+    if bits == 8:
+        values = values.view(torch.int8)  # (a view outside the compiled code: it then converts in vector lanes)
+    return kernels(f"dequantize_rows{bits}", _dequantize_rows, values, scales, blocks.of_sub, blocks.sub, bits)
 
 
-def _dequantize_rows(values: torch.Tensor, scales: torch.Tensor, block_of: torch.Tensor, bits: int):
-    return _unpack(values, bits) * scales.gather(1, block_of.expand(scales.shape[0], -1))
+def dequantize_rows_sum(values: torch.Tensor, scales: torch.Tensor, block_of, bits: int, groups: int) -> torch.Tensor:
+    """``dequantize_rows`` summed over ``groups`` consecutive sets of rows (row ``i`` of the result is the sum
+    of rows ``i``, ``i + R / groups``, ...), in fp32, without the dequantized rows in memory."""
+    blocks = _row_blocks(block_of, scales.shape[1])
+    if bits == 8:
+        values = values.view(torch.int8)
+    return kernels(f"dequantize_rows_sum{bits}", _dequantize_rows_sum, values, scales, blocks.of_sub, blocks.sub,
+                   bits, groups)
+
+
+def _dequantize_rows_sum(values, scales, of_sub, sub: int, bits: int, groups: int):
+    r = scales.shape[0]
+    if bits == 4 and sub % 2:
+        x = _dequantize_rows(values, scales, of_sub, sub, bits)
+        return x.view(groups, r // groups, -1).sum(dim=0)
+    step = scales.gather(1, of_sub.expand(r, -1)).view(groups, r // groups, -1, 1)
+    v = values.view(groups, r // groups, -1, sub if bits == 8 else sub // 2)
+    if bits == 8:
+        return (v.float() * step).sum(dim=0).view(r // groups, -1)
+    v = v.to(torch.int32)  # the two halves of each byte summed apart, then interleaved once
+    lo = ((((v & 0xF) ^ 8) - 8).float() * step).sum(dim=0)
+    hi = ((((v >> 4) ^ 8) - 8).float() * step).sum(dim=0)
+    return torch.stack((lo, hi), dim=-1).view(r // groups, -1)
+
+
+def _dequantize_rows(values: torch.Tensor, scales: torch.Tensor, of_sub: torch.Tensor, sub: int, bits: int):
+    r = scales.shape[0]
+    step = scales.gather(1, of_sub.expand(r, -1))  # [r, Q / sub]
+    if bits == 4 and sub % 2:  # a byte's two codes may fall in two runs: a step per code
+        return _scaled_codes(values, torch.ones((), dtype=torch.float32), bits) * step.repeat_interleave(sub, dim=1)
+    per_value = sub if bits == 8 else sub // 2  # bytes per run
+    return _scaled_codes(values.view(r, -1, per_value), step[:, :, None], bits).view(r, -1)
+
+
+def dequantize_into(out: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, block: int, bits: int = 8) -> None:
+    """Write the rows ``quantize`` encoded into ``out`` (``[R, n]``): ``values`` and ``scales`` are ``R`` flat
+    tensors of ``padded`` elements each, one after another (``padded >= n``, a multiple of ``block``); each row
+    keeps its first ``n`` elements. One pass: no dequantized copy in between."""
+    r, n = out.shape
+    if r * n != scales.numel() * block:  # padded rows: dequantize, then keep each row's first n elements
+        out.copy_(dequantize(values, scales, block, bits).view(r, -1)[:, :n])  # (compiled, that slice came out wrong)
+        return
+    if bits == 8:
+        values = values.view(torch.int8)
+    kernels(f"dequantize_into{bits}", _dequantize_into, out, values, scales, bits)
+
+
+def _dequantize_into(out, values, scales, bits: int) -> None:
+    out.copy_(_scaled_codes(values.view(scales.shape[0], -1), scales[:, None], bits).view(out.shape))
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, block: int, bits: int = 8, *,
                dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """The flat tensor ``quantize`` encoded (in ``dtype``, or written into ``out``)."""
+    if bits == 8:
+        values = values.view(torch.int8)  # (a view outside the compiled code: it then converts in vector lanes)
     x = kernels(f"dequantize{bits}", _dequantize_blocks, values, scales, bits).reshape(-1)
     if out is not None:
         out.copy_(x)

@@ -154,8 +154,7 @@ class QuantizedGather:
             if w is not None:
                 w.wait()
         self.works = []
-        full = q.dequantize(self.values, self.scales, self.block, 8).view(self.world, self.padded)
-        self.out.view(self.world, self.n).copy_(full[:, : self.n])
+        q.dequantize_into(self.out.view(self.world, self.n), self.values, self.scales, self.block, 8)
         return True
 
 
@@ -191,6 +190,17 @@ class RowPlan:
     nblocks: int
     plain: torch.Tensor
     numel: int
+    blocks: q.RowBlocks | None = None  # block_of as the quantizer takes it (made once)
+
+    def __post_init__(self) -> None:
+        if self.blocks is None:
+            self.blocks = q.RowBlocks.of(self.block_of.cpu(), self.nblocks).to(self.block_of.device)
+        self.qranges, self.pranges = _ranges(self.quantized), _ranges(self.plain)
+
+    def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows``' elements at ``quantized`` and at ``plain`` (copies of their runs of positions: a column
+        index would read an int64 per element)."""
+        return _take(rows, self.qranges), _take(rows, self.pranges)
 
     @classmethod
     def of_unit(cls, unit, world: int) -> "RowPlan":
@@ -214,6 +224,24 @@ class RowPlan:
         return self.quantized.numel() // 2 + 4 * self.nblocks + plain_itemsize * self.plain.numel()
 
 
+def _ranges(positions: torch.Tensor) -> list[tuple[int, int]]:
+    """The runs of consecutive positions of an increasing index, as ``(start, end)``."""
+    if positions.numel() == 0:
+        return []
+    p = positions.cpu()
+    cut = (torch.nonzero(torch.diff(p) != 1).reshape(-1) + 1).tolist()
+    return [(int(p[a]), int(p[b - 1]) + 1) for a, b in zip([0] + cut, cut + [p.numel()])]
+
+
+def _take(rows: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    if len(ranges) == 1:
+        a, b = ranges[0]
+        return rows[:, a:b]
+    if not ranges:
+        return rows[:, :0]
+    return torch.cat([rows[:, a:b] for a, b in ranges], dim=1)
+
+
 class _ErrorFeedback:
     """A LoCo error buffer (rows of the quantized elements), kept as int8 blocks between reductions."""
 
@@ -223,10 +251,10 @@ class _ErrorFeedback:
     def get(self, like: torch.Tensor, plan: RowPlan) -> torch.Tensor:
         if self.values is None:
             return torch.zeros_like(like)
-        return q.dequantize_rows(self.values, self.scales, plan.block_of, 8)
+        return q.dequantize_rows(self.values, self.scales, plan.blocks, 8)
 
     def put(self, err: torch.Tensor, plan: RowPlan) -> None:
-        self.values, self.scales = q.quantize_rows(err, plan.block_of, plan.nblocks, 8)
+        self.values, self.scales = q.quantize_rows(err, plan.blocks, plan.nblocks, 8)
 
     def clear(self) -> None:
         self.values = self.scales = None
@@ -239,22 +267,24 @@ def _encode(xq: torch.Tensor, xp: torch.Tensor, plan: RowPlan, err: _ErrorFeedba
     if err is not None:
         e = err.get(xq, plan)
         xq = xq + e
-    values, scales = q.quantize_rows(xq, plan.block_of, plan.nblocks, GRAD_BITS)
+    values, scales = q.quantize_rows(xq, plan.blocks, plan.nblocks, GRAD_BITS)
     if err is not None:
-        new = xq - q.dequantize_rows(values, scales, plan.block_of, GRAD_BITS)
+        new = xq - q.dequantize_rows(values, scales, plan.blocks, GRAD_BITS)
         err.put(beta * e + (1.0 - beta) * new, plan)
     r = xq.shape[0]
     return torch.cat([values, scales.view(torch.uint8).view(r, -1), xp.contiguous().view(torch.uint8).view(r, -1)],
                      dim=1)
 
 
-def _decode(buf: torch.Tensor, plan: RowPlan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``[R, Q]`` dequantized values and ``[R, P]`` plain elements (in ``dtype``) of received rows."""
+def _decode_sum(buf: torch.Tensor, plan: RowPlan, dtype: torch.dtype, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Received rows, decoded and summed over ``groups`` consecutive sets of rows (``dequantize_rows_sum``): fp32
+    ``[R / groups, Q]`` values and ``[R / groups, P]`` plain elements."""
     nq, nb = plan.quantized.numel() // 2, 4 * plan.nblocks
     values = buf[:, :nq]
     scales = buf[:, nq:nq + nb].contiguous().view(torch.float32)
     plain = buf[:, nq + nb:].contiguous().view(dtype)
-    return q.dequantize_rows(values, scales, plan.block_of, GRAD_BITS), plain
+    partial_q = q.dequantize_rows_sum(values, scales, plan.blocks, GRAD_BITS, groups)
+    return partial_q, plain.float().view(groups, plain.shape[0] // groups, -1).sum(dim=0)
 
 
 class _Pending:
@@ -334,16 +364,17 @@ class HierarchicalReduceScatter:
         plan = self.plan(bucket)
         rows = data.view(world, plan.numel)
         errs = self._loco(bucket)
-        # Stage 1, inside the node: to local peer l' the rows of the destinations at place l' on every node.
-        send = rows.index_select(0, self.send_order.to(rows.device))  # [L * M, S]
-        xq = send.index_select(1, plan.quantized).float()
-        xp = send.index_select(1, plan.plain)
+        # Stage 1, inside the node: to local peer l' the rows of the destinations at place l' on every node
+        # (``send_order``; rows are encoded independently, so the encoded rows are put in that order).
+        xq, xp = plan.split(rows)
+        xq = xq.float()
+        order = self.send_order.to(rows.device)
         pending = _Pending(self, out, plan, None, None, errs, data.dtype)
         if self.L == 1:  # one rank a node: nothing to send inside it
-            pending.recv = (xq.view(1, self.M, -1), xp.view(1, self.M, -1))
+            pending.recv = (xq.index_select(0, order), xp.index_select(0, order).float())  # (partial sums of one)
             self._cross(pending)
             return _Done()
-        buf = _encode(xq, xp, plan, errs[0] if errs else None, self._beta())
+        buf = _encode(xq, xp, plan, errs[0] if errs else None, self._beta()).index_select(0, order)
         recv = torch.empty_like(buf)
         pending.recv, pending.send = recv, buf  # (the send buffer lives until the all-to-all is done)
         pending.work = comm.all_to_all_single(recv, buf, group=self.pp.nodes.group, async_op=self.overlap)
@@ -357,22 +388,17 @@ class HierarchicalReduceScatter:
 
     def _finish(self, pending: _Pending) -> None:
         """After the all-to-all inside the node: decode what arrived, then reduce across nodes."""
-        plan = pending.plan
-        got_q, got_p = _decode(pending.recv, plan, pending.dtype)
-        pending.recv = (got_q.view(self.L, self.M, -1), got_p.view(self.L, self.M, -1))
+        pending.recv = _decode_sum(pending.recv, pending.plan, pending.dtype, self.L)
         self._cross(pending)
 
     def _cross(self, pending: _Pending) -> None:
         plan, out, errs = pending.plan, pending.out, pending.errs
-        got_q, got_p = pending.recv
-        partial_q = got_q.sum(dim=0)  # [M, Q]: this node's sums for the destinations at this rank's place
-        partial_p = got_p.float().sum(dim=0)
+        partial_q, partial_p = pending.recv  # [M, Q], [M, P]: this node's sums for the destinations at this rank's place
         if self.M > 1:  # Stage 2, across nodes: to node m' its destination's partial row
             buf = _encode(partial_q, partial_p.to(pending.dtype), plan, errs[1] if errs else None, self._beta())
             recv = torch.empty_like(buf)
             comm.all_to_all_single(recv, buf, group=self.pp.nodes.cross_group)
-            got_q, got_p = _decode(recv, plan, pending.dtype)
-            partial_q, partial_p = got_q.sum(dim=0, keepdim=True), got_p.float().sum(dim=0, keepdim=True)
+            partial_q, partial_p = _decode_sum(recv, plan, pending.dtype, self.M)
         mine = torch.zeros(plan.numel, dtype=torch.float32, device=out.device)
         mine.index_copy_(0, plan.quantized, partial_q[0])
         mine.index_copy_(0, plan.plain, partial_p[0])
