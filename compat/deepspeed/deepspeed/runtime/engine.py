@@ -21,6 +21,8 @@ from shardwise.precision import DTYPES
 from shardwise.runtime.engine import Engine
 from shardwise.runtime.module_dtypes import cast_buffers, cast_parameters
 
+from deepspeed.compile._engine import DeepCompileEngineState
+
 from .config import DeepSpeedConfig
 
 
@@ -67,7 +69,7 @@ class _DeepSpeedInternals:
         cast_buffers(self.module, buffer_dtype, keep_fp32=keep_pattern)
 
 
-class DeepSpeedEngine(_DeepSpeedInternals, Engine):
+class DeepSpeedEngine(DeepCompileEngineState, _DeepSpeedInternals, Engine):
     """What ``deepspeed.initialize`` returns for a model that is not a ``PipelineModule``: shardwise's
     ``Engine`` with DeepSpeed's private helpers."""
 
