@@ -34,7 +34,7 @@ def _torch_dtype(name) -> torch.dtype:
     return DTYPES[_normalise_dtype(name)]
 
 
-class _DeepSpeedInternals:
+class _DeepSpeedInternals(DeepCompileEngineState):
     """DeepSpeed's private engine methods. They read only ``_config``, ``module`` and the
     ``fp16_enabled``/``bfloat16_enabled`` accessors, as DeepSpeed's do."""
 
@@ -69,7 +69,7 @@ class _DeepSpeedInternals:
         cast_buffers(self.module, buffer_dtype, keep_fp32=keep_pattern)
 
 
-class DeepSpeedEngine(DeepCompileEngineState, _DeepSpeedInternals, Engine):
+class DeepSpeedEngine(_DeepSpeedInternals, Engine):
     """What ``deepspeed.initialize`` returns for a model that is not a ``PipelineModule``: shardwise's
     ``Engine`` with DeepSpeed's private helpers."""
 
