@@ -21,6 +21,8 @@ from shardwise.precision import DTYPES
 from shardwise.runtime.engine import Engine
 from shardwise.runtime.module_dtypes import cast_buffers, cast_parameters
 
+from deepspeed.compile._engine import DeepCompileEngineState
+
 from .config import DeepSpeedConfig
 
 
@@ -32,7 +34,7 @@ def _torch_dtype(name) -> torch.dtype:
     return DTYPES[_normalise_dtype(name)]
 
 
-class _DeepSpeedInternals:
+class _DeepSpeedInternals(DeepCompileEngineState):
     """DeepSpeed's private engine methods. They read only ``_config``, ``module`` and the
     ``fp16_enabled``/``bfloat16_enabled`` accessors, as DeepSpeed's do."""
 
