@@ -28,6 +28,17 @@ def __getattr__(name: str):
     return getattr(_engine, name)
 
 
+def _checkpoint_parallel_metadata(mpu) -> dict:
+    """The ``checkpoint_parallel_dimensions`` entry DeepSpeed writes into each model-state file: the pipeline
+    and tensor degrees read from ``mpu`` (1 each without one), from which ``deepspeed.checkpoint`` reads a
+    checkpoint's layout."""
+    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE
+    from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size, bwc_tensor_model_parallel_world_size
+
+    return {CHECKPOINT_PARALLEL_DIMS: {CHECKPOINT_PP_DEGREE: bwc_pipeline_parallel_world_size(mpu),
+                                       CHECKPOINT_TP_DEGREE: bwc_tensor_model_parallel_world_size(mpu)}}
+
+
 def _torch_dtype(name) -> torch.dtype:
     return DTYPES[_normalise_dtype(name)]
 

@@ -1,0 +1,166 @@
+"""DeepSpeed's checkpoint-folder readers, accelerator classes and small layout helpers through the compat
+package (compat/deepspeed): ``deepspeed.checkpoint``'s ``DeepSpeedCheckpoint`` / ``ZeROCheckpoint`` /
+``model_3d_desc`` (which source files a rank of a smaller layout merges, and the merged ZeRO state), the
+``_aggregate_autoep_zero12_metadata`` step of its universal converter, ``deepspeed.utils.bwc``, and the
+MLU/SDAA/SUPA/KLXPU accelerator classes.
+
+All checks run in one subprocess (the compat package's import hook stays out of this process).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+COMPAT = REPO / "compat" / "deepspeed"
+
+_PROBE = r'''
+import json, os, tempfile, traceback
+from types import SimpleNamespace
+import torch
+results = {}
+
+def check(name):
+    def run(fn):
+        try:
+            fn()
+            results[name] = "ok"
+        except BaseException:
+            results[name] = traceback.format_exc()[-2500:]
+    return run
+
+def raises(exc, text, fn, *a, **k):
+    try:
+        fn(*a, **k)
+    except exc as e:
+        assert text in str(e), (text, str(e))
+        return
+    raise AssertionError(f"no {exc.__name__} ({text})")
+
+@check("layout_maps")
+def _():
+    from deepspeed.checkpoint import model_3d_desc
+    from deepspeed.checkpoint.reshape_meg_2d import reshape_meg_2d_parallel, get_mpu_ranks
+    # pp=2 x tp=2: file i at (i // 2, i % 2); to tp=1 each stage merges its two tensor ranks, to pp=1 each
+    # tensor rank merges its two stages
+    assert reshape_meg_2d_parallel(2, 2, 2, 1).get_data(1, 0) == [2, 3]
+    assert reshape_meg_2d_parallel(2, 2, 1, 2).get_data(0, 1) == [1, 3]
+    # 3-D: ZeRO file index = dp * (pp * tp) + mp; to one rank, every file, data copies next to each other
+    maps = model_3d_desc(1, 2, 2).reshape(model_3d_desc(1, 1, 1))
+    assert len(maps) == 1 and maps[0].get_data(0, 0) == [0, 2, 1, 3]
+    maps = model_3d_desc(1, 1, 4).reshape(model_3d_desc(1, 1, 2))
+    assert [m.get_data(0, 0) for m in maps] == [[0, 1], [2, 3]]
+    ok, errors = model_3d_desc(1, 1, 1).can_reshape(model_3d_desc(2, 1, 1))
+    assert not ok and "PP: 1 ---> 2" in errors[0]
+    raises(AssertionError, "Expansion", model_3d_desc(1, 1, 1).reshape, model_3d_desc(1, 2, 1))
+    tp, pp, dp = get_mpu_ranks(tp_size=2, pp_size=2, dp_size=2)
+    assert tp[:2] == [[0, 1], [2, 3]] and dp[:2] == [[0, 2], [1, 3]] and pp[0] == [0, 1, 4, 5]  # one rank of every data group
+
+def _write(folder, mp, dp, dims=None, param_shapes=None, extra=None, optim=None):
+    for m in range(mp):
+        state = {"param_shapes": param_shapes or [{"w": torch.Size([4])}], "iteration": 7, "ds_config": {}}
+        if dims is not None:
+            state["checkpoint_parallel_dimensions"] = dims[m] if isinstance(dims, list) else dims
+        state.update(extra or {})
+        torch.save(state, os.path.join(folder, f"mp_rank_{m:02d}_model_states.pt"))
+        for d in range(dp):
+            torch.save(optim(d, m) if optim else {},
+                       os.path.join(folder, f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"))
+
+@check("checkpoint_folder")
+def _():
+    from deepspeed.checkpoint import DeepSpeedCheckpoint, ZeROCheckpoint, get_model_3d_descriptor
+    from deepspeed.checkpoint.ds_to_universal import _aggregate_autoep_zero12_metadata
+    from deepspeed.runtime.engine import _checkpoint_parallel_metadata
+
+    def optim(d, m):  # rank (d, m) holds [10d+m, 10d+m, pad] with one padding element
+        v = torch.tensor([10. * d + m] * 2 + [-1.])
+        return {"optimizer_state_dict": {"group_paddings": [1], "partition_count": [2],
+                                          "base_optimizer_state": {"state": {0: {"exp_avg": v, "step": 3}}}}}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dims = _checkpoint_parallel_metadata(SimpleNamespace(get_tensor_model_parallel_world_size=lambda: 2))
+        _write(tmp, mp=2, dp=2, dims=dims["checkpoint_parallel_dimensions"], optim=optim)
+        desc = get_model_3d_descriptor(tmp)
+        assert (desc.pp_degree, desc.tp_degree, desc.dp_degree) == (1, 2, 2)
+        ck = DeepSpeedCheckpoint(tmp, tp_degree=1, dp_degree=1)
+        assert (ck.original_world_size, ck.world_size, ck.get_iteration()) == (4, 1, 7)
+        assert [os.path.basename(f) for f in ck.get_2d_parallel_files(tp_index=0, pp_index=0)] == [
+            "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+        state = ck.get_zero_checkpoint_state(pp_index=0, tp_index=0, dp_index=0)
+        osd = state["optimizer_state_dict"]
+        # files (dp0,mp0), (dp1,mp0), (dp0,mp1), (dp1,mp1), padding stripped from each, then concatenated
+        assert osd["base_optimizer_state"]["state"][0]["exp_avg"].tolist() == [0, 0, 10, 10, 1, 1, 11, 11]
+        assert osd["partition_count"] == [1] and osd["group_paddings"] == [0]
+        assert osd["base_optimizer_state"]["state"][0]["step"] == 3
+        assert ZeROCheckpoint(tmp).get_src_dp_degree() == 2
+        shapes, autoep, ordering = _aggregate_autoep_zero12_metadata(ck.model_state_metadata)
+        assert shapes == [{"w": torch.Size([4])}] * 2 and autoep is None and ordering is False
+
+    with tempfile.TemporaryDirectory() as tmp:  # files disagreeing on the layout
+        _write(tmp, mp=2, dp=1, dims=[{"pp_degree": 1, "tp_degree": 2}, {"pp_degree": 2, "tp_degree": 1}])
+        raises(RuntimeError, "disagrees across model-state files", get_model_3d_descriptor, tmp)
+    with tempfile.TemporaryDirectory() as tmp:  # a layout the file count cannot be
+        _write(tmp, mp=2, dp=1, dims={"pp_degree": 1, "tp_degree": 4})
+        raises(RuntimeError, "file count 2 does not match", get_model_3d_descriptor, tmp)
+    with tempfile.TemporaryDirectory() as tmp:  # AutoEP metadata: merged by prefix, conflicts named
+        layer = {"expert_key_prefix": "moe.experts", "num_experts": 4}
+        _write(tmp, mp=1, dp=1, extra={"ds_autoep_layers": [layer, dict(layer)]})
+        ck = DeepSpeedCheckpoint(tmp)
+        assert _aggregate_autoep_zero12_metadata(ck.model_state_metadata)[1] == [layer]
+        meta = [("a", {"param_shapes": {}, "ds_autoep_layers": [layer], "ds_config": {}}),
+                ("b", {"param_shapes": {}, "ds_autoep_layers": [dict(layer, num_experts=8)], "ds_config": {}})]
+        raises(RuntimeError, "Conflicting AutoEP metadata for expert_key_prefix 'moe.experts' in a and b",
+               _aggregate_autoep_zero12_metadata, meta)
+        meta = [("a", {"param_shapes": {}, "ds_autoep_layers": None, "ds_config": {}}),
+                ("b", {"param_shapes": {}, "ds_autoep_layers": None,
+                       "ds_config": {"use_data_before_expert_parallelism": True}})]
+        raises(RuntimeError, "disagrees across model-state files", _aggregate_autoep_zero12_metadata, meta)
+
+@check("bwc")
+def _():
+    from deepspeed.utils import bwc
+    megatron = SimpleNamespace(get_tensor_model_parallel_world_size=lambda: 4, get_tensor_model_parallel_rank=lambda: 3,
+                               get_pipeline_model_parallel_world_size=lambda: 2)
+    topo = SimpleNamespace(get_slice_parallel_world_size=lambda: 2, get_slice_parallel_rank=lambda: 1,
+                           get_pipe_parallel_world_size=lambda: 3)
+    old = SimpleNamespace(get_model_parallel_world_size=lambda: 8, get_model_parallel_rank=lambda: 5)
+    assert [bwc.bwc_tensor_model_parallel_world_size(m) for m in (None, megatron, topo, old)] == [1, 4, 2, 8]
+    assert [bwc.bwc_tensor_model_parallel_rank(m) for m in (None, megatron, topo, old)] == [0, 3, 1, 5]
+    assert [bwc.bwc_pipeline_parallel_world_size(m) for m in (None, megatron, topo, old)] == [1, 2, 3, 1]
+
+@check("accelerators")
+def _():
+    from deepspeed.accelerator.mlu_accelerator import MLU_Accelerator
+    from deepspeed.accelerator.sdaa_accelerator import SDAA_Accelerator
+    from deepspeed.accelerator.supa_accelerator import SUPA_Accelerator
+    from deepspeed.accelerator.klxpu_accelerator import KLXPU_Accelerator
+    got = [(a.device_name(), a.communication_backend_name()) for a in
+           (MLU_Accelerator(), SDAA_Accelerator(), SUPA_Accelerator(), KLXPU_Accelerator())]
+    assert got == [("mlu", "cncl"), ("sdaa", "tccl"), ("supa", "bccl"), ("cuda", "nccl")], got
+    assert KLXPU_Accelerator().use_host_timers()
+
+print(json.dumps(results))
+'''
+
+_CHECKS = ("layout_maps", "checkpoint_folder", "bwc", "accelerators")
+
+
+@pytest.fixture(scope="module")
+def compat_results():
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(COMPAT), str(REPO)]))
+    proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("check", _CHECKS)
+def test_compat_deepspeed_layouts(compat_results, check):
+    assert compat_results.get(check) == "ok", compat_results.get(check, "not run")
