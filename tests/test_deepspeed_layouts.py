@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 COMPAT = REPO / "compat" / "deepspeed"
@@ -145,10 +148,53 @@ def _():
     assert got == [("mlu", "cncl"), ("sdaa", "tccl"), ("supa", "bccl"), ("cuda", "nccl")], got
     assert KLXPU_Accelerator().use_host_timers()
 
+@check("folding_tables")
+def _():
+    from deepspeed.module_inject.auto_ep_folding import (build_folding_spec, expected_folding_group_tables,
+                                                         local_folding_ranks, assert_group_matches_spec,
+                                                         validate_folding_global)
+    spec = build_folding_spec(world_size=8, pp_size=2, tp_size=2, ep_size=2)
+    assert (spec.stage_size, spec.dp_size, spec.edp_size) == (4, 2, 2)
+    t = expected_folding_group_tables(spec)
+    assert t.tp_groups == ((0, 1), (2, 3), (4, 5), (6, 7)) and t.dense_dp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert t.ep_groups == t.tp_groups and t.edp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert local_folding_ranks(6, spec) == {"tp": (6, 7), "dense_dp": (4, 6), "ep": (6, 7), "edp": (4, 6)}
+    assert_group_matches_spec({"ep": [[0, 1]], "edp": [[1, 3]]}, spec)
+    raises(RuntimeError, "expert-data-parallel group (0, 1)", assert_group_matches_spec, ([], [(0, 1)]), spec)
+    raises(ValueError, "Valid autotp_size values: [1, 2, 3, 6]", build_folding_spec, world_size=6, pp_size=1,
+           tp_size=4, ep_size=1)
+    raises(ValueError, "requires expert_parallel.autoep_size > 1", validate_folding_global,
+           build_folding_spec(world_size=4, pp_size=1, tp_size=2, ep_size=1))
+
+@check("dispatch_one_lane")
+def _():
+    from deepspeed.moe.ep_tp_dispatch import (RoutedAssignmentPayload, assignment_ordinals_by_expert,
+                                              partition_assignments, restore_combined, dispatch_counters)
+    experts = torch.tensor([3, 3, 1, 1, 1, 0])
+    assert assignment_ordinals_by_expert(experts).tolist() == [0, 1, 0, 1, 2, 0]
+    tokens = torch.tensor([0, 2, 1, 2, 3, 0])
+    weights = torch.tensor([.5, .25, 1., .75, .5, .5], requires_grad=True)
+    p = RoutedAssignmentPayload(token_indices=tokens, expert_indices=experts,
+                                assignment_indices=assignment_ordinals_by_expert(experts),
+                                capacity_slots=torch.tensor([0, 1, 0, 0, 0, 1]), combine_weights=weights,
+                                drop_mask=torch.tensor([0, 0, 0, 0, 1, 0], dtype=torch.bool),
+                                pad_mask=torch.zeros(6, dtype=torch.bool), input_splits=[1, 3, 0, 2],
+                                output_splits=[1, 3, 0, 2], extra={"destination_ranks": experts, "num_tokens": 4})
+    local, ctx = partition_assignments(p, tp_group=None, tp_rank=0, tp_size=1)
+    assert local.input_splits == [1, 2, 0, 2] and dispatch_counters(ctx)["dropped"] == 1
+    values = torch.randn(5, 3, requires_grad=True)
+    out = restore_combined(values, ctx, tp_group=None)
+    want = torch.zeros(4, 3)
+    for row, tok, w in zip(values, local.token_indices, local.combine_weights):
+        want[tok] += row * w
+    assert out.shape == (4, 3) and torch.allclose(out, want)
+    out.sum().backward()
+    assert weights.grad[4] == 0 and weights.grad[0] != 0  # the dropped assignment takes no part
+
 print(json.dumps(results))
 '''
 
-_CHECKS = ("layout_maps", "checkpoint_folder", "bwc", "accelerators")
+_CHECKS = ("layout_maps", "checkpoint_folder", "bwc", "accelerators", "folding_tables", "dispatch_one_lane")
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +210,55 @@ def compat_results():
 @pytest.mark.parametrize("check", _CHECKS)
 def test_compat_deepspeed_layouts(compat_results, check):
     assert compat_results.get(check) == "ok", compat_results.get(check, "not run")
+
+
+def _two_lane_body(rank: int, world: int, compat: str, repo: str):
+    """Two tensor lanes each keep half the assignments; the restore must give both lanes the whole sum, and
+    the lanes' summed gradients must be those of the unsplit computation."""
+    sys.path[:0] = [compat, repo]  # this process only: the compat package as `deepspeed`
+    import torch.distributed as tdist
+    from deepspeed.moe.ep_tp_dispatch import (RoutedAssignmentPayload, assert_tp_payload_consistent,
+                                              assignment_ordinals_by_expert, partition_assignments, restore_combined)
+
+    def payload(weights):
+        experts = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+        return RoutedAssignmentPayload(
+            token_indices=torch.tensor([0, 1, 2, 0, 3, 1, 2, 3, 4]), expert_indices=experts,
+            assignment_indices=assignment_ordinals_by_expert(experts), capacity_slots=torch.arange(9) % 2,
+            combine_weights=weights, drop_mask=torch.zeros(9, dtype=torch.bool), pad_mask=torch.zeros(9, dtype=torch.bool),
+            input_splits=[3, 2, 4], output_splits=[3, 2, 4], extra={"destination_ranks": experts, "num_tokens": 5})
+
+    torch.manual_seed(0)
+    full_values, full_weights = torch.randn(9, 4), torch.rand(9)
+    ref_v, ref_w = full_values.clone().requires_grad_(True), full_weights.clone().requires_grad_(True)
+    _, ref_ctx = partition_assignments(payload(ref_w), tp_group=None, tp_rank=0, tp_size=1)
+    ref = restore_combined(ref_v, ref_ctx, tp_group=None)
+    ref_loss = sum((ref * (r + 1)).square().sum() for r in range(world))
+    ref_loss.backward()
+
+    v, w = full_values.clone().requires_grad_(True), full_weights.clone().requires_grad_(True)
+    group = tdist.group.WORLD
+    local, ctx = partition_assignments(payload(w), tp_group=group, tp_rank=rank, tp_size=world)
+    assert_tp_payload_consistent(payload(w), tp_group=group, tp_size=world)
+    out = restore_combined(v.index_select(0, ctx.local_indices), ctx, tp_group=group, validate_coverage=True)
+    (out * (rank + 1)).square().sum().backward()
+    grads = [v.grad.clone(), w.grad.clone()]
+    for g in grads:
+        tdist.all_reduce(g)
+    diverged = None
+    try:
+        bad = payload(full_weights + rank)  # lane 1 routes differently
+        assert_tp_payload_consistent(bad, tp_group=group, tp_size=world)
+    except RuntimeError as e:
+        diverged = str(e)
+    return {"local": local.token_indices.numel(), "out_ok": bool(torch.allclose(out, ref.detach(), atol=1e-6)),
+            "v_ok": bool(torch.allclose(grads[0], ref_v.grad, atol=1e-5)),
+            "w_ok": bool(torch.allclose(grads[1], ref_w.grad, atol=1e-5)), "diverged": diverged}
+
+
+def test_dispatch_two_lanes_matches_unsplit():
+    outs = run_distributed(_two_lane_body, 2, args=(str(COMPAT), str(REPO)))
+    assert sorted(o["local"] for o in outs) == [4, 5]  # each assignment on exactly one lane
+    for o in outs:
+        assert o["out_ok"] and o["v_ok"] and o["w_ok"], o
+        assert "routing decisions differ" in (o["diverged"] or ""), o
