@@ -262,3 +262,37 @@ def test_dispatch_two_lanes_matches_unsplit():
     for o in outs:
         assert o["out_ok"] and o["v_ok"] and o["w_ok"], o
         assert "routing decisions differ" in (o["diverged"] or ""), o
+
+
+def test_offload_host_buffers_are_pooled_by_shape():
+    """shardwise's activation offload reuses its host buffers: a buffer given back is what the next copy of
+    that shape and dtype gets (whatever the source's strides), the pool holds at most
+    ``max_cpu_buffer_pool_count`` buffers, and a new buffer is pinned through the accelerator."""
+    from shardwise.accelerator import get_accelerator
+    from shardwise.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload, _Saved
+
+    off = CheckpointHiddenStatesOffload(use_pin_memory=False, min_offload_bytes=0, keep_last_count=0,
+                                        max_cpu_buffer_pool_count=1)
+    off._copy_cpu_tensors = True
+    dense, strided = torch.randn(6, 4), torch.randn(6, 8)[:, ::2]
+    assert off._buffer_key(dense) == off._buffer_key(strided) != off._buffer_key(dense.double())
+    first = _Saved(dense)
+    off._to_host(first)
+    assert torch.equal(first.host, dense) and first.host.is_contiguous()
+    off._give_back(first.key, first.host)
+    off._give_back(first.key, torch.empty(6, 4))  # over the limit: dropped
+    assert off._pool_count == 1
+    second = _Saved(strided)
+    off._to_host(second)
+    assert second.host is first.host and torch.equal(second.host, strided) and off._pool_count == 0
+
+    calls = []
+    acc = get_accelerator()
+    real = acc.pin_memory
+    acc.pin_memory = lambda t, **kw: (calls.append(kw), real(t, **kw))[1]
+    try:
+        pinned = CheckpointHiddenStatesOffload(use_pin_memory=True, min_offload_bytes=0)
+        buf, key = pinned._empty_cpu_like(strided)
+        assert calls == [{"make_copy": False}] and buf.shape == strided.shape and key[-1] is True
+    finally:
+        acc.pin_memory = real

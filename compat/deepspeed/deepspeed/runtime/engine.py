@@ -80,7 +80,21 @@ class _DeepSpeedInternals:
 
 class DeepSpeedEngine(_DeepSpeedInternals, Engine):
     """What ``deepspeed.initialize`` returns for a model that is not a ``PipelineModule``: shardwise's
-    ``Engine`` with DeepSpeed's private helpers."""
+    ``Engine`` with DeepSpeed's private helpers. Under ZeRO-3 each module's ``_parameters`` is DeepSpeed's
+    ``ZeROOrderedDict`` (``deepspeed.runtime.zero.parameter_offload``), modules attached after ``initialize``
+    included (converted before the next forward)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.zero_optimization_stage() == 3:
+            from deepspeed.runtime.zero.parameter_offload import _zero3_module_prologue
+            _zero3_module_prologue(self.module)
+
+    def forward(self, *args, **kwargs):
+        if self.zero_optimization_stage() == 3:
+            from deepspeed.runtime.zero.parameter_offload import _zero3_module_prologue
+            _zero3_module_prologue(self.module)
+        return super().forward(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
