@@ -191,10 +191,49 @@ def _():
     out.sum().backward()
     assert weights.grad[4] == 0 and weights.grad[0] != 0  # the dropped assignment takes no part
 
+@check("resource_filter")
+def _():
+    from deepspeed.launcher.runner import parse_resource_filter
+    hosts = {"a": [0, 1, 2], "b": [0, 1]}
+    assert parse_resource_filter(hosts, exclude_str="a:1@b") == {"a": [0, 2]}
+    assert parse_resource_filter(hosts, exclude_str="a@b") == {}  # the filter leaves nothing; the launcher refuses
+    assert parse_resource_filter(hosts, include_str="b:1") == {"b": [1]}
+    raises(ValueError, "unknown host 'c'", parse_resource_filter, hosts, exclude_str="c")
+
+@check("autotp_autoep_layers")
+def _():
+    from torch import nn
+    from deepspeed.module_inject.auto_tp import AutoTP
+    from shardwise.tensor_parallel.autotp_layers import LinearLayer as SwLinear
+
+    def mlp():
+        m = nn.Module()
+        m.gate_proj, m.up_proj, m.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        return m
+
+    class AutoEPLike(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self._is_autoep_layer = True
+            self.experts = nn.ModuleList([mlp(), mlp()])  # routed: expert-parallel, never split by AutoTP
+            self.shared_experts = mlp()
+            self.shared_experts_gate = nn.Linear(8, 1)
+
+    model = nn.Module()
+    model.mlp, model.moe = mlp(), AutoEPLike()
+    tp = AutoTP(model, [], "", None, None, None)
+    tp.set_tensor_parallel_config(1, None)
+    assert tp._replace_module(model) is model
+    assert isinstance(model.mlp.gate_proj, SwLinear) and isinstance(model.moe.shared_experts.up_proj, SwLinear)
+    assert model.moe.shared_experts.up_proj.name == "moe.shared_experts.up_proj"  # its full path
+    assert all(type(e.gate_proj) is nn.Linear for e in model.moe.experts)
+    assert type(model.moe.shared_experts_gate) is nn.Linear and isinstance(model.moe, AutoEPLike)
+
 print(json.dumps(results))
 '''
 
-_CHECKS = ("layout_maps", "checkpoint_folder", "bwc", "accelerators", "folding_tables", "dispatch_one_lane")
+_CHECKS = ("layout_maps", "checkpoint_folder", "bwc", "accelerators", "folding_tables", "dispatch_one_lane",
+           "resource_filter", "autotp_autoep_layers")
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +335,18 @@ def test_offload_host_buffers_are_pooled_by_shape():
         assert calls == [{"make_copy": False}] and buf.shape == strided.shape and key[-1] is True
     finally:
         acc.pin_memory = real
+
+
+def test_contiguous_checkpointing_asks_for_the_layer_count_first():
+    """DeepSpeed's configure asserts a layer count for contiguous checkpointing of partitioned activations;
+    shardwise reports that first, then refuses the (not implemented) contiguous buffers."""
+    from shardwise import checkpointing
+
+    saved = checkpointing._settings, checkpointing._configured
+    try:
+        with pytest.raises(AssertionError, match="number of layers"):
+            checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True)
+        with pytest.raises(ValueError, match="not implemented yet: activation_checkpointing.contiguous"):
+            checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=4)
+    finally:
+        checkpointing._settings, checkpointing._configured = saved
