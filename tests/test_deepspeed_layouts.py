@@ -350,3 +350,44 @@ def test_contiguous_checkpointing_asks_for_the_layer_count_first():
             checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=4)
     finally:
         checkpointing._settings, checkpointing._configured = saved
+
+
+def _zero3_dict_body(rank: int, world: int, compat: str, repo: str):
+    sys.path[:0] = [compat, repo]  # this process only: the compat package as `deepspeed`
+    import deepspeed
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    ref.load_state_dict(model.state_dict())
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    out = {"injected": all(isinstance(m._parameters, ZeROOrderedDict) for m in engine.module.modules())}
+    first = engine.module[0]._parameters
+    x = torch.randn(2, 8)
+    out["same_output"] = bool(torch.allclose(engine(x), ref(x), atol=1e-6))
+    out["kept"] = engine.module[0]._parameters is first
+    late = torch.nn.Linear(4, 4)
+    late._parameters = dict(late._parameters)
+    engine.module.add_module("late", late)
+    engine(x)
+    out["late"] = isinstance(late._parameters, ZeROOrderedDict) and late._original_parameters is not late._parameters
+    fc = engine.module[2]
+    out["released"] = fc.weight.numel() == 0
+    fc._parameters._in_forward = True  # as while fc's forward runs: reading a released weight gathers it
+    try:
+        out["gathered"] = bool(torch.equal(fc.weight, ref[2].weight))
+    finally:
+        fc._parameters._in_forward = False
+    return out
+
+
+def test_zero3_parameter_containers_are_zero_ordered_dicts():
+    """Under ``deepspeed.initialize`` with ZeRO-3 every module's ``_parameters`` is DeepSpeed's ZeROOrderedDict
+    (a module attached later too, before the next forward); the model computes the same, and a released
+    parameter read while its module's forward is flagged is gathered."""
+    out = run_distributed(_zero3_dict_body, 1, args=(str(COMPAT), str(REPO)))[0]
+    assert out == {"injected": True, "same_output": True, "kept": True, "late": True, "released": True,
+                   "gathered": True}, out
