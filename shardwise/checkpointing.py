@@ -120,13 +120,16 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None, cont
         contiguous = False
     if contiguous_checkpointing is not None:
         contiguous = contiguous_checkpointing
-    if contiguous:
-        raise ValueError("not implemented yet: activation_checkpointing.contiguous_memory_optimization "
-                         "(contiguous_checkpointing)")
     for name, value in (("partition_activations", partition_activations), ("cpu_checkpointing", checkpoint_in_cpu),
                         ("number_checkpoints", num_checkpoints), ("synchronize", synchronize), ("profile", profile)):
         if value is not None:
             setattr(s, name, value)
+    if contiguous:  # with partitioned activations DeepSpeed first asks for the layer count (its AssertionError)
+        assert not s.partition_activations or s.number_checkpoints is not None, (
+            "Must specify the number of layers with contiguous memory checkpointing "
+            "(activation_checkpointing.number_checkpoints)")
+        raise ValueError("not implemented yet: activation_checkpointing.contiguous_memory_optimization "
+                         "(contiguous_checkpointing)")
     s.mp_group, s.mp_size, s.mp_rank = _model_parallel(mpu_)
     s.mpu_given = mpu_ is not None  # as in DeepSpeed, the mpu given here is the one model-parallel seeding asks
     _settings, _configured = s, True

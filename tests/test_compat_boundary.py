@@ -43,6 +43,10 @@ NUMERICS_ALLOWED: dict[str, str] = {
     "runtime/comm/coalesced_collectives.py": "DeepSpeed's reduce_scatter_coalesced helper (an average before one "
                                              "reduce-scatter) for code that calls it by name; shardwise's own "
                                              "reductions (zero/buckets) never use it",
+    "moe/ep_tp_dispatch.py": "DeepSpeed's AutoEP+AutoTP folded-dispatch helpers (splitting routed assignments "
+                             "across tensor lanes, summing them back per token, a routing digest) for code that "
+                             "calls them by name; shardwise's AutoEP does not fold experts onto tensor lanes and "
+                             "never uses them",
 }
 
 

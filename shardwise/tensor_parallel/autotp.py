@@ -125,11 +125,14 @@ class AutoTP:
                              f"{', '.join(ROW_PARALLEL)} (Llama, Qwen, Mistral, GPT-2 families)")
         return blocks
 
-    def _replace_module(self, model: nn.Module) -> list[_Block]:
+    def _replace_module(self, model: nn.Module, name_prefix: str = "") -> list[_Block]:
+        """Shard the recognised blocks of ``model``; ``name_prefix``: ``model``'s path in a larger model (the
+        layers' ``name``, which checkpoints record, is the full path)."""
         blocks = self.tp_parser(model)
         kw = dict(tp_size=self.mp_size, tp_rank=self.tp_rank)
         for block in blocks:
-            prefix = f"{block.name}." if block.name else ""
+            path = ".".join(p for p in (name_prefix, block.name) if p)
+            prefix = f"{path}." if path else ""
             for child in block.column:
                 setattr(block.module, child, LinearLayer(getattr(block.module, child), self.mp_group,
                                                          name=prefix + child, fused_parts=FUSED_QKV.get(child, 1),

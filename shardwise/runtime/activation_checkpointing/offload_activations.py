@@ -18,8 +18,13 @@ the newest ``keep_last_count`` stay on the device (backward needs them first).  
 tensors are untouched.  On CUDA the copies run on a side stream.  Tensors already in host
 memory (a CPU run) are left alone, as in DeepSpeed: there is nothing to gain.
 
-Unlike DeepSpeed, an offloaded tensor's host copy belongs to the saved-tensor record itself,
-so backward may also run after the context has exited.
+Host buffers are reused: once a host copy has been copied back (and that copy has finished), its
+buffer goes to a pool keyed by shape, dtype, layout and pinning (``_buffer_key``; the host copies are
+dense, so sources that differ only in strides share buffers), holding at most
+``max_cpu_buffer_pool_count`` buffers, and the next offload of that shape takes it instead of
+allocating (and pinning, through the accelerator's ``pin_memory``) a new one (``_empty_cpu_like``).
+Unlike DeepSpeed, an offloaded tensor's host copy belongs to the saved-tensor record until it is
+copied back, so backward may also run after the context has exited.
 """
 
 from __future__ import annotations
@@ -105,13 +110,15 @@ def _unpatch() -> None:
 class _Saved:
     """One offloaded tensor: the device tensor while it is among the newest, then a host copy."""
 
-    __slots__ = ("device_tensor", "host", "device", "event")
+    __slots__ = ("device_tensor", "host", "key", "device", "event", "restored")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.device_tensor = tensor
         self.host = None
+        self.key = None  # the host buffer's pool key
         self.device = tensor.device
         self.event = None
+        self.restored = None  # the copy back, for a graph unpacked again (retain_graph)
 
 
 class CheckpointHiddenStatesOffload(saved_tensors_hooks):
@@ -127,8 +134,11 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
         self.use_pin_memory = use_pin_memory
         self.use_streams = use_streams
         self.min_offload_bytes = min_offload_bytes
-        self.max_fwd_stash_count = max_fwd_stash_count  # (DeepSpeed's stash/pool tuning: accepted, not needed here)
+        self.max_fwd_stash_count = max_fwd_stash_count  # (DeepSpeed's stash tuning: accepted, not needed here)
         self.max_cpu_buffer_pool_count = max_cpu_buffer_pool_count
+        self._pool: dict[tuple, list[torch.Tensor]] = {}  # free host buffers by _buffer_key
+        self._pool_count = 0
+        self._pending: list[tuple[tuple, torch.Tensor, object]] = []  # (key, buffer, event of its copy back)
         self.keep_last_count = keep_last_count
         self.stats = CheckpointActivationOffloadStats()
         self._marks: dict[int, int] = {}
@@ -194,10 +204,45 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
             self._streams[key] = module.Stream(device=device)
         return self._streams[key]
 
+    # -- the host-buffer pool ------------------------------------------------------------------
+    def _buffer_key(self, tensor: torch.Tensor) -> tuple:
+        """Which pooled host buffers can hold ``tensor``'s copy (strides do not matter: copies are dense)."""
+        return tuple(tensor.size()), tensor.dtype, tensor.layout, self.use_pin_memory
+
+    def _give_back(self, key: tuple, buffer: torch.Tensor) -> None:
+        if self._pool_count < self.max_cpu_buffer_pool_count:
+            self._pool.setdefault(key, []).append(buffer)
+            self._pool_count += 1
+
+    def _reap_pending(self) -> None:
+        """Pool the buffers whose copy back to the device has finished."""
+        still = []
+        for key, buffer, event in self._pending:
+            if event.query():
+                self._give_back(key, buffer)
+            else:
+                still.append((key, buffer, event))
+        self._pending = still
+
+    def _empty_cpu_like(self, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """A dense host buffer of ``tensor``'s shape and dtype (from the pool, else new and, with
+        ``use_pin_memory``, pinned through the accelerator), and its pool key."""
+        self._reap_pending()
+        key = self._buffer_key(tensor)
+        free = self._pool.get(key)
+        if free:
+            self._pool_count -= 1
+            return free.pop(), key
+        host = torch.empty(tuple(tensor.size()), dtype=tensor.dtype, layout=tensor.layout, device="cpu")
+        if self.use_pin_memory:
+            from shardwise.accelerator import get_accelerator
+
+            host = get_accelerator().pin_memory(host, make_copy=False)
+        return host, key
+
     def _to_host(self, saved: _Saved) -> None:
         t = saved.device_tensor
-        pin = self.use_pin_memory and t.device.type != "cpu"
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        host, saved.key = self._empty_cpu_like(t)
         stream = self._side_stream(t.device)
         if stream is None:
             host.copy_(t)
@@ -214,11 +259,23 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
         self.stats.offloaded_bytes += host.numel() * host.element_size()
 
     def _to_device(self, saved: _Saved) -> torch.Tensor:
+        if saved.restored is not None:
+            return saved.restored
         if saved.event is not None:
             saved.event.synchronize()  # the host copy is complete
-        if saved.device.type == "cpu":
+        if saved.device.type == "cpu":  # (tests' copy path on a CPU run: the host copy is the tensor)
             return saved.host
-        return saved.host.to(saved.device, non_blocking=saved.host.is_pinned())
+        host = saved.host
+        out = host.to(saved.device, non_blocking=host.is_pinned())
+        saved.restored, saved.host = out, None
+        if host.is_pinned():  # the buffer is reused once this copy is done
+            module = torch.get_device_module(saved.device)
+            event = module.Event()
+            event.record(module.current_stream(saved.device))
+            self._pending.append((saved.key, host, event))
+        else:
+            self._give_back(saved.key, host)
+        return out
 
     # -- context -----------------------------------------------------------------------------
     def reset(self) -> None:

@@ -83,7 +83,13 @@ def fetch_hostfile(hostfile_path):
 
 def parse_resource_filter(host_info, include_str="", exclude_str=""):
     """``{host: [slots]}`` kept by an include or exclude filter ("host1:0,1@host2"); ValueError for both
-    filters at once, an unknown host or slot (shardwise.launcher.hostfile.apply_filters)."""
+    filters at once, an unknown host or slot (shardwise.launcher.hostfile.apply_filters). An exclude filter
+    that removes every slot leaves an empty dict, as DeepSpeed's does (the launcher, ``deepspeed`` /
+    ``shardwise run``, refuses to start with nothing to run on)."""
+    if exclude_str and not include_str:
+        dropped = _hostfile._parse_filter(exclude_str, dict(host_info), "--exclude")
+        kept = ((h, [s for s in slots if s not in dropped.get(h, [])]) for h, slots in host_info.items())
+        return OrderedDict((h, slots) for h, slots in kept if slots)
     kept = _hostfile.apply_filters(dict(host_info), include=include_str, exclude=exclude_str)
     return OrderedDict(kept)
 

@@ -90,9 +90,12 @@ class AutoTP(_ShardwiseAutoTP):
         if self.state_dict is not None:
             raise _refused("loading weights from a state_dict while replacing layers")
         if self.partition_config is None:
-            return super()._replace_module(r_module)  # shardwise's recognition by projection names / tp_plan
+            return self._replace_by_recognition(r_module)
         block = _Block(prev_name, r_module)
         for name, child in r_module.named_children():
+            if getattr(child, "_is_autoep_layer", False):  # routed experts are expert-parallel, not split here
+                self._replace_autoep_shared_experts(child, f"{prev_name}.{name}" if prev_name else name)
+                continue
             if prev_class_name == "":
                 class_name = prev_name
             elif prev_name == "":
@@ -114,6 +117,62 @@ class AutoTP(_ShardwiseAutoTP):
         if block.row and block.column and self.mp_size > 1:
             self._shrink_heads(r_module)
         return r_module
+
+    def _replace_by_recognition(self, r_module):
+        """Without a ``partition_config``: shardwise's recognition by projection names / ``tp_plan`` over the
+        model, except inside AutoEP layers, whose shared experts go through ``_replace_autoep_shared_experts``
+        and whose routed experts stay as they are (expert-parallel). Returns the model, as DeepSpeed's does."""
+        autoep = []
+        for name, module in r_module.named_modules():
+            if getattr(module, "_is_autoep_layer", False) and not any(name.startswith(p + ".") for p, _ in autoep):
+                autoep.append((name, module))
+        for name, module in autoep:
+            self._replace_autoep_shared_experts(module, name)
+        if not autoep:
+            super()._replace_module(r_module)
+            return r_module
+        # the rest of the model, with the AutoEP layers out of sight of the recognition
+        hidden = []
+        for name, module in autoep:
+            parent_name, _, attr = name.rpartition(".")
+            if not name:  # the model itself is one AutoEP layer
+                return r_module
+            parent = r_module.get_submodule(parent_name)
+            hidden.append((parent, attr, module))
+            parent._modules[attr] = nn.Module()
+        try:
+            _ShardwiseAutoTP._replace_module(self, r_module)
+        except ValueError as e:
+            if "found no attention/MLP projections" not in str(e):
+                raise
+        finally:
+            for parent, attr, module in hidden:
+                parent._modules[attr] = module
+        return r_module
+
+    def _replace_autoep_shared_experts(self, autoep_layer, autoep_name):
+        """An AutoEP layer's ``shared_experts`` / ``shared_experts_gate``: matched against the
+        ``partition_config`` like any layer (a 2-D weight) or walked into; without a config, a shared-expert
+        MLP is split by shardwise's recognition and a gate stays whole."""
+        for child_name in ("shared_experts", "shared_experts_gate"):
+            child = getattr(autoep_layer, child_name, None)
+            if child is None:
+                continue
+            full_name = f"{autoep_name}.{child_name}" if autoep_name else child_name
+            if self.partition_config is not None:
+                weight = getattr(child, "weight", None)
+                if isinstance(weight, nn.Parameter) and weight.dim() == 2:
+                    new_child = self._replace_with_config(child, full_name)
+                    if new_child is not None:
+                        setattr(autoep_layer, child_name, new_child)
+                else:
+                    self._replace_module(child, full_name, "")
+            elif not isinstance(child, nn.Linear):
+                try:
+                    _ShardwiseAutoTP._replace_module(self, child, name_prefix=full_name)
+                except ValueError as e:  # nothing recognisable: kept whole
+                    if "found no attention/MLP projections" not in str(e):
+                        raise
 
     def _shrink_heads(self, module: nn.Module) -> None:
         """The per-rank counts of a module whose projections were split (``num_heads``, ``hidden_size``, ...)."""

@@ -30,6 +30,17 @@ def __getattr__(name: str):
     return getattr(_engine, name)
 
 
+def _checkpoint_parallel_metadata(mpu) -> dict:
+    """The ``checkpoint_parallel_dimensions`` entry DeepSpeed writes into each model-state file: the pipeline
+    and tensor degrees read from ``mpu`` (1 each without one), from which ``deepspeed.checkpoint`` reads a
+    checkpoint's layout."""
+    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE
+    from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size, bwc_tensor_model_parallel_world_size
+
+    return {CHECKPOINT_PARALLEL_DIMS: {CHECKPOINT_PP_DEGREE: bwc_pipeline_parallel_world_size(mpu),
+                                       CHECKPOINT_TP_DEGREE: bwc_tensor_model_parallel_world_size(mpu)}}
+
+
 def _torch_dtype(name) -> torch.dtype:
     return DTYPES[_normalise_dtype(name)]
 
@@ -71,7 +82,21 @@ class _DeepSpeedInternals(DeepCompileEngineState):
 
 class DeepSpeedEngine(_DeepSpeedInternals, Engine):
     """What ``deepspeed.initialize`` returns for a model that is not a ``PipelineModule``: shardwise's
-    ``Engine`` with DeepSpeed's private helpers."""
+    ``Engine`` with DeepSpeed's private helpers. Under ZeRO-3 each module's ``_parameters`` is DeepSpeed's
+    ``ZeROOrderedDict`` (``deepspeed.runtime.zero.parameter_offload``), modules attached after ``initialize``
+    included (converted before the next forward)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.zero_optimization_stage() == 3:
+            from deepspeed.runtime.zero.parameter_offload import _zero3_module_prologue
+            _zero3_module_prologue(self.module)
+
+    def forward(self, *args, **kwargs):
+        if self.zero_optimization_stage() == 3:
+            from deepspeed.runtime.zero.parameter_offload import _zero3_module_prologue
+            _zero3_module_prologue(self.module)
+        return super().forward(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
