@@ -2,6 +2,7 @@
 and over loopback.
 
     sudo python benchmarks/zeropp.py [--steps 50] [--rate 1gbit] [--plot zeropp_convergence.png]
+    python benchmarks/zeropp.py --accuracy 'qwz;qgz;loco;qwz,hpz,qgz' --steps 200     # losses only, loopback
 
 Two network namespaces (tests/netns_cluster.py's ``NetnsCluster``, the hosts of the multi-node launcher
 tests) are joined by a veth pair; both ends are shaped with ``tc`` (a token bucket, ``--rate``, 1 Gbit/s by
@@ -39,7 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 PARTS = {"qwz": {"zero_quantized_weights": True}, "hpz": {"zero_hpz_partition_size": PER_NODE},
-         "qgz": {"zero_quantized_gradients": True}}
+         "qgz": {"zero_quantized_gradients": True},
+         "loco": {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}}
 
 
 # ------------------------------------------------------------------------------------------ worker
@@ -249,6 +251,31 @@ def plot(results: dict, path: str, args) -> None:
     print(f"convergence plot: {path}")
 
 
+def accuracy(args) -> None:
+    """ZeRO-3 and each set of parts over loopback, the same model, data and seed: how far the losses move."""
+    sets = [[x.strip().lower() for x in group.split(",") if x.strip()] for group in args.accuracy.split(";")]
+    bad = sorted({x for group in sets for x in group if x not in PARTS})
+    if bad or not all(sets):
+        sys.exit(f"--accuracy: unknown parts {bad} (choose from {sorted(PARTS)}), or an empty set")
+    args.warmup = 0
+    base = run_loopback(args, [])[0]["losses"]
+    marks = [m for m in (20, 60, 100) if m < len(base)] + [len(base)]
+    print(f"reference GPT hidden {args.hidden}, {args.layers} layers, {args.heads} heads, seq {args.seq}, vocab "
+          f"{args.vocab}, {args.rows} rows per step, AdamW lr {args.lr}; {NODES} nodes x {PER_NODE} CPU ranks over "
+          f"loopback. ZeRO-3's loss (mean over ranks) goes from {base[0]:.4f} to {base[-1]:.4f}")
+    print("largest relative gap of a step's loss to ZeRO-3's, over the first N steps")
+    print(f"{'parts':<24}" + "".join(f"{'N=' + str(m):>10}" for m in marks))
+    out = {"ZeRO-3": base}
+    for group in sets:
+        losses = run_loopback(args, group)[0]["losses"]
+        out["+".join(group)] = losses
+        gaps = [abs(a - b) / abs(a) for a, b in zip(base, losses)]
+        print(f"{'+'.join(group):<24}" + "".join(f"{100 * max(gaps[:m]):>9.2f}%" for m in marks), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -269,7 +296,14 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run (default 1800)")
     p.add_argument("--plot", default="zeropp_convergence.png", help="where to write the loss plot ('' for none)")
     p.add_argument("--json", default=None, help="also write every figure and loss to this file")
+    p.add_argument("--accuracy", default=None, metavar="SETS",
+                   help="instead of timing: train ZeRO-3 and each set of parts (';'-separated, e.g. "
+                        "'qwz;qgz;loco;qwz,hpz,qgz') over loopback for --steps steps and print each set's largest "
+                        "relative gap of a step's loss to ZeRO-3's")
     args = p.parse_args()
+    if args.accuracy and not args.worker:
+        accuracy(args)
+        return
     parts = [] if args.parts.strip().lower() in ("", "none") else [s.strip().lower() for s in args.parts.split(",")]
     bad = [s for s in parts if s not in PARTS]
     if bad:
