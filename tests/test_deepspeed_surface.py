@@ -195,7 +195,8 @@ assert issubclass(NormType, enum.Enum) and [(m.name, m.value) for m in NormType]
 assert AttnType.self_attn.value == 1 and AttnType(2) is AttnType.cross_attn
 # what a module defines itself always wins over the list: the fallback only fills what is missing
 import deepspeed.runtime.zero.partition_parameters as pp
-assert pp.GatheredParameters is shardwise.zero.GatheredParameters
+assert pp.Init is shardwise.zero.Init and pp.GatheredParameters.__module__ == pp.__name__ \
+    and issubclass(pp.GatheredParameters, shardwise.zero.GatheredParameters)
 # names DeepSpeed 0.19.8 does not have are still an AttributeError
 with pytest.raises(AttributeError):
     deepspeed.runtime.config.NO_SUCH_NAME

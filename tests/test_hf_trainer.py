@@ -69,7 +69,7 @@ out = {
     "same_engine": DeepSpeedEngine is deepspeed.DeepSpeedEngine and DeepSpeedEngine.__bases__[1] is shardwise.runtime.engine.Engine
                    and not hasattr(shardwise.runtime.engine.Engine, "_config"),  # a subclass: shardwise's Engine untouched
     "same_module": sys.modules["deepspeed.runtime.engine"].DeepSpeedEngine is DeepSpeedEngine
-                   and pp.GatheredParameters is shardwise.zero.GatheredParameters,
+                   and issubclass(pp.GatheredParameters, shardwise.zero.GatheredParameters),
     "spec_kept": sys.modules["deepspeed.runtime.engine"].__spec__.name,
     "same_adam": DeepSpeedCPUAdam is sys.modules["shardwise.ops.adam"].DeepSpeedCPUAdam,
     "lr_schedules": "WarmupLR" in deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES,

@@ -5,8 +5,11 @@ DeepCompile's own gather/release ops. :class:`DeepCompileZ3EagerFallback` tracks
 parameters it owns, which grad-bearing forward graphs still claim them (until their backward
 completes), which an explicit user ``GatheredParameters`` context also holds, and it partitions what
 is left gathered before the next forward, so Dynamo's guards see the partitioned state they were
-built against. Turning the fallback on for a module tree needs DeepSpeed's ``ZeROOrderedDict``
-parameter dicts (deepspeed.runtime.zero.parameter_offload), which shardwise's ZeRO-3 does not use.
+built against. The gathers themselves happen in DeepSpeed's ``ZeROOrderedDict`` parameter containers
+(deepspeed.runtime.zero.parameter_offload), which hand each parameter they gather to the active fallback,
+and ``deepspeed.zero.GatheredParameters`` (deepspeed.runtime.zero.partition_parameters) records its claims
+here. Both concern parameters of DeepSpeed's kind (their own ``all_gather`` / ``partition`` methods);
+shardwise's ZeRO-3 parameters are gathered and released by their units and never tracked here.
 """
 from __future__ import annotations
 
@@ -204,7 +207,8 @@ class DeepCompileZ3EagerFallback:
         released = self._release_unclaimed_tracked_params()
         if not self._outstanding_forward_graph_ids and self.engine is not None:
             for param in self.engine.module.parameters():
-                if hasattr(param, "ds_status") and _gathered_and_releasable(param) and not _context_depth(param):
+                if callable(getattr(param, "partition", None)) and _gathered_and_releasable(param) \
+                        and not _context_depth(param):  # (shardwise's units release their own parameters)
                     param.partition()
                     released.append(param.ds_id)
         self._last_pre_forward_released_param_ids = released

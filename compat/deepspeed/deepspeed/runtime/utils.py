@@ -120,4 +120,69 @@ class CheckOverflow:
         return self._agree(self.has_overflow_serial(params), moe=moe, world=self.zero_reduce_scatter)
 
 
-__all__ = ["CheckOverflow", "clip_grad_norm_", "get_weight_norm", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "move_to_device", "PartitionedTensor", "prefix_sum_inc", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
+class OutputBackwardHookManager:
+    """Runs ``preprocess_once_fn()`` once when a backward pass first reaches any of a forward's outputs, and
+    ``preprocess_per_tensor_fn(grad)`` (its result replaces the gradient) at each of them (DeepSpeed's class).
+
+    ``register_hooks_on_outputs`` hooks every tensor with a ``grad_fn`` in a tensor, or a tuple / list / dict
+    nesting of them; ``hook_handles`` lists the hooks (empty when no output takes part in autograd). The
+    manager is kept alive by the first hooked output (``_backward_hook_managers``), so it lives as long as
+    the outputs do."""
+
+    def __init__(self, preprocess_once_fn, preprocess_per_tensor_fn=None) -> None:
+        self.preprocess_once_fn = preprocess_once_fn
+        self.preprocess_per_tensor_fn = preprocess_per_tensor_fn
+        self.preprocess_done = False
+        self.hook_handles = []
+
+    def _make_backward_hook(self, tensor):
+        def hook(grad):
+            if not self.preprocess_done:
+                self.preprocess_done = True
+                self.preprocess_once_fn()
+            return grad if self.preprocess_per_tensor_fn is None else self.preprocess_per_tensor_fn(grad)
+
+        return hook
+
+    def _outputs_with_grad_fn(self, outputs):
+        if isinstance(outputs, torch.Tensor):
+            if outputs.grad_fn is not None:
+                yield outputs
+        elif isinstance(outputs, (tuple, list)):
+            for item in outputs:
+                yield from self._outputs_with_grad_fn(item)
+        elif isinstance(outputs, dict):
+            for item in outputs.values():
+                yield from self._outputs_with_grad_fn(item)
+
+    def register_hooks_on_outputs(self, outputs) -> None:
+        """Hook ``outputs`` (replacing hooks an earlier call made) for the next backward."""
+        self.remove_hooks()
+        self.preprocess_done = False
+        hooked = list(self._outputs_with_grad_fn(outputs))
+        self.hook_handles.extend(t.register_hook(self._make_backward_hook(t)) for t in hooked)
+        if hooked:
+            keeper = hooked[0]
+            if not hasattr(keeper, "_backward_hook_managers"):
+                keeper._backward_hook_managers = []
+            keeper._backward_hook_managers.append(self)
+
+    def remove_hooks(self) -> None:
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles.clear()
+
+    def reset(self) -> None:
+        """Let ``preprocess_once_fn`` run again at the next backward, keeping the hooks."""
+        self.preprocess_done = False
+
+
+def register_output_backward_hooks(outputs, preprocess_once_fn, preprocess_per_tensor_fn=None):
+    """Hook a forward's ``outputs`` so that ``preprocess_once_fn()`` runs once when the backward reaches them
+    (and ``preprocess_per_tensor_fn`` on each output's gradient); returns the ``OutputBackwardHookManager``."""
+    manager = OutputBackwardHookManager(preprocess_once_fn, preprocess_per_tensor_fn)
+    manager.register_hooks_on_outputs(outputs)
+    return manager
+
+
+__all__ = ["CheckOverflow", "clip_grad_norm_", "get_weight_norm", "call_to_str", "count_used_parameters_in_backward", "is_model_parallel_parameter", "move_to_device", "PartitionedTensor", "prefix_sum_inc", "partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed", "OutputBackwardHookManager", "register_output_backward_hooks"]

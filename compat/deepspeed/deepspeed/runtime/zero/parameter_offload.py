@@ -7,7 +7,14 @@ reads that its own gather did not fetch). ``deepspeed.initialize`` with ZeRO sta
 engine converts every module's container when it is built and, before each forward, any module attached
 since (``ensure_zero_ordered_dict``), and the gather goes through the parameter's shardwise ZeRO-3 unit
 (``shardwise.zero.coordinator``), which releases it with the rest of that unit. shardwise's own engine needs
-none of this: it gathers around each module's forward."""
+none of this: it gathers around each module's forward.
+
+A parameter of DeepSpeed's own kind (one that carries ``all_gather`` / ``partition`` methods) is gathered with
+its ``all_gather()``. While a DeepCompile eager-fallback forward is open (``deepspeed.compile.z3_eager_fallback``)
+that fallback takes the gathered parameter over (it partitions it after the forward, or after the backward
+of a forward graph that used it), is told about reads of parameters it already holds, and a read made by
+Dynamo's guard code (which only checks identity and metadata) gathers nothing and is recorded instead;
+without a fallback the parameter is registered as an external parameter of the innermost module in forward."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -16,7 +23,10 @@ import torch
 
 from shardwise.zero.partitioned_param import ZeroParamStatus, unit_of
 
-__all__ = ["ZeROOrderedDict", "ensure_zero_ordered_dict"]
+from deepspeed.compile import z3_eager_fallback
+from deepspeed.runtime.zero.partition_parameters import print_rank_0, register_external_parameter
+
+__all__ = ["ZeROOrderedDict", "ensure_zero_ordered_dict", "print_rank_0"]
 
 FWD_MODULE_STACK: list = []  # DeepSpeed's stack of modules in forward, innermost last
 _HOOKED = "_ds_zero_ordered_dict_hooks"
@@ -37,14 +47,33 @@ class ZeROOrderedDict(OrderedDict):
 
     def __getitem__(self, key):
         param = super().__getitem__(key)
-        if param is None or torch.compiler.is_compiling():
+        if param is None or not hasattr(param, "ds_status") or torch.compiler.is_compiling():
             return param
         owner = getattr(self._parent_module, "_parameters", self)
-        if getattr(param, "ds_status", None) is ZeroParamStatus.NOT_AVAILABLE and getattr(owner, "_in_forward", False):
-            unit = unit_of(param)
-            if unit is not None:
-                unit.start_gather()
-                unit.finish_gather()
+        if not getattr(owner, "_in_forward", False):
+            return param
+        fallback = z3_eager_fallback.get_active_z3_eager_fallback()
+        if fallback is not None and param.ds_status == ZeroParamStatus.AVAILABLE \
+                and not z3_eager_fallback.is_dynamo_guard_evaluation():
+            fallback.record_param_access(param)
+        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            return param
+        unit = unit_of(param)
+        if unit is not None:  # a shardwise ZeRO-3 parameter: its unit gathers it and releases it with the unit
+            unit.start_gather()
+            unit.finish_gather()
+        elif callable(getattr(param, "all_gather", None)):  # DeepSpeed's kind of parameter gathers itself
+            if fallback is not None and z3_eager_fallback.is_dynamo_guard_evaluation():
+                # a Dynamo guard only checks identity and metadata: gathering would keep the whole
+                # parameter alive before the compiled forward starts
+                fallback.record_guard_suppressed_param(param)
+                return param
+            param.all_gather()
+            if fallback is not None:
+                fallback.record_gathered_param(param)
+            elif FWD_MODULE_STACK:
+                register_external_parameter(FWD_MODULE_STACK[-1], param)
+            print_rank_0(f"Registering external parameter from getter {key} ds_id = {param.ds_id}", force=False)
         return param
 
 

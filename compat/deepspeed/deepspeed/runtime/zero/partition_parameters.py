@@ -1,11 +1,14 @@
-"""``deepspeed.runtime.zero.partition_parameters``."""
+"""``deepspeed.runtime.zero.partition_parameters``: shardwise's ``zero.Init``, ``GatheredParameters`` extended to
+DeepSpeed's self-gathering parameters, and DeepSpeed's helper names of this module."""
 
-from shardwise.zero.init import GatheredParameters, Init, register_external_parameter
+from shardwise.zero.init import GatheredParameters as _ShardwiseGatheredParameters
+from shardwise.zero.init import Init, register_external_parameter
 from shardwise.zero.partitioned_param import ZeroParamStatus
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter"]
 
 import functools  # noqa: E402
+import sys  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -70,3 +73,133 @@ def _contradicting_single_rank_pg_error(dp_world_size, explicit_process_group, e
     from shardwise.zero.init import single_rank_group_error
 
     return single_rank_group_error(dp_world_size, explicit_process_group, env)
+
+
+# Attributes DeepSpeed puts on a ZeRO-3 parameter: the DeepCompile eager fallback that holds it gathered
+# (deepspeed.compile.z3_eager_fallback), and how many user GatheredParameters contexts hold it.
+DS_Z3_EAGER_FALLBACK_OWNER_ATTR = "_ds_z3_eager_fallback_owner"
+DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR = "_ds_z3_gathered_param_context_depth"
+__all__ += ["DS_Z3_EAGER_FALLBACK_OWNER_ATTR", "DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR", "print_rank_0"]
+
+
+def print_rank_0(message, debug=False, force=False) -> None:
+    """Print ``message`` on global rank 0 when ``debug`` or ``force`` asks for it (DeepSpeed's helper)."""
+    from shardwise import comm
+
+    if (debug or force) and comm.get_rank() == 0:
+        print(message)
+
+
+def _gathers_itself(param) -> bool:
+    """A ZeRO-3 parameter of DeepSpeed's kind: it carries ``ds_id`` and its own ``all_gather`` / ``partition``
+    methods (DeepSpeed's ``zero.Init`` attaches them; shardwise's partitioned parameters have neither and are
+    gathered through their shard instead)."""
+    from shardwise.zero.partitioned_param import is_partitioned
+
+    return (isinstance(param, torch.Tensor) and hasattr(param, "ds_id") and not is_partitioned(param)
+            and callable(getattr(param, "all_gather", None)) and callable(getattr(param, "partition", None)))
+
+
+def _context_depth(param) -> int:
+    return getattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0)
+
+
+class GatheredParameters(_ShardwiseGatheredParameters):
+    """``deepspeed.zero.GatheredParameters`` (shardwise.zero.GatheredParameters) for parameters of either kind.
+
+    shardwise's partitioned parameters are gathered and written back exactly as shardwise's context does.
+    Parameters that gather and partition themselves, as DeepSpeed's ZeRO-3 parameters do (``all_gather``
+    and ``partition`` methods), follow DeepSpeed's protocol: one ``all_gather(param_list=...)`` on entry over
+    the parameters ordered by ``ds_id`` and without duplicates, one ``partition(param_list=...,
+    has_been_updated=...)`` on exit (after broadcasting ``modifier_rank``'s values when one is given), and a
+    per-parameter nesting depth (``_ds_z3_gathered_param_context_depth``). Nested contexts may hold disjoint
+    parameters only: entering one that shares parameters with an enclosing context raises ``RuntimeError``
+    before anything is gathered. A parameter that a DeepCompile eager-fallback forward also holds
+    (``deepspeed.compile.z3_eager_fallback``) is claimed by the context while it is open and stays gathered
+    on exit while a forward graph still waits for its backward; the fallback partitions it then."""
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True) -> None:
+        if isinstance(params, torch.Tensor):
+            listed = [params]
+        else:
+            try:
+                listed = list(params)  # a generator (module.parameters()) is read twice
+            except TypeError:  # neither a tensor nor an iterable of them: nothing to gather, as DeepSpeed
+                listed = [params]
+        super().__init__(listed, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=enabled)
+        own = {}
+        for p in listed if enabled else ():
+            if _gathers_itself(p):
+                own.setdefault(id(p), p)
+        self._ds_params = sorted(own.values(), key=lambda p: p.ds_id)
+        self._ds_modifier_rank = modifier_rank
+        self._fallback_owners = {}
+        if fwd_module is not None:
+            for p in self._ds_params:
+                register_external_parameter(fwd_module, p)
+
+    def __enter__(self):
+        overlapping = [p.ds_id for p in self._ds_params if _context_depth(p) > 0]
+        if overlapping:
+            raise RuntimeError("Nested GatheredParameters contexts cannot overlap parameters; parameter ds_ids "
+                               f"already gathered by an enclosing context: {overlapping}")
+        super().__enter__()
+        if not self._ds_params:
+            return self
+        try:
+            self._ds_params[0].all_gather(param_list=self._ds_params)
+        except BaseException:
+            super().__exit__(*sys.exc_info())
+            raise
+        for p in self._ds_params:
+            setattr(p, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, _context_depth(p) + 1)
+            owner = getattr(p, DS_Z3_EAGER_FALLBACK_OWNER_ATTR, None)
+            if owner is not None:
+                self._fallback_owners[p.ds_id] = owner
+                owner.record_user_context_claim(p)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._ds_params:
+                self._exit_own()
+
+    def _exit_own(self) -> None:
+        try:
+            updated = self._ds_modifier_rank is not None
+            if updated:
+                self._broadcast_own()
+            keep = {p.ds_id for p in self._ds_params
+                    if p.ds_id in self._fallback_owners
+                    and self._fallback_owners[p.ds_id].has_outstanding_graph_claim(p)}
+            release = [p for p in self._ds_params if p.ds_id not in keep]
+            if updated:  # values changed under a forward graph's claim: the fallback partitions them as updated
+                for p in self._ds_params:
+                    if p.ds_id in keep:
+                        self._fallback_owners[p.ds_id].record_deferred_user_update(p)
+            if release:
+                release[0].partition(param_list=release, has_been_updated=updated)
+        finally:
+            for p in self._ds_params:
+                depth = _context_depth(p)
+                if depth > 1:
+                    setattr(p, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, depth - 1)
+                elif hasattr(p, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR):
+                    delattr(p, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR)
+            for p in self._ds_params:
+                owner = self._fallback_owners.get(p.ds_id)
+                if owner is not None:
+                    owner.release_user_context_claim(p)
+
+    def _broadcast_own(self) -> None:
+        """Every rank takes ``modifier_rank``'s values (a rank of each parameter's own group)."""
+        from shardwise import comm
+
+        for p in self._ds_params:
+            group = getattr(p, "ds_process_group", None)
+            if comm.get_world_size(group) > 1:
+                src = self._ds_modifier_rank if group is None else \
+                    torch.distributed.get_global_rank(group, self._ds_modifier_rank)
+                comm.broadcast(p.data, src=src, group=group)
