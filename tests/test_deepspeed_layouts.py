@@ -391,3 +391,20 @@ def test_zero3_parameter_containers_are_zero_ordered_dicts():
     out = run_distributed(_zero3_dict_body, 1, args=(str(COMPAT), str(REPO)))[0]
     assert out == {"injected": True, "same_output": True, "kept": True, "late": True, "released": True,
                    "gathered": True}, out
+
+
+def _clip_body(rank: int, world: int, compat: str, repo: str):
+    """DeepSpeed's stand-alone clip_grad_norm_ without any grid: the norm is averaged over the whole world."""
+    sys.path[:0] = [compat, repo]
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    p1, p2 = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    p1.grad, p2.grad = torch.ones(1), torch.full((1,), float(rank + 1))
+    return float(clip_grad_norm_([p1, p2], max_norm=0.1))
+
+
+def test_clip_grad_norm_without_a_grid_averages_over_the_world():
+    norms = run_distributed(_clip_body, 2, args=(str(COMPAT), str(REPO)))
+    local = [(1 + (r + 1) ** 2) ** 0.5 for r in range(2)]  # each rank's own norm
+    assert norms[0] == norms[1]
+    assert abs(norms[0] - sum(local) / 2) < 1e-6, (norms, local)

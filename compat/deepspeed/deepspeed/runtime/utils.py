@@ -53,9 +53,11 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2, mpu=None) -> torch.Tensor
     from shardwise.precision import clip_grad_norm_ as clip
 
     model_group = None if mpu is None else (mpu.get_model_parallel_group() or comm.get_world_group())
+    average_group = None
+    if comm.is_initialized():  # DeepSpeed's data-parallel group is the whole world when no grid was set up
+        average_group = groups.get_data_parallel_group() or comm.get_world_group()
     return clip(parameters, max_norm, norm_type, model_group=model_group,
-                count_replicated=mpu is None or mpu.get_model_parallel_rank() == 0,
-                average_group=groups.get_data_parallel_group() if comm.is_initialized() else None)
+                count_replicated=mpu is None or mpu.get_model_parallel_rank() == 0, average_group=average_group)
 
 
 def get_weight_norm(parameters, norm_type=2, mpu=None) -> float:
