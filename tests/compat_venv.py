@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -79,3 +80,14 @@ def venv_env(root: Path, **extra: str) -> dict[str, str]:
 
 if __name__ == "__main__":
     print(compat_venv())
+
+
+def run_compat_probe(code: str, *, timeout: float = 300) -> dict:
+    """Run ``code`` in a fresh interpreter where ``deepspeed`` is the compat package (``tests/`` importable
+    too) and return the JSON object it prints as its last line (the probes print ``{check: "ok" | error}``)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(COMPAT), str(REPO), str(REPO / "tests")]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -9,9 +9,7 @@ hybrid-engine rollout runs in one single-rank process of tests/distributed.py.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from compat_venv import run_compat_probe
 from distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -473,12 +472,7 @@ _CHECKS = ("rollout_interface", "zenflow_config", "fp16_loss_scale", "fused_expe
 
 @pytest.fixture(scope="module")
 def compat_results():
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(COMPAT), str(REPO)]))
-    proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_compat_probe(_PROBE)
 
 
 @pytest.mark.parametrize("check", _CHECKS)

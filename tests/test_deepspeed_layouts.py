@@ -8,15 +8,13 @@ All checks run in one subprocess (the compat package's import hook stays out of 
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from compat_venv import run_compat_probe
 from distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -238,12 +236,7 @@ _CHECKS = ("layout_maps", "checkpoint_folder", "bwc", "accelerators", "folding_t
 
 @pytest.fixture(scope="module")
 def compat_results():
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(COMPAT), str(REPO)]))
-    proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_compat_probe(_PROBE)
 
 
 @pytest.mark.parametrize("check", _CHECKS)

@@ -12,12 +12,10 @@ package as ``deepspeed`` (its import hook stays out of this process), which prin
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from compat_venv import run_compat_probe
 
 REPO = Path(__file__).resolve().parents[1]
 COMPAT = REPO / "compat" / "deepspeed"
@@ -274,12 +272,7 @@ def _run_all() -> None:
 
 @pytest.fixture(scope="module")
 def compat_results():
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(COMPAT), str(REPO), str(REPO / "tests")]))
-    proc = subprocess.run([sys.executable, "-c", "import test_deepspeed_zero3_gather_protocol as t; t._run_all()"],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_compat_probe("import test_deepspeed_zero3_gather_protocol as t; t._run_all()")
 
 
 @pytest.mark.parametrize("check", _CHECKS)
