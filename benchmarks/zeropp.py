@@ -76,7 +76,7 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     shardwise.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": args.unit_elements}
     for part in args.parts:
         zero.update(PARTS[part])
     per = args.rows // world
@@ -132,7 +132,8 @@ def _worker_cmd(args, parts: list[str], ifname: str | None) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--parts", ",".join(parts) or "none",
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
            "--hidden", str(args.hidden), "--heads", str(args.heads), "--seq", str(args.seq),
-           "--rows", str(args.rows), "--vocab", str(args.vocab), "--lr", str(args.lr)]
+           "--rows", str(args.rows), "--vocab", str(args.vocab), "--lr", str(args.lr),
+           "--unit-elements", str(args.unit_elements)]
     return cmd + (["--ifname", ifname] if ifname else [])
 
 
@@ -293,6 +294,11 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8, help="global batch rows (default 8: 2 per rank)")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--unit-elements", type=int, default=2_000_000,
+                   help="stage3_prefetch_bucket_size, the most elements of a ZeRO-3 unit (default 2,000,000: a unit "
+                        "per transformer block, each gathered for forward and again for backward, as in a model "
+                        "larger than the bucket; 50,000,000, DeepSpeed's default, makes the whole reference GPT one "
+                        "unit, gathered once a step, so hpZ has no backward gather to move inside the node)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run (default 1800)")
     p.add_argument("--plot", default="zeropp_convergence.png", help="where to write the loss plot ('' for none)")
     p.add_argument("--json", default=None, help="also write every figure and loss to this file")

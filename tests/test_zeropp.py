@@ -133,6 +133,9 @@ COMPOSED = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5, "bf16": 
             "zero": {"offload_optimizer": {"device": "cpu"}}}
 
 
+FP16_OVERFLOWS = {"fp16": {"enabled": True, "initial_scale_power": 24}}
+
+
 def _batch(step: int, rank: int) -> torch.Tensor:
     """Learnable synthetic text (benchmarks/zeropp.py's): each of a rank's 2 rows counts up from a random
     start by a random stride 1-7 (mod the vocabulary); a fresh batch every step."""
@@ -178,9 +181,11 @@ def _train(rank, extra: dict, steps: int, *, top=None, freeze=False, save=None, 
     params = torch.cat([p.detach().reshape(-1) for p in engine.module_state_dict().values()])
     if save is not None:
         engine.save_checkpoint(save, tag="t")
+    skipped = engine.skipped_steps
     engine.destroy()
     return {"losses": losses, "cross": cross[0] if cross else None, "groups": groups[0] if groups else None,
-            "hpz_secondary": mem.hpz_secondary, "param_bytes": mem.params, "params": params}
+            "hpz_secondary": mem.hpz_secondary, "param_bytes": mem.params, "params": params,
+            "skipped": skipped}
 
 
 def _reduce_once(rank, world):
@@ -232,6 +237,9 @@ def _zeropp_body(rank, world, tmp):
     out["reduce"] = _reduce_once(rank, world)
     out["composed"] = _train(rank, PLAIN, min(30, STEPS), top=COMPOSED)
     out["composed_pp"] = _train(rank, {**ALL, **QG_LOCO}, min(30, STEPS), top=COMPOSED)
+    # fp16 starting at a loss scale of 2**24: the first steps overflow and are skipped, LoCo's error included
+    out["fp16"] = _train(rank, PLAIN, 12, top=FP16_OVERFLOWS)
+    out["fp16_loco"] = _train(rank, QG_LOCO, 12, top=FP16_OVERFLOWS)
     out["frozen"] = _train(rank, PLAIN, min(30, STEPS), freeze=True)
     out["frozen_pp"] = _train(rank, {**ALL, "zero_quantized_nontrainable_weights": True}, min(30, STEPS), freeze=True)
     # checkpoints: ZeRO++ -> plain and plain -> ZeRO++ (the shards' layout is the same)
@@ -340,6 +348,16 @@ def test_composes_with_accumulation_clipping_bf16_and_offload(zeropp_runs):
     for r in zeropp_runs:
         plain, got = torch.tensor(r["composed"]["losses"]), torch.tensor(r["composed_pp"]["losses"])
         assert ((got - plain).abs() / plain).max() < 0.02
+
+
+def test_loco_survives_fp16_overflow(zeropp_runs):
+    """A skipped overflow step leaves no inf/NaN in LoCo's error buffers: the same steps are skipped as under
+    plain ZeRO-3, and training goes on after them."""
+    for r in zeropp_runs:
+        plain, loco = r["fp16"], r["fp16_loco"]
+        assert 0 < plain["skipped"] < 12
+        assert loco["skipped"] == plain["skipped"], (loco["skipped"], plain["skipped"])
+        assert all(torch.isfinite(torch.tensor(loco["losses"])))
 
 
 def test_frozen_weights_kept_quantized(zeropp_runs):

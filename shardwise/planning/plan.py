@@ -444,45 +444,16 @@ def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: Zero
 def _qgz_messages(unit, numels, n, shard, acc, pp) -> list:
     """``[(group, bytes)]``: the all-to-alls of qgZ's reduce-scatter of one unit's gradient bucket (a row per
     rank: this rank's shard of the unit), ``L x M`` rows inside the node, then ``M`` rows across nodes, each
-    stage when its group has more than one rank. The row's wire layout is ``zero/zeropp.py``'s: where it
-    quantizes each parameter's piece in groups of DeepSpeed's size (``grad_group_size``), a row is the int4
-    codes, one fp32 scale per group and the pieces sent at full precision (1-D parameters, sizes DeepSpeed
-    does not quantize), in one message; else the whole row is int4 blocks of ``qgz_block(shard)`` elements,
-    sent as two messages (codes, scales)."""
-    from shardwise.comm import quantize as q
+    stage when its group has more than one rank. A row is laid out as ``zero/zeropp.py`` lays it out
+    (``RowLayout``): the whole row's int4 codes, an fp32 scale a block, and the pieces DeepSpeed does not
+    quantize again at full precision, in one message."""
     from shardwise.zero import zeropp
 
     stages = [(g, rows) for g, rows, size in (("node", pp.local * pp.nodes, pp.local), ("inter_node", pp.nodes,
                                                                                         pp.nodes)) if size > 1]
-    group_size = getattr(zeropp, "grad_group_size", None)
-    if group_size is not None:
-        quantized = plain = blocks = 0
-        for p in unit:
-            c = -(-numels[id(p)] // n)
-            if not p.requires_grad or c == 0:
-                continue
-            g = group_size(tuple(p.shape), n)
-            if g is None:
-                plain += c
-            else:
-                quantized += c
-                blocks += -(-c // g)
-        row = quantized // 2 + 4 * blocks + acc * plain
-        return [(g, rows * row) for g, rows in stages]
-    block = qgz_block(shard)
-    padded = q.padded_numel(shard, block)
-    out = []
-    for g, rows in stages:
-        out += [(g, q.packed_numel(rows * padded, zeropp.GRAD_BITS)), (g, rows * (padded // block) * 4)]
-    return out
-
-
-def qgz_block(shard: int) -> int:
-    """Elements per int4 block of a gradient row of ``shard`` elements (``zeropp.HierarchicalReduceScatter``
-    with one block size for the whole row)."""
-    from shardwise.zero import zeropp
-
-    return min(getattr(zeropp, "GRAD_BLOCK", 256), max(2, shard + (shard & 1)))
+    layout = zeropp.RowLayout.of([(-(-numels[id(p)] // n), tuple(p.shape), p.requires_grad) for p in unit], n)
+    row = layout.wire_bytes(acc)
+    return [(g, rows * row) for g, rows in stages]
 
 
 def _flat_layout(named_params, trainable, numels, *, stage, n, rank, zc, b, acc, master_on, precision, offload_opt,

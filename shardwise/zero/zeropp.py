@@ -22,8 +22,11 @@ place on its node); each rank sums what it received (one partial row per node), 
 with its place on the other nodes, and sums what comes back: its row of the reduced bucket. As in DeepSpeed's
 ``all_to_all_quant_reduce``, both hops send int4 groups with an fp32 scale each, a parameter's groups
 ``numel / max(shape[0], shape[1], world)`` elements long, and only the gradients of parameters of 2 or more
-dimensions whose ``numel`` divides by ``2 * world`` are quantized; the others (biases, norms) go in the same
-messages at full precision. Partial sums are fp32. With ``zeropp_loco_param`` (``{"err_beta": 0.8,
+dimensions whose ``numel`` divides by ``2 * world`` are quantized; the others (biases, norms) arrive at full
+precision. A row is coded whole (``RowLayout``): the pieces of the other parameters are a block of their own
+each, their full-precision values follow the codes in the same message, and the receiver keeps those. Coding
+the whole row costs half a byte per unquantized element and spares a copy of the quantized pieces out of the
+row and back. Partial sums are fp32. With ``zeropp_loco_param`` (``{"err_beta": 0.8,
 "reset_T": 1024}``) each quantization adds LoCo's error feedback (DeepSpeed's ``loco_swizzle_quant`` /
 ``loco_quantized_reduction``): the tensor sent is ``x + e``, then ``e <- err_beta * e + (1 - err_beta) *
 (x + e - dequantize(quantize(x + e)))``, the buffers kept as int8 groups, cleared after every ``reset_T``
@@ -178,68 +181,107 @@ def grad_group_size(shape, world: int) -> int | None:
 
 
 @dataclass
-class RowPlan:
-    """Which elements of a bucket row (one rank's shard of a unit) qgZ sends as int4 blocks and which at full
-    precision. ``quantized``: row positions of the pieces of the parameters DeepSpeed quantizes, with
-    ``block_of`` (a block per group of the parameter's group size; a piece whose length the group size does
-    not divide ends in a shorter block); ``plain``: the row positions of the other trainable parameters.
-    Positions in neither (frozen parameters) reduce to zero."""
+class RowLayout:
+    """How qgZ codes a bucket row (one rank's shard of a unit: a piece of each parameter, in order). The whole
+    row is int4-coded in blocks: each piece of a parameter DeepSpeed quantizes in groups of its size
+    (``grad_group_size``; a piece the group size does not divide ends in a shorter block), each stretch of the
+    other pieces (1-D parameters and the sizes DeepSpeed sends unquantized, frozen parameters) as one block of
+    its own. The trainable pieces of that second kind also travel at full precision, and the receiver keeps
+    those values, not their codes; frozen positions are zero. ``width``: the row's length, rounded up to even
+    (two int4 codes a byte; the extra element joins the last stretch)."""
 
-    quantized: torch.Tensor
-    block_of: torch.Tensor
-    nblocks: int
-    plain: torch.Tensor
+    blocks: list[int]  # block lengths, in row order (they add up to ``width``)
+    quantized: list[tuple[int, int]]  # (start, end) of the pieces DeepSpeed quantizes
+    plain: list[tuple[int, int]]  # (start, end) of the other trainable pieces
     numel: int
-    blocks: q.RowBlocks | None = None  # block_of as the quantizer takes it (made once)
+    width: int
 
-    def __post_init__(self) -> None:
-        if self.blocks is None:
-            self.blocks = q.RowBlocks.of(self.block_of.cpu(), self.nblocks).to(self.block_of.device)
-        self.qranges, self.pranges = _ranges(self.quantized), _ranges(self.plain)
+    @classmethod
+    def of(cls, pieces, world: int) -> "RowLayout":
+        """``pieces``: ``(length, shape, trainable)`` of each parameter's piece of the row, in row order."""
+        blocks, quantized, plain = [], [], []
+        off, stretch = 0, 0  # the length of the stretch of unquantized pieces being built
+        for c, shape, trainable in pieces:
+            c = int(c)
+            if c == 0:
+                continue
+            g = grad_group_size(shape, world) if trainable else None
+            if g is None:
+                if trainable:
+                    plain.append((off, off + c))
+                stretch += c
+            else:
+                if stretch:
+                    blocks.append(stretch)
+                    stretch = 0
+                quantized.append((off, off + c))
+                blocks += [g] * (c // g) + ([c % g] if c % g else [])
+            off += c
+        width = off + (off & 1)
+        stretch += width - off
+        if stretch:
+            blocks.append(stretch)
+        return cls(blocks, _merge(quantized), _merge(plain), off, width)
 
-    def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rows``' elements at ``quantized`` and at ``plain`` (copies of their runs of positions: a column
-        index would read an int64 per element)."""
-        return _take(rows, self.qranges), _take(rows, self.pranges)
+    @property
+    def nplain(self) -> int:
+        return sum(b - a for a, b in self.plain)
+
+    def wire_bytes(self, plain_itemsize: int) -> int:
+        """Bytes one row takes on the wire: the int4 codes, an fp32 scale a block, the full-precision pieces."""
+        return self.width // 2 + 4 * len(self.blocks) + plain_itemsize * self.nplain
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+class RowPlan:
+    """A ``RowLayout`` made ready for the quantizer (``blocks``: the ``RowBlocks`` of the whole row, made
+    once), with the positions of the quantized and the plain pieces as index tensors (``quantized``,
+    ``plain``)."""
+
+    def __init__(self, layout: RowLayout, device) -> None:
+        self.layout, self.numel, self.width = layout, layout.numel, layout.width
+        self.pranges = layout.plain
+        self.nblocks = len(layout.blocks)
+        lengths = torch.tensor(layout.blocks, dtype=torch.long)
+        block_of = torch.repeat_interleave(torch.arange(self.nblocks), lengths)
+        self.blocks = q.RowBlocks.of(block_of, self.nblocks).to(device)
+        idx = lambda rs: torch.cat([torch.arange(a, b) for a, b in rs]) if rs else torch.zeros(0, dtype=torch.long)  # noqa: E731
+        self.quantized, self.plain = idx(layout.quantized).to(device), idx(layout.plain).to(device)
 
     @classmethod
     def of_unit(cls, unit, world: int) -> "RowPlan":
-        qpos, blocks, ppos, nb = [], [], [], 0
-        for p, off, c in zip(unit.params, unit.offsets, unit.chunks):
-            if not p.requires_grad or c == 0:
-                continue
-            g = grad_group_size(getattr(p, "ds_shape", p.shape), world)
-            if g is None:
-                ppos.append(torch.arange(off, off + c))
-                continue
-            qpos.append(torch.arange(off, off + c))
-            blocks.append(torch.arange(c) // g + nb)
-            nb += -(-c // g)
-        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)  # noqa: E731
-        dev = unit.device
-        return cls(cat(qpos).to(dev), cat(blocks).to(dev), nb, cat(ppos).to(dev), unit.shard_numel)
+        pieces = [(c, getattr(p, "ds_shape", p.shape), p.requires_grad) for p, c in zip(unit.params, unit.chunks)]
+        return cls(RowLayout.of(pieces, world), unit.device)
 
     def wire_bytes(self, plain_itemsize: int) -> int:
-        """Bytes one row takes on the wire: int4 codes, fp32 scales, the plain elements."""
-        return self.quantized.numel() // 2 + 4 * self.nblocks + plain_itemsize * self.plain.numel()
-
-
-def _ranges(positions: torch.Tensor) -> list[tuple[int, int]]:
-    """The runs of consecutive positions of an increasing index, as ``(start, end)``."""
-    if positions.numel() == 0:
-        return []
-    p = positions.cpu()
-    cut = (torch.nonzero(torch.diff(p) != 1).reshape(-1) + 1).tolist()
-    return [(int(p[a]), int(p[b - 1]) + 1) for a, b in zip([0] + cut, cut + [p.numel()])]
+        return self.layout.wire_bytes(plain_itemsize)
 
 
 def _take(rows: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The columns of ``rows`` in ``ranges``, side by side."""
     if len(ranges) == 1:
         a, b = ranges[0]
         return rows[:, a:b]
     if not ranges:
         return rows[:, :0]
     return torch.cat([rows[:, a:b] for a, b in ranges], dim=1)
+
+
+def _put(rows: torch.Tensor, ranges: list[tuple[int, int]], values: torch.Tensor) -> None:
+    """The inverse of ``_take``: write ``values``' columns back into ``rows`` at ``ranges``."""
+    k = 0
+    for a, b in ranges:
+        rows[:, a:b].copy_(values[:, k : k + b - a])
+        k += b - a
 
 
 class _ErrorFeedback:
@@ -250,41 +292,48 @@ class _ErrorFeedback:
 
     def get(self, like: torch.Tensor, plan: RowPlan) -> torch.Tensor:
         if self.values is None:
-            return torch.zeros_like(like)
+            return torch.zeros(like.shape, dtype=torch.float32, device=like.device)
         return q.dequantize_rows(self.values, self.scales, plan.blocks, 8)
 
     def put(self, err: torch.Tensor, plan: RowPlan) -> None:
-        self.values, self.scales = q.quantize_rows(err, plan.blocks, plan.nblocks, 8)
+        values, scales = q.quantize_rows(err, plan.blocks, plan.nblocks, 8)
+        # A block whose error is not finite (the gradients overflowed: fp16, a step the loss scaler skips) starts
+        # again from zero; kept, it would turn every later gradient of the block into inf/NaN, and every later
+        # step would be skipped as an overflow.
+        self.values, self.scales = values, torch.where(torch.isfinite(scales), scales, torch.zeros_like(scales))
 
     def clear(self) -> None:
         self.values = self.scales = None
 
 
-def _encode(xq: torch.Tensor, xp: torch.Tensor, plan: RowPlan, err: _ErrorFeedback | None,
-            beta: float) -> torch.Tensor:
-    """The rows to send as bytes: ``[R, wire_bytes]``, each row its int4 codes, fp32 scales and plain
-    elements. ``xq`` (fp32 ``[R, Q]``) is quantized with LoCo's error feedback if ``err``."""
+def _encode(x: torch.Tensor, plan: RowPlan, err: _ErrorFeedback | None, beta: float, dtype) -> torch.Tensor:
+    """The rows to send as bytes: ``[R, wire_bytes]``, each row its int4 codes, fp32 scales and plain pieces
+    (in ``dtype``). ``x`` (``[R, width]``) is quantized with LoCo's error feedback if ``err``; the plain pieces
+    go as they are in ``x``."""
+    plain = _take(x, plan.pranges).to(dtype)
     if err is not None:
-        e = err.get(xq, plan)
-        xq = xq + e
-    values, scales = q.quantize_rows(xq, plan.blocks, plan.nblocks, GRAD_BITS)
+        e = err.get(x, plan)
+        x = x.float() + e
+    values, scales = q.quantize_rows(x, plan.blocks, plan.nblocks, GRAD_BITS)
     if err is not None:
-        new = xq - q.dequantize_rows(values, scales, plan.blocks, GRAD_BITS)
+        new = x - q.dequantize_rows(values, scales, plan.blocks, GRAD_BITS)
         err.put(beta * e + (1.0 - beta) * new, plan)
-    r = xq.shape[0]
-    return torch.cat([values, scales.view(torch.uint8).view(r, -1), xp.contiguous().view(torch.uint8).view(r, -1)],
+    r = x.shape[0]
+    return torch.cat([values, scales.view(torch.uint8).view(r, -1), plain.contiguous().view(torch.uint8).view(r, -1)],
                      dim=1)
 
 
-def _decode_sum(buf: torch.Tensor, plan: RowPlan, dtype: torch.dtype, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_sum(buf: torch.Tensor, plan: RowPlan, dtype: torch.dtype, groups: int) -> torch.Tensor:
     """Received rows, decoded and summed over ``groups`` consecutive sets of rows (``dequantize_rows_sum``): fp32
-    ``[R / groups, Q]`` values and ``[R / groups, P]`` plain elements."""
-    nq, nb = plan.quantized.numel() // 2, 4 * plan.nblocks
+    ``[R / groups, width]``, the plain pieces summed at full precision in place of their codes."""
+    nq, nb = plan.width // 2, 4 * plan.nblocks
     values = buf[:, :nq]
     scales = buf[:, nq:nq + nb].contiguous().view(torch.float32)
-    plain = buf[:, nq + nb:].contiguous().view(dtype)
-    partial_q = q.dequantize_rows_sum(values, scales, plan.blocks, GRAD_BITS, groups)
-    return partial_q, plain.float().view(groups, plain.shape[0] // groups, -1).sum(dim=0)
+    out = q.dequantize_rows_sum(values, scales, plan.blocks, GRAD_BITS, groups)
+    if plan.pranges:
+        plain = buf[:, nq + nb:].contiguous().view(dtype)
+        _put(out, plan.pranges, plain.float().view(groups, plain.shape[0] // groups, -1).sum(dim=0))
+    return out
 
 
 class _Pending:
@@ -363,18 +412,18 @@ class HierarchicalReduceScatter:
         world = len(self.pp.dp_ranks)
         plan = self.plan(bucket)
         rows = data.view(world, plan.numel)
+        if plan.width != plan.numel:  # an odd row: int4 codes go two a byte
+            rows = F.pad(rows, (0, plan.width - plan.numel))
         errs = self._loco(bucket)
         # Stage 1, inside the node: to local peer l' the rows of the destinations at place l' on every node
         # (``send_order``; rows are encoded independently, so the encoded rows are put in that order).
-        xq, xp = plan.split(rows)
-        xq = xq.float()
         order = self.send_order.to(rows.device)
         pending = _Pending(self, out, plan, None, None, errs, data.dtype)
         if self.L == 1:  # one rank a node: nothing to send inside it
-            pending.recv = (xq.index_select(0, order), xp.index_select(0, order).float())  # (partial sums of one)
+            pending.recv = rows.index_select(0, order).float()  # (partial sums of one)
             self._cross(pending)
             return _Done()
-        buf = _encode(xq, xp, plan, errs[0] if errs else None, self._beta()).index_select(0, order)
+        buf = _encode(rows, plan, errs[0] if errs else None, self._beta(), data.dtype).index_select(0, order)
         recv = torch.empty_like(buf)
         pending.recv, pending.send = recv, buf  # (the send buffer lives until the all-to-all is done)
         pending.work = comm.all_to_all_single(recv, buf, group=self.pp.nodes.group, async_op=self.overlap)
@@ -393,16 +442,13 @@ class HierarchicalReduceScatter:
 
     def _cross(self, pending: _Pending) -> None:
         plan, out, errs = pending.plan, pending.out, pending.errs
-        partial_q, partial_p = pending.recv  # [M, Q], [M, P]: this node's sums for the destinations at this rank's place
+        partial = pending.recv  # [M, width]: this node's sums for the destinations at this rank's place
         if self.M > 1:  # Stage 2, across nodes: to node m' its destination's partial row
-            buf = _encode(partial_q, partial_p.to(pending.dtype), plan, errs[1] if errs else None, self._beta())
+            buf = _encode(partial, plan, errs[1] if errs else None, self._beta(), pending.dtype)
             recv = torch.empty_like(buf)
             comm.all_to_all_single(recv, buf, group=self.pp.nodes.cross_group)
-            partial_q, partial_p = _decode_sum(recv, plan, pending.dtype, self.M)
-        mine = torch.zeros(plan.numel, dtype=torch.float32, device=out.device)
-        mine.index_copy_(0, plan.quantized, partial_q[0])
-        mine.index_copy_(0, plan.plain, partial_p[0])
-        out.copy_(mine)
+            partial = _decode_sum(recv, plan, pending.dtype, self.M)
+        out.copy_(partial[0, : plan.numel])
         pending.recv = None
 
 
