@@ -1,7 +1,7 @@
 """ZeRO-3 vs ZeRO++ (qwZ + hpZ + qgZ) on the reference GPT, two "nodes" of two ranks each, over a slow link
 and over loopback.
 
-    sudo python benchmarks/zeropp.py [--steps 50] [--rate 1gbit] [--plot zeropp_convergence.png]
+    sudo python benchmarks/zeropp.py [--steps 50] [--repeats 2] [--rate 1gbit] [--plot zeropp_convergence.png]
     python benchmarks/zeropp.py --accuracy 'qwz;qgz;loco;qwz,hpz,qgz' --steps 200     # losses only, loopback
 
 Two network namespaces (tests/netns_cluster.py's ``NetnsCluster``, the hosts of the multi-node launcher
@@ -14,8 +14,15 @@ on the same model, data and seed; the ZeRO++ run adds ``zero_quantized_weights``
 2`` and ``zero_quantized_gradients`` (``--parts`` picks a subset; ``--parts none`` runs ZeRO-3 on both sides,
 a check of the harness).
 
-Measured per configuration and network: the median step time of the slowest rank (after ``--warmup``
-steps), the bytes per step the comms logger counts (every collective's whole message, summed over the four
+ZeRO-3 cuts the model into units of at most ``--unit-elements`` elements (``stage3_prefetch_bucket_size``);
+the default, 2,000,000, gives a unit per transformer block, each gathered for forward and again for
+backward, as in a model larger than the bucket (the regime ZeRO++ is built for: hpZ moves the backward
+gathers inside the node). With DeepSpeed's default bucket (50,000,000) the whole reference GPT is one unit,
+gathered once a step.
+
+Measured per configuration and network, over ``--repeats`` runs that alternate ZeRO-3 and ZeRO++: the
+median step time of the slowest rank (after ``--warmup`` steps; the median over the runs, and each
+ZeRO-3 / ZeRO++ pair's ratio), the bytes per step the comms logger counts (every collective's whole message, summed over the four
 ranks), the part of them that crosses between the two nodes (the logger's ``cross_node_bytes``: what each
 rank receives from the other node, summed), and on the shaped network the bytes per step that really crossed the link (the veth counters of both
 namespaces, TCP/IP headers included). The table gives each figure for ZeRO-3, for ZeRO++ and their ratio;
@@ -287,6 +294,8 @@ def main() -> None:
     p.add_argument("--rate", default="1gbit", help="tc rate of the link between the two nodes (default 1gbit)")
     p.add_argument("--steps", type=int, default=50, help="timed steps, after --warmup (default 50)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs of each configuration per network, alternating ZeRO-3 and ZeRO++ (default 2)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
@@ -328,17 +337,27 @@ def main() -> None:
     zeropp = "ZeRO++ (" + "+".join(parts) + ")" if parts else "ZeRO-3 again (--parts none)"
     runs = [("ZeRO-3", []), (zeropp, parts)]
     results: dict = {}
+    pairs: dict = {}  # network -> each repeat's step-time ratio
     for net in networks:
-        for name, which in runs:
-            if net == "shaped":
-                with ShapedLink(args.rate) as link:
-                    rows = link.run(args, which)
-            else:
-                rows = run_loopback(args, which)
-            results[(net, name)] = _summary(rows)
+        for rep in range(args.repeats):  # A B A B: ZeRO-3 and ZeRO++ alternate
+            times = {}
+            for name, which in runs:
+                if net == "shaped":
+                    with ShapedLink(args.rate) as link:
+                        rows = link.run(args, which)
+                else:
+                    rows = run_loopback(args, which)
+                res = _summary(rows)
+                times[name] = res["step_s"]
+                prev = results.get((net, name))
+                res["step_times"] = (prev["step_times"] if prev else []) + [res["step_s"]]
+                res["step_s"] = statistics.median(res["step_times"])
+                results[(net, name)] = res
+            pairs.setdefault(net, []).append(times[runs[0][0]] / times[runs[1][0]])
     print(f"reference GPT hidden {args.hidden}, {args.layers} layers, {args.heads} heads, seq {args.seq}, vocab "
-          f"{args.vocab}, {args.rows} rows per step; {NODES} nodes x {PER_NODE} CPU ranks over gloo; median of "
-          f"{args.steps} steps (slowest rank)")
+          f"{args.vocab}, {args.rows} rows per step, ZeRO-3 units of at most {args.unit_elements:,} elements; "
+          f"{NODES} nodes x {PER_NODE} CPU ranks over gloo; step time: the slowest rank's median of {args.steps} "
+          f"steps, the median of {args.repeats} runs alternating ZeRO-3 and ZeRO++")
     header = f"{'network':<22} {'figure':<26} {'ZeRO-3':>12} {zeropp.split(' (')[0]:>12} {'ratio':>8}"
     print(header)
     print("-" * len(header))
@@ -354,6 +373,7 @@ def main() -> None:
         for what, va, vb, fmt in figures:
             ratio = f"{va / vb:.2f}x" if what == "step time" and vb else f"{vb / va:.3f}" if va else "-"
             print(f"{label:<22} {what:<26} {fmt(va):>12} {fmt(vb):>12} {ratio:>8}")
+        print(f"{label:<22} {'speed-up of each pair':<26} " + ", ".join(f"{x:.2f}x" for x in pairs[net]))
     print("ratio: ZeRO-3 / ZeRO++ for step time (the speed-up), ZeRO++ / ZeRO-3 for bytes (the share left)")
     for net in networks:
         a, b = results[(net, base_name)]["losses"], results[(net, pp_name)]["losses"]
@@ -363,7 +383,8 @@ def main() -> None:
         plot(results, args.plot, args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({f"{net}/{name}": res for (net, name), res in results.items()}, f, indent=1)
+            json.dump({**{f"{net}/{name}": res for (net, name), res in results.items()},
+                       "pair_speedups": pairs}, f, indent=1)
 
 
 if __name__ == "__main__":
