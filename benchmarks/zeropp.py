@@ -282,6 +282,37 @@ def accuracy(args) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)
+    if args.plot:
+        plot_curves(out, args.plot, f"reference GPT (hidden {args.hidden}), {WORLD} ranks ({NODES} nodes x "
+                    f"{PER_NODE}), loopback")
+
+
+def plot_curves(curves: dict, path: str, title: str) -> None:
+    """Every run's loss per step (``curves``: name -> losses), and below it each run's relative gap to the first
+    run's (ZeRO-3's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[2, 1])
+    names = list(curves)
+    base = curves[names[0]]
+    for i, name in enumerate(names):
+        steps = range(1, len(curves[name]) + 1)
+        top.plot(steps, curves[name], label=name, linewidth=1, color=f"C{i}")
+        if i:
+            bottom.plot(steps, [100 * (b - a) / a for a, b in zip(base, curves[name])], linewidth=1, color=f"C{i}")
+    top.set_ylabel("training loss (mean over ranks)")
+    top.set_title(title)
+    top.legend(fontsize=8)
+    bottom.axhline(1, color="grey", linestyle=":", linewidth=0.8)
+    bottom.axhline(-1, color="grey", linestyle=":", linewidth=0.8)
+    bottom.set_ylabel(f"gap to {names[0]} (%)")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"convergence plot: {path}")
 
 
 def main() -> None:
@@ -309,7 +340,8 @@ def main() -> None:
                         "larger than the bucket; 50,000,000, DeepSpeed's default, makes the whole reference GPT one "
                         "unit, gathered once a step, so hpZ has no backward gather to move inside the node)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run (default 1800)")
-    p.add_argument("--plot", default="zeropp_convergence.png", help="where to write the loss plot ('' for none)")
+    p.add_argument("--plot", default="zeropp_convergence.png",
+                   help="where to write the loss plot ('' for none); with --accuracy, every set's losses and gaps")
     p.add_argument("--json", default=None, help="also write every figure and loss to this file")
     p.add_argument("--accuracy", default=None, metavar="SETS",
                    help="instead of timing: train ZeRO-3 and each set of parts (';'-separated, e.g. "
