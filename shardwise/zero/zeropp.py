@@ -285,7 +285,7 @@ def _put(rows: torch.Tensor, ranges: list[tuple[int, int]], values: torch.Tensor
 
 
 class _ErrorFeedback:
-    """A LoCo error buffer (rows of the quantized elements), kept as int8 blocks between reductions."""
+    """A LoCo error buffer (the rows as coded, ``[R, width]``), kept as int8 blocks between reductions."""
 
     def __init__(self) -> None:
         self.values = self.scales = None
