@@ -96,6 +96,7 @@ _HERE = Path(__file__).resolve().parent
 
 # DeepSpeed paths whose shardwise module has another name (the rest map deepspeed.X.Y -> shardwise.X.Y).
 PATHS: dict[str, str] = {
+    "zero": "deepspeed.runtime.zero",  # DeepSpeed's `deepspeed.zero` is its runtime.zero package (Init, GatheredParameters)
     "runtime.activation_checkpointing.checkpointing": "shardwise.checkpointing",  # one module, one set of settings
     "sequence.auto_sp": "shardwise.sequence.autosp.detect",  # AutoSP (docs/sequence-parallel.md)
     "sequence.autosp_vit": "shardwise.sequence.autosp.vit",
@@ -184,6 +185,8 @@ def __getattr__(name: str):
 def _getattr(name: str):
     if name in _OWN:
         return getattr(importlib.import_module(_OWN[name]), name)
+    if name in PATHS:  # `deepspeed.zero`: the module of that DeepSpeed path, as `import deepspeed.zero` gives
+        return importlib.import_module(f"deepspeed.{name}")
     try:
         return getattr(_shardwise, name)
     except AttributeError as exc:
