@@ -201,3 +201,113 @@ def test_zero3_parameters_gather_and_partition_themselves():
     assert out["gathered"] == [[1.0, 2.0, 3.0, 4.0, 5.0], [[1.0, 2.0], [3.0, 4.0]], True]
     assert out["updated"] == [10.0, 20.0, 30.0, 40.0, 50.0]
     assert out["engine_forward"] == [[6.0, -0.5]]
+
+
+class _Tagger(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.proj = torch.nn.Linear(8, 4)
+
+    def forward(self, ids):
+        return self.proj(self.emb(ids))
+
+
+def _quantized_body(rank: int, world: int, compat: str, repo: str):
+    sys.path[:0] = [compat, repo]
+    import torch.nn.functional as F
+
+    import deepspeed
+    from deepspeed.inference.quantization.utils import DeQuantizer, Quantizer
+    from deepspeed.runtime.zero.partition_parameters import zero3_linear_wrap
+
+    out = {}
+    # the codes: per group of 4 along the last dimension, codes / scale + min is within half a step of the value
+    torch.manual_seed(2)
+    w = torch.randn(6, 8)
+    for bits in (8, 4):
+        cfg = {"num_bits": bits, "group_size": 4, "group_dim": 1, "symmetric": False}
+        codes, scale, low = Quantizer(cfg).quantize(w)
+        back = DeQuantizer(cfg, torch.float32).dequantize(codes, scale, low)
+        groups = w.view(6, 2, 4)
+        step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / (2**bits - 1)
+        out[f"codes_{bits}"] = [tuple(codes.shape), codes.dtype == torch.uint8, tuple(scale.shape)]
+        out[f"within_half_step_{bits}"] = bool(((back.view(6, 2, 4) - groups).abs() <= step / 2 + 1e-6).all())
+        out[f"group_extremes_exact_{bits}"] = bool(torch.allclose(back.view(6, 2, 4).amin(-1), groups.amin(-1)))
+    constant = torch.full((2, 4), 3.0)  # a constant group: codes 0, dequantized exactly
+    c_codes, c_scale, c_low = Quantizer({"num_bits": 8, "group_size": 4, "group_dim": 1, "symmetric": False}
+                                        ).quantize(constant)
+    out["constant_group"] = DeQuantizer({"num_bits": 8, "group_size": 4, "group_dim": 1, "symmetric": False},
+                                        torch.float32).dequantize(c_codes, c_scale, c_low).tolist()
+
+    quant = {"num_bits": 8, "group_size": 4, "group_dim": 1, "symmetric": False}
+    config = {**ZERO3, "weight_quantization": {"quantized_initialization": quant}}
+    try:
+        deepspeed.zero.Init(config_dict_or_path={**config, "weight_quantization": {
+            "quantized_initialization": {**quant, "num_bits": 3}}})
+        out["bad_bits"] = None
+    except ValueError as e:
+        out["bad_bits"] = str(e)
+    torch.manual_seed(0)
+    plain = _Tagger()  # the same initial values, not quantized
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.float32):
+        model = _Tagger()
+    out["wrapped"] = (F.linear.__wrapped__ is zero3_linear_wrap and getattr(F.embedding, "__wrapped__", None)
+                      is not None and F.linear is not zero3_linear_wrap)
+    weights = [model.emb.weight, model.proj.weight]
+    out["quantized"] = [bool(getattr(p, "weight_quantized", False)) for p in weights] + \
+        [bool(getattr(model.proj.bias, "weight_quantized", False))]
+    # stored: 1 byte a value (as float32: a quarter of the elements) plus a scale and a minimum per group
+    out["stored_numel"] = [p.ds_numel for p in weights]
+    ids = torch.tensor([[1, 4, 9], [0, 0, 7]])
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        got = model(ids)
+        full = {"emb": model.emb.weight.dequantizer.dequantize(
+                    model.emb.weight.deconcat(model.emb.weight)[0].view(torch.uint8),
+                    *model.emb.weight.deconcat(model.emb.weight)[1:]),
+                "proj": model.proj.weight.dequantizer.dequantize(
+                    model.proj.weight.deconcat(model.proj.weight)[0].view(torch.uint8),
+                    *model.proj.weight.deconcat(model.proj.weight)[1:])}
+        # a full-precision state dict loads into the quantized layers: quantized again, the same codes
+        before = [p.data.clone() for p in weights]
+        model.load_state_dict(plain.state_dict())
+        out["reload_same_codes"] = all(torch.equal(b.view(torch.uint8), p.data.view(torch.uint8))
+                                       for b, p in zip(before, weights))  # (code bytes as floats: may be NaNs)
+    want = F.linear(full["emb"][ids], full["proj"], plain.proj.bias)
+    out["forward_is_dequantized"] = torch.allclose(got, want, atol=1e-6)
+    out["close_to_plain"] = float((got - plain(ids)).abs().max())
+    # an engine runs the quantized model (its config leaves weight_quantization out)
+    engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                           "zero_optimization": {"stage": 3}})
+    engine.eval()
+    with torch.no_grad():
+        out["engine_forward_is_dequantized"] = torch.allclose(engine(ids), want, atol=1e-6)
+    # a bf16 config: the weights are quantized in bf16, which a bf16 engine does not cast again
+    bf16 = {"bf16": {"enabled": True}}
+    with deepspeed.zero.Init(config_dict_or_path={**config, **bf16}):
+        model16 = _Tagger()
+    out["bf16_storage"] = model16.proj.weight.dtype == torch.bfloat16
+    with deepspeed.zero.GatheredParameters(list(model16.parameters())), torch.no_grad():
+        want16 = model16(ids)
+    engine16, *_ = deepspeed.initialize(model=model16, config={"train_micro_batch_size_per_gpu": 1, **bf16,
+                                                               "zero_optimization": {"stage": 3}})
+    engine16.eval()
+    with torch.no_grad():
+        out["bf16_engine_forward"] = torch.equal(engine16(ids), want16)
+    return out
+
+
+def test_zero_init_quantizes_weights_at_build_and_dequantizes_them_on_use():
+    results = run_distributed(_quantized_body, 2, args=(str(COMPAT), str(REPO)))
+    assert results[0] == results[1]
+    out = results[0]
+    bad_bits, close = out.pop("bad_bits"), out.pop("close_to_plain")
+    assert bad_bits is not None and "weight_quantization.quantized_initialization.num_bits" in bad_bits
+    assert out.pop("codes_8") == [(6, 8), True, (6, 2, 1)] and out.pop("codes_4") == [(6, 4), True, (6, 2, 1)]
+    assert out.pop("constant_group") == [[3.0] * 4] * 2
+    assert out.pop("quantized") == [True, True, False]
+    # Embedding(10, 8): 80 codes = 20 float32, 20 groups -> 20 scales + 20 minimums; Linear(8, 4): 8 + 8 + 8
+    assert out.pop("stored_numel") == [60, 24]
+    assert all(out.values()), out
+    assert 0 < close < 0.05

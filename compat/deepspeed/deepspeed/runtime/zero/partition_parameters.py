@@ -42,9 +42,8 @@ def _use_mem_efficient_linear() -> None:
         torch.nn.functional.linear = zero3_linear_wrap
 
 
-def _zero_setting(config, key: str, default):
-    """``zero_optimization.<key>`` of a DeepSpeed config given as a dict or a JSON/hjson file path (``default`` when
-    the config does not set it)."""
+def _config_dict(config) -> dict:
+    """A DeepSpeed config given as a dict or a JSON/hjson file path, as a dict."""
     if isinstance(config, (str, os.PathLike)):
         from shardwise.config.loader import read_config_file
 
@@ -52,10 +51,30 @@ def _zero_setting(config, key: str, default):
     if not isinstance(config, dict):
         raise TypeError(f"zero.Init: config_dict_or_path must be a dict or a path to a JSON file, not "
                         f"{type(config).__name__}")
-    zero = config.get("zero_optimization") or {}
-    if not isinstance(zero, dict):
-        raise ValueError(f"zero.Init: zero_optimization must be a dict, not {type(zero).__name__}")
-    return zero.get(key, default)
+    return config
+
+
+def _block(config: dict, key: str) -> dict:
+    block = config.get(key) or {}
+    if not isinstance(block, dict):
+        raise ValueError(f"zero.Init: {key} must be a dict, not {type(block).__name__}")
+    return block
+
+
+def _quantize_functionals() -> None:
+    """``F.linear`` and ``F.embedding`` dequantize quantized weights (``wrap_quantized_functional``) and
+    ``nn.Linear`` / ``nn.Embedding`` quantize a whole weight loaded from a state dict, for the rest of the
+    process; each is wrapped once."""
+    from deepspeed.inference.quantization.utils import (WEIGHT_QUANTIZATION_LAYERS, wrap_load_from_state_dict,
+                                                        wrap_quantized_functional)
+
+    for name in ("linear", "embedding"):
+        fn = getattr(torch.nn.functional, name)
+        if not getattr(fn, "_dequantizes", False):
+            setattr(torch.nn.functional, name, wrap_quantized_functional(fn))
+    for cls in WEIGHT_QUANTIZATION_LAYERS:
+        if not getattr(cls._load_from_state_dict, "_quantizes_state", False):
+            cls._load_from_state_dict = wrap_load_from_state_dict(cls._load_from_state_dict)
 
 
 class _Gathered:
@@ -152,18 +171,41 @@ class Init(_ShardwiseInit, InsertPostInitMethodToModuleSubClasses):
     context, or building one around an existing ``module``, installs ``zero3_linear_wrap`` as
     ``torch.nn.functional.linear`` for the rest of the process (see ``_use_mem_efficient_linear``). A config
     (``config_dict_or_path``, or the older ``config``) decides it instead of the argument:
-    ``zero_optimization.memory_efficient_linear``, true unless set."""
+    ``zero_optimization.memory_efficient_linear``, true unless set.
+
+    With the memory-efficient linear on and a config block ``weight_quantization.quantized_initialization``
+    (``num_bits`` 4 or 8, ``group_size``, ``group_dim``, ``symmetric`` false), entering the context also makes
+    ``F.linear`` / ``F.embedding`` dequantize quantized weights, and the weight of every ``nn.Linear`` /
+    ``nn.Embedding`` built inside is quantized before it is partitioned (``deepspeed.inference.quantization.utils``):
+    ZeRO-Inference's quantized weights. shardwise's engine config refuses the ``weight_quantization`` block:
+    a model built this way runs under an engine whose config leaves it out. The quantized weights are stored
+    in ``dtype``, else the config's training dtype (``bf16`` / ``fp16`` enabled), so the engine's cast to that
+    dtype leaves their bytes alone.
+
+    Every partitioned parameter gets DeepSpeed's per-parameter methods (``_add_param_methods``)."""
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
                  pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
                  **kwargs) -> None:
         if config_dict_or_path is None:
             config_dict_or_path = config
+        self.quantized_initialization = None
+        self._building = False
         if config_dict_or_path is not None:
-            mem_efficient_linear = _zero_setting(config_dict_or_path, "memory_efficient_linear", True)
+            ds_config = _config_dict(config_dict_or_path)
+            mem_efficient_linear = _block(ds_config, "zero_optimization").get("memory_efficient_linear", True)
             if not isinstance(mem_efficient_linear, bool):
                 raise ValueError("zero.Init: zero_optimization.memory_efficient_linear must be true or false, not "
                                  f"{mem_efficient_linear!r}")
+            quantized = _block(ds_config, "weight_quantization").get("quantized_initialization")
+            if quantized:
+                from deepspeed.inference.quantization.utils import _check_config
+
+                self.quantized_initialization = _check_config(quantized)
+                if dtype is None:  # stored in the training dtype: the engine must not cast the codes' bytes
+                    dtype = (torch.bfloat16 if _block(ds_config, "bf16").get("enabled")
+                             or _block(ds_config, "bfloat16").get("enabled") else
+                             torch.float16 if _block(ds_config, "fp16").get("enabled") else None)
         self.mem_efficient_linear = bool(mem_efficient_linear)
         super().__init__(module=module, data_parallel_group=data_parallel_group,
                          mem_efficient_linear=mem_efficient_linear, remote_device=remote_device,
@@ -176,11 +218,32 @@ class Init(_ShardwiseInit, InsertPostInitMethodToModuleSubClasses):
         out = super().__enter__()
         if self.enabled and self.mem_efficient_linear:
             _use_mem_efficient_linear()
+            if self.quantized_initialization:
+                _quantize_functionals()
+                self._building = True
         return out
 
+    def __exit__(self, *exc) -> None:
+        self._building = False
+        return super().__exit__(*exc)
+
     def _shard_tree(self, module) -> None:
+        if self._building:  # a module built inside: its Linear / Embedding weights are stored quantized
+            self._quantize_tree(module)
         super()._shard_tree(module)
         _add_methods_to_tree(module)  # DeepSpeed's per-parameter methods (_add_param_methods)
+
+    def _quantize_tree(self, module) -> None:
+        from deepspeed.inference.quantization.utils import WEIGHT_QUANTIZATION_LAYERS, _quantize_param
+        from shardwise.zero.partitioned_param import is_partitioned
+
+        for m in module.modules():
+            weight = m._parameters.get("weight") if type(m) in WEIGHT_QUANTIZATION_LAYERS else None
+            if weight is None or is_partitioned(weight) or getattr(weight, "weight_quantized", False):
+                continue
+            if self.dtype is not None and weight.is_floating_point():
+                weight.data = weight.data.to(self.dtype)
+            _quantize_param(weight, self.quantized_initialization)
 
 # DeepSpeed's zero.Init swaps torch's tensor constructors for versions that build floating tensors in
 # the training dtype on the device; Hugging Face's `prevent_arange_dtype_change` replaces the wrapper
