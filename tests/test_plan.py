@@ -178,12 +178,13 @@ def test_hf_model_autotp_shards_the_projections(tmp_path):
     (folder / "config.json").write_text(open(TINY_LLAMA).read())
     one = make_plan(world=4, gpus_per_node=4, model=str(folder), config=_config(0, 1))
     two = make_plan(world=4, gpus_per_node=4, model=str(folder), config=_config(0, 2))
-    # hidden 64, intermediate 128, 4 heads of 16, 2 kv heads; 2 layers; embeddings and head replicated
+    # hidden 64, intermediate 128, 4 heads of 16, 2 kv heads; 2 layers; the embedding replicated, the (untied)
+    # head split by outputs as Llama's tp_plan says (colwise_gather_output)
     per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
     whole = 2 * per_layer + 2 * 256 * 64 + 64
     assert one.parameters == two.parameters == whole
     assert one.ranks[0].parameters == whole
-    sharded = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)
+    sharded = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128) + 256 * 64
     assert two.ranks[0].parameters == whole - sharded // 2
     assert two.ranks[0].comm_bytes["tensor"] > 0 and one.ranks[0].comm_bytes["tensor"] == 0
 
