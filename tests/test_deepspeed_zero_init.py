@@ -47,7 +47,8 @@ def _swap_body(rank: int, world: int, compat: str, repo: str):
     import deepspeed.zero as imported
     out["zero_module"] = (imported is deepspeed.zero is deepspeed.runtime.zero
                           and issubclass(deepspeed.zero.Init, shardwise.zero.Init)
-                          and deepspeed.zero.GatheredParameters is deepspeed.runtime.zero.partition_parameters.GatheredParameters)
+                          and deepspeed.zero.GatheredParameters
+                          is deepspeed.runtime.zero.partition_parameters.GatheredParameters)
     torch_linear = F.linear
     out["no_backup_yet"] = not hasattr(holder, "linear_bk")
     off = {**ZERO3, "zero_optimization": {**ZERO3["zero_optimization"], "memory_efficient_linear": False}}

@@ -3,7 +3,8 @@
 The plan lays out W ranks in one process over torch's fake backend. At world 8 (8 gloo processes, a tiny
 GPT in every layout, a tiny MoE under AutoEP and a tiny Hugging Face Llama under AutoTP, in one spawn) each
 rank's model-state bytes equal the engine's ``memory_breakdown()`` and its bytes per step equal what the comms
-logger counts in a training step (the second: the first has one-off checks). The other tests run in this process: the JSON, the errors, the memory limit.
+logger counts in a training step (the second: the first has one-off checks). The other tests run in this
+process: the JSON, the errors, the memory limit.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ _HERE = Path(__file__).resolve().parent
 
 # DeepSpeed paths whose module has another name (the rest map deepspeed.X.Y -> shardwise.X.Y).
 PATHS: dict[str, str] = {
-    "zero": "deepspeed.runtime.zero",  # DeepSpeed's `deepspeed.zero` is its runtime.zero package (Init, GatheredParameters)
+    "zero": "deepspeed.runtime.zero",  # DeepSpeed's `deepspeed.zero` is its runtime.zero package
     "runtime.activation_checkpointing.checkpointing": "shardwise.checkpointing",  # one module, one set of settings
     "sequence.auto_sp": "shardwise.sequence.autosp.detect",  # AutoSP (docs/sequence-parallel.md)
     "sequence.autosp_vit": "shardwise.sequence.autosp.vit",

@@ -130,7 +130,8 @@ def _shardwise_layer_conversion(module: nn.Module, param: torch.Tensor) -> dict 
     if module.conv1d_layout:
         return _build_param_uc_conversion_meta(
             partition_type=kind, partition_dim=dim, original_shape=tuple(shape), is_bias=is_bias,
-            unsupported_reason="a Conv1D ([in, out]) weight, a layout DeepSpeed's universal checkpoint does not describe")
+            unsupported_reason="a Conv1D ([in, out]) weight, a layout DeepSpeed's universal checkpoint does not "
+                               "describe")
     sub_shape = widths = None
     if stride > 1:
         part = shape[dim] // stride
