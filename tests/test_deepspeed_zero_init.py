@@ -249,6 +249,11 @@ def _quantized_body(rank: int, world: int, compat: str, repo: str):
         out["bad_bits"] = None
     except ValueError as e:
         out["bad_bits"] = str(e)
+    try:  # the dequantizing F.linear comes with the memory-efficient linear
+        deepspeed.zero.Init(config_dict_or_path={**config, "zero_optimization": {"memory_efficient_linear": False}})
+        out["needs_linear"] = None
+    except ValueError as e:
+        out["needs_linear"] = str(e)
     torch.manual_seed(0)
     plain = _Tagger()  # the same initial values, not quantized
     torch.manual_seed(0)
@@ -303,7 +308,8 @@ def test_zero_init_quantizes_weights_at_build_and_dequantizes_them_on_use():
     results = run_distributed(_quantized_body, 2, args=(str(COMPAT), str(REPO)))
     assert results[0] == results[1]
     out = results[0]
-    bad_bits, close = out.pop("bad_bits"), out.pop("close_to_plain")
+    bad_bits, close, needs_linear = out.pop("bad_bits"), out.pop("close_to_plain"), out.pop("needs_linear")
+    assert needs_linear is not None and "zero_optimization.memory_efficient_linear" in needs_linear
     assert bad_bits is not None and "weight_quantization.quantized_initialization.num_bits" in bad_bits
     assert out.pop("codes_8") == [(6, 8), True, (6, 2, 1)] and out.pop("codes_4") == [(6, 4), True, (6, 2, 1)]
     assert out.pop("constant_group") == [[3.0] * 4] * 2

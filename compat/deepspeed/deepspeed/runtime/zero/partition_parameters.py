@@ -173,11 +173,11 @@ class Init(_ShardwiseInit, InsertPostInitMethodToModuleSubClasses):
     (``config_dict_or_path``, or the older ``config``) decides it instead of the argument:
     ``zero_optimization.memory_efficient_linear``, true unless set.
 
-    With the memory-efficient linear on and a config block ``weight_quantization.quantized_initialization``
-    (``num_bits`` 4 or 8, ``group_size``, ``group_dim``, ``symmetric`` false), entering the context also makes
-    ``F.linear`` / ``F.embedding`` dequantize quantized weights, and the weight of every ``nn.Linear`` /
-    ``nn.Embedding`` built inside is quantized before it is partitioned (``deepspeed.inference.quantization.utils``):
-    ZeRO-Inference's quantized weights. shardwise's engine config refuses the ``weight_quantization`` block:
+    With a config block ``weight_quantization.quantized_initialization`` (``num_bits`` 4 or 8, ``group_size``,
+    ``group_dim``, ``symmetric`` false; the memory-efficient linear must be on, else ``ValueError``), entering
+    the context also makes ``F.linear`` / ``F.embedding`` dequantize quantized weights, and the weight of every
+    ``nn.Linear`` / ``nn.Embedding`` built inside is quantized before it is partitioned
+    (``deepspeed.inference.quantization.utils``): ZeRO-Inference's quantized weights. shardwise's engine config refuses the ``weight_quantization`` block:
     a model built this way runs under an engine whose config leaves it out. The quantized weights are stored
     in ``dtype``, else the config's training dtype (``bf16`` / ``fp16`` enabled), so the engine's cast to that
     dtype leaves their bytes alone.
@@ -207,6 +207,10 @@ class Init(_ShardwiseInit, InsertPostInitMethodToModuleSubClasses):
                              or _block(ds_config, "bfloat16").get("enabled") else
                              torch.float16 if _block(ds_config, "fp16").get("enabled") else None)
         self.mem_efficient_linear = bool(mem_efficient_linear)
+        if self.quantized_initialization and not self.mem_efficient_linear:
+            raise ValueError("zero.Init: weight_quantization.quantized_initialization needs the memory-efficient linear "
+                             "(zero_optimization.memory_efficient_linear true, the default): the F.linear that "
+                             "dequantizes the weights is installed with it")
         super().__init__(module=module, data_parallel_group=data_parallel_group,
                          mem_efficient_linear=mem_efficient_linear, remote_device=remote_device,
                          pin_memory=pin_memory, config_dict_or_path=config_dict_or_path, enabled=enabled,
