@@ -270,7 +270,8 @@ def _train_plan_case():
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=_ds_config(0, 2))
     assert isinstance(model.blocks[1]["mix"]["inp"], LinearLayer) and isinstance(model.blocks[1]["mix"]["out"],
                                                                                   LinearAllreduce)
-    assert type(model.head) is torch.nn.Linear  # colwise_gather_output: kept whole
+    # colwise_gather_output: split by outputs, the output gathered
+    assert isinstance(model.head, LinearLayer) and model.head.gather_output and tuple(model.head.weight.shape) == (2, 8)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
     for step in range(STEPS):
         g = torch.Generator().manual_seed(30 + step)
@@ -357,6 +358,25 @@ def _compat_layers_case(rank, compat):
         LinearLayer(torch.nn.Linear(8, 9), group, name="odd")
     with pytest.raises(ValueError, match="'gqa': sub-parameters \\[8, 4, 4\\]"):
         SubParamLinearLayer(torch.nn.Linear(8, 16), group, shape=((8, 4, 4), -1), partition_dim=0, name="gqa")
+
+    # deepspeed.initialize with AutoTP: the engine's own layers (shardwise's), the head split by Llama's tp_plan,
+    # and DeepSpeed's universal_checkpoint_info attached to the model, as DeepSpeed's engine does
+    import deepspeed
+    from deepspeed.checkpoint.constants import (ORIGINAL_VOCAB_SIZE, UNIVERSAL_CHECKPOINT_INFO,
+                                                VOCABULARY_PARAMETER_PATTERNS)
+
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(tiny_config("llama"))
+    deepspeed.initialize(model=llama, model_parameters=llama.parameters(), config=_ds_config(0, 2))
+    assert llama.lm_head.gather_output and tuple(llama.lm_head.weight.shape) == (VOCAB // 2, 32)
+    info = getattr(llama, UNIVERSAL_CHECKPOINT_INFO)
+    layer = r"^model\.layers\.0\."
+    assert info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] == sorted(
+        rf"^model\.layers\.{i}\.{m}\.weight$" for i in range(2) for m in ("self_attn\\.o_proj", "mlp\\.down_proj"))
+    replicated = info[TP_REPLICATED_PARAMETER_PATTERNS]
+    assert r"^model\.embed_tokens\.weight$" in replicated and layer + r"input_layernorm\.weight$" in replicated
+    assert not any("_proj" in p or "lm_head" in p for p in replicated)  # every projection and the head are cut
+    assert info[VOCABULARY_PARAMETER_PATTERNS] == [r"^lm_head\.weight$"] and info[ORIGINAL_VOCAB_SIZE] == VOCAB
     return "compat"
 
 
@@ -420,6 +440,24 @@ def test_bad_head_counts_name_the_config_values():
     model = transformers.GPT2LMHeadModel(tiny_config("gpt2", n_head=2))
     with pytest.raises(ValueError, match=r"GPT2Config has num_attention_heads = 2"):
         check_head_counts(model, 4)
+
+
+def test_plan_gathered_heads_split_unless_tied_or_uneven():
+    """A tp_plan's colwise_gather_output linears (Hugging Face's causal-LM heads) are split by outputs when their
+    weight is their own and the outputs divide by the tensor size; a tied head stays whole."""
+    from shardwise.tensor_parallel.autotp import AutoTP, gathered_columns, hf_tp_plan
+
+    llama = transformers.LlamaForCausalLM(tiny_config("llama"))
+    plan = hf_tp_plan(llama)
+    assert plan["lm_head"] == "colwise_gather_output"
+    taken = {f"{b.name}.{c}" for b in AutoTP.tp_parser(llama) for c in b.column + b.row}
+    assert gathered_columns(llama, plan, 2, taken) == ["lm_head"]
+    assert gathered_columns(llama, plan, 5, taken) == []  # 96 outputs over 5 ranks: whole
+    assert gathered_columns(llama, plan, 1, taken) == []
+    assert gathered_columns(llama, {"lm_head": "colwise"}, 2, taken) == []  # not a gathered style
+    qwen3 = transformers.Qwen3ForCausalLM(tiny_config("qwen3"))  # tie_word_embeddings: the head is the embedding
+    assert qwen3.lm_head.weight is qwen3.model.embed_tokens.weight
+    assert gathered_columns(qwen3, hf_tp_plan(qwen3), 2) == []
 
 
 def test_parser_roles_and_refusals():

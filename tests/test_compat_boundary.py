@@ -38,11 +38,17 @@ _TORCH_ROOTS = frozenset({"torch", "F", "functional"})
 
 # compat modules allowed some of the calls above, and why (relative to compat/deepspeed/deepspeed).
 NUMERICS_ALLOWED: dict[str, str] = {
-    "runtime/zero/linear.py": "DeepSpeed's own ZeRO-3 linear autograd function, kept for code that builds it by "
-                              "name; shardwise's ZeRO-3 gathers weights for any module and never uses it",
+    "runtime/zero/linear.py": "DeepSpeed's own ZeRO-3 linear autograd function, which its zero.Init installs as "
+                              "F.linear (mem_efficient_linear) and code builds by name; shardwise's ZeRO-3 gathers "
+                              "weights for any module and never uses it itself",
     "runtime/comm/coalesced_collectives.py": "DeepSpeed's reduce_scatter_coalesced helper (an average before one "
                                              "reduce-scatter) for code that calls it by name; shardwise's own "
                                              "reductions (zero/buckets) never use it",
+    "inference/quantization/utils.py": "DeepSpeed's ZeRO-Inference weight quantization that its zero.Init applies "
+                                       "(asymmetric groups kept as codes, scales and minimums in one tensor of the "
+                                       "weight's dtype: DeepSpeed's layout, read back by its DeQuantizer and its "
+                                       "F.linear / F.embedding wrappers); shardwise has no build-time weight "
+                                       "quantization and never uses it",
     "moe/ep_tp_dispatch.py": "DeepSpeed's AutoEP+AutoTP folded-dispatch helpers (splitting routed assignments "
                              "across tensor lanes, summing them back per token, a routing digest) for code that "
                              "calls them by name; shardwise's AutoEP does not fold experts onto tensor lanes and "

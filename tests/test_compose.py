@@ -165,10 +165,10 @@ def test_tensor_parallel_composes_with_zero3_and_sequence_parallelism_on_a_hf_ll
 
 
 def _check_breakdown(breakdown, ref_params):
-    """Model states per rank: this tensor rank's piece (projections halved, embeddings and norms whole),
-    partitioned over the 2 data ranks: fp32 weights + gradients + SGD momentum (+ an fp32 copy the optimizer
-    steps where there is one) = 12 (16) bytes / 2 ranks."""
-    piece = sum(p.numel() // (2 if "_proj" in n else 1) for n, p in ref_params.items())
+    """Model states per rank: this tensor rank's piece (projections and the untied LM head halved, embeddings
+    and norms whole), partitioned over the 2 data ranks: fp32 weights + gradients + SGD momentum (+ an fp32 copy
+    the optimizer steps where there is one) = 12 (16) bytes / 2 ranks."""
+    piece = sum(p.numel() // (2 if "_proj" in n or n == "lm_head.weight" else 1) for n, p in ref_params.items())
     assert (breakdown.stage, breakdown.dp_world_size, breakdown.tensor_parallel_size) == (3, 2, 2)
     assert breakdown.model_num_params == sum(p.numel() for p in ref_params.values())
     per_param = 16 if breakdown.master_params else 12

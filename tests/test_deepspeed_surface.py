@@ -195,8 +195,13 @@ assert issubclass(NormType, enum.Enum) and [(m.name, m.value) for m in NormType]
 assert AttnType.self_attn.value == 1 and AttnType(2) is AttnType.cross_attn
 # what a module defines itself always wins over the list: the fallback only fills what is missing
 import deepspeed.runtime.zero.partition_parameters as pp
-assert pp.Init is shardwise.zero.Init and pp.GatheredParameters.__module__ == pp.__name__ \
+assert issubclass(pp.Init, shardwise.zero.Init) and pp.Init.__module__ == pp.__name__ \
+    and pp.GatheredParameters.__module__ == pp.__name__ \
     and issubclass(pp.GatheredParameters, shardwise.zero.GatheredParameters)
+# DeepSpeed's `deepspeed.zero` is its runtime.zero package, by attribute and by import
+import deepspeed.zero
+assert deepspeed.zero is sys.modules["deepspeed.runtime.zero"] and deepspeed.zero.Init is pp.Init \
+    and deepspeed.zero.GatheredParameters is pp.GatheredParameters
 # names DeepSpeed 0.19.8 does not have are still an AttributeError
 with pytest.raises(AttributeError):
     deepspeed.runtime.config.NO_SUCH_NAME

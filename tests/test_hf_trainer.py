@@ -73,7 +73,7 @@ out = {
     "spec_kept": sys.modules["deepspeed.runtime.engine"].__spec__.name,
     "same_adam": DeepSpeedCPUAdam is sys.modules["shardwise.ops.adam"].DeepSpeedCPUAdam,
     "lr_schedules": "WarmupLR" in deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES,
-    "init": deepspeed.zero.Init is shardwise.zero.Init,
+    "init": issubclass(deepspeed.zero.Init, shardwise.zero.Init) and deepspeed.zero.Init is pp.Init,
 }
 import deepspeed.runtime.domino.transformer as domino  # DeepSpeed's tree imports whole; its unsupported names
 try:                                                  # raise when used

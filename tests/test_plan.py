@@ -1,9 +1,10 @@
 """``shardwise plan`` against the engine, and its command line.
 
 The plan lays out W ranks in one process over torch's fake backend. At world 8 (8 gloo processes, a tiny
-GPT, every layout in one spawn) each rank's model-state bytes equal the engine's ``memory_breakdown()`` and
-its bytes per step equal what the comms logger counts in a training step (the second: the first has
-one-off checks). The other tests run in this process: the JSON, the errors, the memory limit.
+GPT in every layout, a tiny MoE under AutoEP and a tiny Hugging Face Llama under AutoTP, in one spawn) each
+rank's model-state bytes equal the engine's ``memory_breakdown()`` and its bytes per step equal what the comms
+logger counts in a training step (the second: the first has one-off checks). The other tests run in this
+process: the JSON, the errors, the memory limit.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ GPT = "gpt:vocab_size=32,seq_len=8,hidden=16,n_layers=2,n_heads=2"
 CASES = [  # (name, ZeRO stage, tensor, pipe, expert)
     ("dp8 ZeRO-1", 1, 1, 1, 1), ("dp8 ZeRO-2", 2, 1, 1, 1), ("dp8 ZeRO-3", 3, 1, 1, 1),
     ("tp2 x dp4 ZeRO-3", 3, 2, 1, 1), ("pp2 x tp2 x dp2 ZeRO-1", 1, 2, 2, 1), ("MoE ep2 x dp8 ZeRO-2", 2, 1, 1, 2),
+    ("HF Llama AutoTP tp2 x dp4 ZeRO-1", 1, 2, 1, 1),  # its head split by the tp_plan, its logits all-gathered
 ]
 TINY_MOE = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
@@ -72,8 +74,14 @@ def _engine_case(case, rank, world):
     ds = _config(stage, 1, ep) | {"comms_logger": {"enabled": True}}
     torch.manual_seed(0)
     topo = ProcessTopology.from_dims(ParallelDims(data=world // (tp * pp), pipe=pp, tensor=tp))
+    hf = case[0].startswith("HF Llama")
     if ep > 1:  # a Hugging Face MoE model, AutoEP's blocks
         engine = shardwise.initialize(model=_moe_model(), config=ds)[0]
+    elif hf:  # AutoTP of a Hugging Face model (tensor_parallel.autotp_size)
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        llama = AutoModelForCausalLM.from_config(LlamaConfig.from_json_file(TINY_LLAMA))
+        engine = shardwise.initialize(model=llama, config=_config(stage, tp) | {"comms_logger": {"enabled": True}})[0]
     elif pp > 1:
         engine = shardwise.initialize(model=gpt_pipeline_module(cfg, topology=topo, partition_method="uniform"),
                                       config=ds)[0]
@@ -82,11 +90,11 @@ def _engine_case(case, rank, world):
         with grid.active():
             model = Model(cfg)
         engine = shardwise.initialize(model=model, mpu=grid, config=ds)[0]
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(rank // tp if hf else rank)  # (AutoTP: one batch per tensor group)
 
     def batches():
         while True:
-            t = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+            t = torch.randint(0, 256 if hf else cfg.vocab_size, (2, 8 if hf else cfg.seq_len), generator=g)
             yield t, t
 
     data = batches()
@@ -97,7 +105,7 @@ def _engine_case(case, rank, world):
         else:
             for _ in range(2):
                 x, y = next(data)
-                engine.backward(engine(input_ids=x, labels=y).loss if ep > 1 else engine(x, y))
+                engine.backward(engine(input_ids=x, labels=y).loss if ep > 1 or hf else engine(x, y))
                 engine.step()
     sent: dict = {}
     for name, sizes in comm.comms_summary().items():
@@ -118,8 +126,10 @@ def test_plan_equals_engine_memory_and_comms_at_world_8(tmp_path):
     moe.mkdir()
     (moe / "config.json").write_text(json.dumps(TINY_MOE))
     for i, (name, stage, tp, pp, ep) in enumerate(CASES):
-        plan = make_plan(world=8, gpus_per_node=4, model=str(moe) if ep > 1 else GPT, config=_config(stage, tp, ep),
-                         pipe=pp, partition_method="uniform", seq_len=8 if ep > 1 else None)
+        hf = name.startswith("HF Llama")
+        plan = make_plan(world=8, gpus_per_node=4, model=str(moe) if ep > 1 else TINY_LLAMA if hf else GPT,
+                         config=_config(stage, tp, ep), pipe=pp, partition_method="uniform",
+                         seq_len=8 if ep > 1 or hf else None)
         assert [r.rank for r in plan.ranks] == list(range(8))
         for r in plan.ranks:
             engine = measured[r.rank][i]
@@ -178,12 +188,13 @@ def test_hf_model_autotp_shards_the_projections(tmp_path):
     (folder / "config.json").write_text(open(TINY_LLAMA).read())
     one = make_plan(world=4, gpus_per_node=4, model=str(folder), config=_config(0, 1))
     two = make_plan(world=4, gpus_per_node=4, model=str(folder), config=_config(0, 2))
-    # hidden 64, intermediate 128, 4 heads of 16, 2 kv heads; 2 layers; embeddings and head replicated
+    # hidden 64, intermediate 128, 4 heads of 16, 2 kv heads; 2 layers; the embedding replicated, the (untied)
+    # head split by outputs as Llama's tp_plan says (colwise_gather_output)
     per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
     whole = 2 * per_layer + 2 * 256 * 64 + 64
     assert one.parameters == two.parameters == whole
     assert one.ranks[0].parameters == whole
-    sharded = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)
+    sharded = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128) + 256 * 64
     assert two.ranks[0].parameters == whole - sharded // 2
     assert two.ranks[0].comm_bytes["tensor"] > 0 and one.ranks[0].comm_bytes["tensor"] == 0
 

@@ -697,6 +697,12 @@ def _comm(lay: Layout, *, shape, dims, stage_model, micro, gas, b, zero_stage, z
         if stage_model.last and shape.kind == "gpt":  # vocab-parallel cross entropy: max, sum of exps, target logit (fp32 [b, s])
             per_mb += 3 * micro * s_local * 4
         ops[("tensor", "all_reduce")] = ops.get(("tensor", "all_reduce"), 0) + gas * per_mb
+        # a column-parallel layer with gather_output (a tp_plan's LM head) all-gathers its whole output forward
+        gathered = _cached(stage_model.module, ("tp_gathered",), lambda: tensor_parallel_gathered_features(
+            stage_model.module))
+        if gathered:
+            key = ("tensor", "all_gather_into_tensor")
+            ops[key] = ops.get(key, 0) + gas * micro * s_local * gathered * b
     if dims.pipe > 1:  # pipe/engine.py: the batch-loading agreement (one fp32 flag per rank of the world)
         # and the loss of each micro-batch averaged over the replicas, both over the world
         ops[("pipe", "all_reduce")] = ops.get(("pipe", "all_reduce"), 0) + 4 * dims.world_size + 4 * gas
@@ -816,6 +822,21 @@ def tensor_parallel_reductions(module) -> int:
         elif isinstance(m, (RowParallelLinear, LinearAllreduce, VocabParallelEmbedding)):
             count += 1
     return count
+
+
+def tensor_parallel_gathered_features(module) -> int:
+    """Output features, whole, of the column-parallel layers that all-gather their output (``gather_output``):
+    per token, the elements of one forward all-gather each on the tensor axis."""
+    from shardwise.tensor_parallel.autotp_layers import LinearLayer
+    from shardwise.tensor_parallel.layers import ColumnParallelLinear
+
+    total = 0
+    for m in module.modules():
+        if isinstance(m, LinearLayer) and m.gather_output and m.tp_world_size > 1:
+            total += m.out_features * m.tp_world_size
+        elif isinstance(m, ColumnParallelLinear) and m.gather_output and m.world_size > 1:
+            total += m.output_size
+    return total
 
 
 def _pipeline_report(stages, dims, gas) -> dict:

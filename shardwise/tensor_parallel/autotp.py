@@ -7,11 +7,15 @@ Inside each transformer block the projections are recognised by name, as DeepSpe
   are split separately (``partition_stride=3``);
 * row-parallel (``LinearAllreduce``, output all-reduced): ``o_proj``, ``down_proj``, ``c_proj``.
 
-Embeddings, norms and the LM head stay replicated, so logits are whole on every rank: the loss
-and ``generate`` are the ones of the unsharded model. A block is sharded only when both its column
-and its row projections are recognised; anything else stays replicated (always correct, not
-faster). A model none of whose projections these names match is sharded by its Hugging Face
-``tp_plan`` (``config.base_model_tp_plan``, ``_tp_plan``) when it has one: ``colwise`` / ``rowwise``.
+Embeddings and norms stay replicated. A block is sharded only when both its column and its row
+projections are recognised; anything else stays replicated (always correct, not faster). A model none
+of whose projections these names match is sharded by its Hugging Face ``tp_plan``
+(``config.base_model_tp_plan``, ``_tp_plan``) when it has one: ``colwise`` / ``rowwise``. In either
+case a linear the plan marks ``colwise_gather_output`` (``colwise_rep``), such as the LM head of
+Hugging Face's causal LMs, is split by its outputs and its output all-gathered (``gather_output``),
+unless its weight is tied to another module's or its outputs do not divide by the tensor size (then it
+stays whole): the logits are whole on every rank either way, so the loss and ``generate`` are the
+ones of the unsharded model.
 Attention head counts (``num_attention_heads``, ``num_key_value_heads``) must divide by the
 tensor size; attributes of the attention modules that count heads or features per rank
 (``num_heads``, ``split_size``, ...) are divided so Hugging Face's forward runs on the shard, while
@@ -33,8 +37,8 @@ from shardwise.param_attrs import autotp_grad_allreduce, mark_autotp_grad_allred
 from shardwise.tensor_parallel.autotp_layers import LinearAllreduce, LinearLayer, is_conv1d
 from shardwise.utils.logging import log_dist
 
-__all__ = ["AutoTP", "autotp_hook", "shard_model", "check_head_counts", "hf_tp_plan", "COLUMN_PARALLEL", "ROW_PARALLEL",
-           "FUSED_QKV"]
+__all__ = ["AutoTP", "autotp_hook", "shard_model", "check_head_counts", "hf_tp_plan", "gathered_columns",
+           "COLUMN_PARALLEL", "ROW_PARALLEL", "FUSED_QKV"]
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_fc")
 ROW_PARALLEL = ("o_proj", "down_proj", "c_proj")
@@ -126,10 +130,18 @@ class AutoTP:
         return blocks
 
     def _replace_module(self, model: nn.Module, name_prefix: str = "") -> list[_Block]:
-        """Shard the recognised blocks of ``model``; ``name_prefix``: ``model``'s path in a larger model (the
-        layers' ``name``, which checkpoints record, is the full path)."""
+        """Shard the recognised blocks of ``model``, then the linears its tp_plan gathers (``gathered_columns``);
+        ``name_prefix``: ``model``'s path in a larger model (the layers' ``name``, which checkpoints record, is
+        the full path)."""
         blocks = self.tp_parser(model)
         kw = dict(tp_size=self.mp_size, tp_rank=self.tp_rank)
+        taken = {f"{b.name}.{c}" if b.name else c for b in blocks for c in b.column + b.row}
+        for name in gathered_columns(model, hf_tp_plan(model), self.mp_size, taken):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            path = ".".join(p for p in (name_prefix, name) if p)
+            setattr(parent, child, LinearLayer(getattr(parent, child), self.mp_group, name=path, gather_output=True,
+                                               **kw))
         for block in blocks:
             path = ".".join(p for p in (name_prefix, block.name) if p)
             prefix = f"{path}." if path else ""
@@ -191,8 +203,8 @@ _PLAN_KEPT_WHOLE = ("colwise_gather_output", "colwise_rep", "gather", "replicate
 def _plan_blocks(model: nn.Module, plan: dict[str, str] | None) -> list[_Block]:
     """Blocks from a Hugging Face tp_plan, for models whose projections the name rules above do not know:
     ``colwise`` / ``rowwise`` linears are split (a parent holding both, as the name rules require); styles
-    that gather the output (``colwise_gather_output``, ...) keep the layer whole (the same numbers, not
-    faster); any other style is refused."""
+    that gather the output are ``gathered_columns``' (split by outputs where possible), ``gather`` and the
+    replicated ones keep the layer whole; any other style is refused."""
     if not plan:
         return []
     rules = [(re.compile(re.escape(p.removeprefix("model.")).replace(r"\*", r"[^.]+") + "$"), p, style)
@@ -212,6 +224,40 @@ def _plan_blocks(model: nn.Module, plan: dict[str, str] | None) -> list[_Block]:
         block = found.setdefault(parent_name, _Block(parent_name, model.get_submodule(parent_name)))
         (block.column if style == "colwise" else block.row).append(child)
     return [b for b in found.values() if b.column and b.row]
+
+
+_PLAN_GATHERED = ("colwise_gather_output", "colwise_rep")
+
+
+def gathered_columns(model: nn.Module, plan: dict[str, str] | None, tp_size: int, taken=frozenset()) -> list[str]:
+    """The linears of ``model`` (module names) that its Hugging Face tp_plan marks ``colwise_gather_output`` (or
+    the older ``colwise_rep``) and that can be split by their outputs over ``tp_size`` ranks: not in ``taken``
+    (already sharded), outputs divisible by ``tp_size``, and a weight no other module holds (a head tied to the
+    input embedding stays whole, since the embedding needs every row)."""
+    if not plan or tp_size <= 1:
+        return []
+    rules = [(re.compile(re.escape(p.removeprefix("model.")).replace(r"\*", r"[^.]+") + "$"), style)
+             for p, style in plan.items() if style in _PLAN_GATHERED]
+    if not rules:
+        return []
+    holders: dict[int, int] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders[id(p)] = holders.get(id(p), 0) + 1
+    found = []
+    for name, module in model.named_modules():
+        if not name or name in taken or not _is_linear(module):
+            continue
+        if not any(rx.fullmatch(name.removeprefix("model.")) for rx, _ in rules):
+            continue
+        outputs = module.weight.shape[1 if is_conv1d(module) else 0]
+        if outputs % tp_size or holders.get(id(module.weight), 0) > 1:
+            log_dist(f"AutoTP: '{name}' ({'tied weight' if outputs % tp_size == 0 else f'{outputs} outputs'}) "
+                     f"stays whole although its tp_plan gathers it", ranks=[0], level=logging.INFO)
+            continue
+        found.append(name)
+    return found
 
 
 def _sum_over_group(group):
@@ -248,8 +294,10 @@ def shard_model(model: nn.Module, mp_group=None, *, src_rank: int | None = None,
     blocks = AutoTP(model, mp_group, tp_size=size, tp_rank=tp_rank)._replace_module(model)
     model.ds_autotp_parsed = True
     model.autotp_size = size
-    log_dist(f"AutoTP: sharded {len(blocks)} blocks of {type(model).__name__} over {size} tensor-parallel ranks "
-             "(embeddings, norms and LM head replicated)", ranks=[0], level=logging.INFO)
+    heads = sum(1 for m in model.modules() if isinstance(m, LinearLayer) and m.gather_output)
+    log_dist(f"AutoTP: sharded {len(blocks)} blocks of {type(model).__name__} over {size} tensor-parallel ranks, "
+             f"{heads} output-gathered linears of its tp_plan (embeddings and norms replicated)", ranks=[0],
+             level=logging.INFO)
     return model
 
 

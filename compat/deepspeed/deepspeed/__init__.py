@@ -2,10 +2,11 @@
 
 Nothing here trains: ``deepspeed.<name>`` is ``shardwise.<name>``, and importing ``deepspeed.X.Y`` gives
 this package's own module of that path if it has one (DeepSpeed's internal names, thin adapters onto
-shardwise), else the shardwise module ``PATHS`` names, else ``shardwise.X.Y``, registered under the
-DeepSpeed name as that same module object, so ``deepspeed.zero.Init is shardwise.zero.Init``. Nothing
-here sets attributes on shardwise's classes: where DeepSpeed's private methods are needed, this package
-subclasses (``DeepSpeedEngine``, which ``deepspeed.initialize`` builds).
+shardwise), else the module ``PATHS`` names (a shardwise module; for ``deepspeed.zero``, as in DeepSpeed,
+``deepspeed.runtime.zero``), else ``shardwise.X.Y``, registered under the DeepSpeed name as that same module
+object, so ``deepspeed.ops.adam.DeepSpeedCPUAdam is shardwise.ops.adam.DeepSpeedCPUAdam``. Nothing here sets
+attributes on shardwise's classes: where DeepSpeed's private methods are needed, this package subclasses
+(``DeepSpeedEngine``, which ``deepspeed.initialize`` builds; ``zero.Init``).
 
 Every module of DeepSpeed 0.19.8's Python package imports (``_surface-0.19.8.json`` lists them with their
 public names): one that neither this package nor shardwise has is made from that list, and every listed
@@ -94,8 +95,9 @@ def _stub_spec(fullname: str):
 
 _HERE = Path(__file__).resolve().parent
 
-# DeepSpeed paths whose shardwise module has another name (the rest map deepspeed.X.Y -> shardwise.X.Y).
+# DeepSpeed paths whose module has another name (the rest map deepspeed.X.Y -> shardwise.X.Y).
 PATHS: dict[str, str] = {
+    "zero": "deepspeed.runtime.zero",  # DeepSpeed's `deepspeed.zero` is its runtime.zero package
     "runtime.activation_checkpointing.checkpointing": "shardwise.checkpointing",  # one module, one set of settings
     "sequence.auto_sp": "shardwise.sequence.autosp.detect",  # AutoSP (docs/sequence-parallel.md)
     "sequence.autosp_vit": "shardwise.sequence.autosp.vit",
@@ -184,6 +186,8 @@ def __getattr__(name: str):
 def _getattr(name: str):
     if name in _OWN:
         return getattr(importlib.import_module(_OWN[name]), name)
+    if name in PATHS:  # `deepspeed.zero`: the module of that DeepSpeed path, as `import deepspeed.zero` gives
+        return importlib.import_module(f"deepspeed.{name}")
     try:
         return getattr(_shardwise, name)
     except AttributeError as exc:

@@ -20,6 +20,7 @@ import torch
 
 from deepspeed.runtime.zero.partition_parameters import (DS_Z3_EAGER_FALLBACK_OWNER_ATTR,
                                                          DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, ZeroParamStatus)
+from shardwise.zero.partitioned_param import is_partitioned
 
 _ACTIVE_FALLBACK = None
 _GUARDS_MODULE = "torch._dynamo.guards"
@@ -207,8 +208,9 @@ class DeepCompileZ3EagerFallback:
         released = self._release_unclaimed_tracked_params()
         if not self._outstanding_forward_graph_ids and self.engine is not None:
             for param in self.engine.module.parameters():
-                if callable(getattr(param, "partition", None)) and _gathered_and_releasable(param) \
-                        and not _context_depth(param):  # (shardwise's units release their own parameters)
+                if callable(getattr(param, "partition", None)) and not is_partitioned(param) \
+                        and _gathered_and_releasable(param) and not _context_depth(param):
+                    # (shardwise's ZeRO-3 parameters are released by their units)
                     param.partition()
                     released.append(param.ds_id)
         self._last_pre_forward_released_param_ids = released

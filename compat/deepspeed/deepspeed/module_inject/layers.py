@@ -110,10 +110,44 @@ def _get_param_uc_conversion_meta(param: torch.Tensor) -> dict | None:
     return meta.get("conversion") if meta else None
 
 
+def _shardwise_layer_conversion(module: nn.Module, param: torch.Tensor) -> dict | None:
+    """The converter's view of a parameter of shardwise's own AutoTP layers (what the engine's AutoTP builds), from
+    the Megatron attributes they carry (``partition_dim``, ``partition_stride``): a column layer's weight and bias
+    are cut along their outputs, a row layer's weight along its inputs and its bias is replicated; a fused weight
+    (stride s) is s equal sub-parameters each cut over the ranks. GPT-2's ``Conv1D`` layout (``[in, out]``) is
+    not one DeepSpeed's universal checkpoint describes: recorded as unsupported."""
+    if not isinstance(module, _sw.TensorParallel_Layer) or isinstance(module, TensorParallel_Layer):
+        return None
+    is_bias = param is getattr(module, "bias", None)
+    kind = "row" if isinstance(module, _sw.LinearAllreduce) else "column"
+    if not getattr(param, "tensor_model_parallel", False):
+        return _build_param_uc_conversion_meta(partition_type=kind,
+                                               original_shape=tuple(getattr(param, "ds_shape", None) or param.shape),
+                                               is_bias=is_bias, replicated=True)
+    dim, stride, size = param.partition_dim, getattr(param, "partition_stride", 1), module.tp_world_size
+    shape = list(getattr(param, "ds_shape", None) or param.shape)  # (a ZeRO-3 parameter's whole shape)
+    shape[dim] *= size
+    if module.conv1d_layout:
+        return _build_param_uc_conversion_meta(
+            partition_type=kind, partition_dim=dim, original_shape=tuple(shape), is_bias=is_bias,
+            unsupported_reason="a Conv1D ([in, out]) weight, a layout DeepSpeed's universal checkpoint does not "
+                               "describe")
+    sub_shape = widths = None
+    if stride > 1:
+        part = shape[dim] // stride
+        sub_shape = list(shape)
+        sub_shape[dim] = (part, ) * stride
+        widths = [[part // size] * size for _ in range(stride)]
+    return _build_param_uc_conversion_meta(partition_type=kind, partition_dim=dim, sub_param_shape=sub_shape,
+                                           sub_param_shard_widths=widths, original_shape=tuple(shape),
+                                           is_bias=is_bias)
+
+
 def collect_autotp_universal_checkpoint_info(model: nn.Module) -> dict[str, Any]:
     """DeepSpeed's ``universal_checkpoint_info`` of an AutoTP model: one regex per parameter (``^name$``), filed
-    by layout. Parameters without metadata (norms, embeddings AutoTP left alone) are tensor-replicated; tied
-    aliases are left out (the checkpoint knows a tensor under its first name only)."""
+    by layout, for the layers of this module and shardwise's own (``_shardwise_layer_conversion``). Parameters
+    without metadata (norms, embeddings AutoTP left alone) are tensor-replicated; tied aliases are left out (the
+    checkpoint knows a tensor under its first name only)."""
     row, replicated, vocabulary, sub_params, unsupported, widths = [], [], [], [], {}, {}
     vocab_size = None
     first_name = {}
@@ -127,7 +161,7 @@ def collect_autotp_universal_checkpoint_info(model: nn.Module) -> dict[str, Any]
             if first_name.get(id(param), full) != full:
                 continue
             pattern = rf"^{re.escape(full)}$"
-            conv = _get_param_uc_conversion_meta(param)
+            conv = _get_param_uc_conversion_meta(param) or _shardwise_layer_conversion(module, param)
             if not conv:
                 replicated.append(pattern)
                 continue

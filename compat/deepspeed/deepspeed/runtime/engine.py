@@ -84,13 +84,25 @@ class DeepSpeedEngine(_DeepSpeedInternals, Engine):
     """What ``deepspeed.initialize`` returns for a model that is not a ``PipelineModule``: shardwise's
     ``Engine`` with DeepSpeed's private helpers. Under ZeRO-3 each module's ``_parameters`` is DeepSpeed's
     ``ZeROOrderedDict`` (``deepspeed.runtime.zero.parameter_offload``), modules attached after ``initialize``
-    included (converted before the next forward)."""
+    included (converted before the next forward). As DeepSpeed's ZeRO-3 partitions the model through
+    ``zero.Init``, a ZeRO-3 engine installs the memory-efficient linear as ``torch.nn.functional.linear`` unless
+    ``zero_optimization.memory_efficient_linear`` is false (``partition_parameters._use_mem_efficient_linear``).
+    After AutoTP (``tensor_parallel.autotp_size`` > 1) the model carries DeepSpeed's ``universal_checkpoint_info``
+    (``deepspeed.module_inject.layers.collect_autotp_universal_checkpoint_info``), as DeepSpeed's engine attaches it."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.config.tensor_parallel.autotp_size > 1 and getattr(self.module, "ds_autotp_parsed", False):
+            from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+            from deepspeed.module_inject.layers import collect_autotp_universal_checkpoint_info
+            setattr(self.module, UNIVERSAL_CHECKPOINT_INFO, collect_autotp_universal_checkpoint_info(self.module))
         if self.zero_optimization_stage() == 3:
             from deepspeed.runtime.zero.parameter_offload import _zero3_module_prologue
+            from deepspeed.runtime.zero.partition_parameters import _add_methods_to_tree, _use_mem_efficient_linear
             _zero3_module_prologue(self.module)
+            _add_methods_to_tree(self.module)  # param.all_gather() / partition() ..., as DeepSpeed's parameters have
+            if self.config.zero_optimization.memory_efficient_linear:
+                _use_mem_efficient_linear()
 
     def forward(self, *args, **kwargs):
         if self.zero_optimization_stage() == 3:
