@@ -114,6 +114,26 @@ def test_gradient_groups_follow_deepspeeds_qgz_rule():
     assert grad_group_size((4, 2), 4) == 2  # as many groups as ranks
 
 
+def test_qgz_row_plan_keeps_no_index_per_element():
+    """The row plan of the reference GPT's gradient bucket (world 4): the blocks of the whole row, kept as a
+    block number per run of elements; the tensors it holds take under half a byte per row element (an int64
+    position or block index per element would take 8 each, twice the fp32 gradient itself)."""
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.zero.zeropp import RowLayout, RowPlan
+
+    model = GPT(GPTConfig(vocab_size=2048, seq_len=64, hidden=384, n_layers=2, n_heads=6))
+    pieces = [(-(-p.numel() // 4), tuple(p.shape), True) for p in model.parameters()]
+    layout = RowLayout.of(pieces, 4)
+    plan = RowPlan(layout, "cpu")
+    held = [v for v in vars(plan).values() if isinstance(v, torch.Tensor)] + \
+        [v for v in vars(plan.blocks).values() if isinstance(v, torch.Tensor)]
+    assert sum(t.numel() * t.element_size() for t in held) < plan.numel / 2, plan.blocks.sub
+    # every element is in exactly one block; the blocks of the quantized pieces are DeepSpeed's groups (384)
+    assert sum(layout.blocks) == plan.width >= plan.numel
+    assert plan.quantized.numel() + plan.plain.numel() == plan.numel
+    assert 384 in layout.blocks
+
+
 # -- distributed ----------------------------------------------------------------------------------
 VOCAB, SEQ = 32, 8
 

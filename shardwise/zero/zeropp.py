@@ -243,19 +243,26 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 class RowPlan:
-    """A ``RowLayout`` made ready for the quantizer (``blocks``: the ``RowBlocks`` of the whole row, made
-    once), with the positions of the quantized and the plain pieces as index tensors (``quantized``,
-    ``plain``)."""
+    """A ``RowLayout`` made ready for the quantizer: ``blocks``, the ``RowBlocks`` of the whole row (made once:
+    a block number per run of ``sub`` elements, no index per element). ``quantized`` / ``plain``: the positions
+    of the two kinds of pieces as index tensors, made when asked for (they take 8 bytes per element)."""
 
     def __init__(self, layout: RowLayout, device) -> None:
         self.layout, self.numel, self.width = layout, layout.numel, layout.width
         self.pranges = layout.plain
         self.nblocks = len(layout.blocks)
+        self.device = device
         lengths = torch.tensor(layout.blocks, dtype=torch.long)
         block_of = torch.repeat_interleave(torch.arange(self.nblocks), lengths)
         self.blocks = q.RowBlocks.of(block_of, self.nblocks).to(device)
-        idx = lambda rs: torch.cat([torch.arange(a, b) for a, b in rs]) if rs else torch.zeros(0, dtype=torch.long)  # noqa: E731
-        self.quantized, self.plain = idx(layout.quantized).to(device), idx(layout.plain).to(device)
+
+    @property
+    def quantized(self) -> torch.Tensor:
+        return _positions(self.layout.quantized, self.device)
+
+    @property
+    def plain(self) -> torch.Tensor:
+        return _positions(self.layout.plain, self.device)
 
     @classmethod
     def of_unit(cls, unit, world: int) -> "RowPlan":
@@ -264,6 +271,12 @@ class RowPlan:
 
     def wire_bytes(self, plain_itemsize: int) -> int:
         return self.layout.wire_bytes(plain_itemsize)
+
+
+def _positions(ranges: list[tuple[int, int]], device) -> torch.Tensor:
+    if not ranges:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    return torch.cat([torch.arange(a, b) for a, b in ranges]).to(device)
 
 
 def _take(rows: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
