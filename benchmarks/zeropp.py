@@ -18,7 +18,7 @@ ZeRO-3 cuts the model into units of at most ``--unit-elements`` elements (``stag
 the default, 2,000,000, gives a unit per transformer block, each gathered for forward and again for
 backward, as in a model larger than the bucket (the regime ZeRO++ is built for: hpZ moves the backward
 gathers inside the node). With DeepSpeed's default bucket (50,000,000) the whole reference GPT is one unit,
-gathered once a step.
+and no gather overlaps compute.
 
 Measured per configuration and network, over ``--repeats`` runs that alternate ZeRO-3 and ZeRO++: the
 median step time of the slowest rank (after ``--warmup`` steps; the median over the runs, and each
@@ -338,7 +338,7 @@ def main() -> None:
                    help="stage3_prefetch_bucket_size, the most elements of a ZeRO-3 unit (default 2,000,000: a unit "
                         "per transformer block, each gathered for forward and again for backward, as in a model "
                         "larger than the bucket; 50,000,000, DeepSpeed's default, makes the whole reference GPT one "
-                        "unit, gathered once a step, so hpZ has no backward gather to move inside the node)")
+                        "unit)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run (default 1800)")
     p.add_argument("--plot", default="zeropp_convergence.png",
                    help="where to write the loss plot ('' for none); with --accuracy, every set's losses and gaps")
