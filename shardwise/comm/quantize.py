@@ -179,6 +179,17 @@ class RowBlocks:
             raise ValueError("quantize_rows: block_of must number runs of consecutive elements")
         return cls(sub, of_sub, int(of_sub.max()) + 1 if nblocks is None else nblocks)
 
+    @classmethod
+    def of_lengths(cls, lengths: list[int]) -> "RowBlocks":
+        """From the lengths of the row's blocks, in order (no index per element is made)."""
+        sub = 0
+        for n in lengths:
+            sub = math.gcd(sub, int(n))
+        sub = sub or 1
+        of_sub = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor([n // sub for n in lengths],
+                                                                                  dtype=torch.long))
+        return cls(sub, of_sub, len(lengths))
+
     def to(self, device) -> "RowBlocks":
         return RowBlocks(self.sub, self.of_sub.to(device), self.nblocks)
 

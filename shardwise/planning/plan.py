@@ -433,7 +433,7 @@ def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: Zero
         if not any(p.requires_grad for p in unit):
             continue
         if on and pp.quantized_gradients:  # the whole bucket: the unit's shard of every rank
-            for group, nbytes in _qgz_messages(unit, numels, n, shard, acc, pp):
+            for group, nbytes in _qgz_messages(unit, numels, n, acc, pp):
                 add(group, "all_to_all_single", gas * nbytes)
         else:
             add("data", "reduce_scatter_tensor", gas * sum(-(-numels[id(p)] // n) * n for p in unit
@@ -441,7 +441,7 @@ def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: Zero
     return ops, secondary
 
 
-def _qgz_messages(unit, numels, n, shard, acc, pp) -> list:
+def _qgz_messages(unit, numels, n, acc, pp) -> list:
     """``[(group, bytes)]``: the all-to-alls of qgZ's reduce-scatter of one unit's gradient bucket (a row per
     rank: this rank's shard of the unit), ``L x M`` rows inside the node, then ``M`` rows across nodes, each
     stage when its group has more than one rank. A row is laid out as ``zero/zeropp.py`` lays it out

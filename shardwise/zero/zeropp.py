@@ -252,9 +252,7 @@ class RowPlan:
         self.pranges = layout.plain
         self.nblocks = len(layout.blocks)
         self.device = device
-        lengths = torch.tensor(layout.blocks, dtype=torch.long)
-        block_of = torch.repeat_interleave(torch.arange(self.nblocks), lengths)
-        self.blocks = q.RowBlocks.of(block_of, self.nblocks).to(device)
+        self.blocks = q.RowBlocks.of_lengths(layout.blocks).to(device)
 
     @property
     def quantized(self) -> torch.Tensor:
