@@ -341,11 +341,14 @@ def test_plan_zeropp_moves_bytes_off_the_links_between_nodes(_no_process_group):
     whole = plain.parameters
     assert whole * 4 / 2 <= r0["hpz"].hpz_secondary_bytes < whole * 4 / 2 + 4 * 8  # fp32, half of each unit a rank
     assert r0["hpz"].model_states_bytes == r0["plain"].model_states_bytes + r0["hpz"].hpz_secondary_bytes
-    # qgZ: no reduce-scatter; two all-to-alls of int4 blocks, in the node (4 rows) and across nodes (2 rows)
+    # qgZ: no reduce-scatter; two all-to-alls, of int8 blocks in the node (4 rows) and of int4 blocks across
+    # nodes (2 rows)
     assert "reduce_scatter_tensor" not in r0["qg"].comm_ops
     node, inter = r0["qg"].group_bytes["node"], r0["qg"].group_bytes["inter_node"]
-    assert node == pytest.approx(2 * inter, rel=1e-9)
-    assert node < r0["plain"].comm_ops["reduce_scatter_tensor"] / 4
+    # (this tiny GPT's groups are 16 elements: a 4-byte scale each adds a quarter byte per element)
+    assert 2 * inter < node < 4 * inter
+    assert node < r0["plain"].comm_ops["reduce_scatter_tensor"] / 2
+    assert inter < r0["plain"].comm_ops["reduce_scatter_tensor"] / 5
     # every part cuts the bytes received from the other node; all three below a third of ZeRO-3's
     cross = {name: r.cross_node_bytes for name, r in r0.items()}
     assert cross["plain"] > cross["qw"] and cross["plain"] > cross["hpz"] and cross["plain"] > cross["qg"]

@@ -390,8 +390,8 @@ def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: Zero
       ``weight_block_size(shard)`` elements, and one fp32 scale per block (two all-gathers);
     * hpZ: the backward gather all-gathers the secondary shards, ``ceil(unit / k)`` elements of the working
       dtype each, inside the node (``node`` group); those shards stay allocated (the secondary bytes);
-    * qgZ: the reduce-scatter becomes all-to-alls of int4 codes (two a byte) with an fp32 scale per block,
-      inside the node (``L x M`` rows of the shard) and then across nodes (``M`` rows; ``L`` data ranks on
+    * qgZ: the reduce-scatter becomes all-to-alls of int8 codes inside the node (``L x M`` rows of the shard),
+      then of int4 codes (two a byte) across nodes, with an fp32 scale per block (``M`` rows; ``L`` data ranks on
       each of ``M`` nodes), the row laid out as ``zero/zeropp.py`` lays it out (``_qgz_messages``)."""
     from shardwise.comm import quantize as q
 
@@ -445,15 +445,15 @@ def _qgz_messages(unit, numels, n, acc, pp) -> list:
     """``[(group, bytes)]``: the all-to-alls of qgZ's reduce-scatter of one unit's gradient bucket (a row per
     rank: this rank's shard of the unit), ``L x M`` rows inside the node, then ``M`` rows across nodes, each
     stage when its group has more than one rank. A row is laid out as ``zero/zeropp.py`` lays it out
-    (``RowLayout``): the whole row's int4 codes, an fp32 scale a block, and the pieces DeepSpeed does not
-    quantize again at full precision, in one message."""
+    (``RowLayout``): the whole row's codes (int8 inside the node, int4 across), an fp32 scale a block, and the
+    pieces DeepSpeed does not quantize again at full precision, in one message."""
     from shardwise.zero import zeropp
 
-    stages = [(g, rows) for g, rows, size in (("node", pp.local * pp.nodes, pp.local), ("inter_node", pp.nodes,
-                                                                                        pp.nodes)) if size > 1]
+    stages = [(g, rows, bits) for g, rows, size, bits in (("node", pp.local * pp.nodes, pp.local, zeropp.INTRA_BITS),
+                                                           ("inter_node", pp.nodes, pp.nodes, zeropp.INTER_BITS))
+              if size > 1]
     layout = zeropp.RowLayout.of([(-(-numels[id(p)] // n), tuple(p.shape), p.requires_grad) for p in unit], n)
-    row = layout.wire_bytes(acc)
-    return [(g, rows * row) for g, rows in stages]
+    return [(g, rows * layout.wire_bytes(acc, bits)) for g, rows, bits in stages]
 
 
 def _flat_layout(named_params, trainable, numels, *, stage, n, rank, zc, b, acc, master_on, precision, offload_opt,

@@ -35,7 +35,7 @@ class MemoryBreakdown:
     master_params: int
     optimizer_states: int
     bucket_buffers: int  # transient gradient buckets in flight (stages 2-3), an upper bound
-    total: int  # params + grads + master_params + optimizer_states (+ hpz_secondary)
+    total: int  # params + grads + master_params + optimizer_states (+ hpz_secondary + loco_errors)
     theoretical: int
     num_params: int
     stage: int
@@ -46,6 +46,7 @@ class MemoryBreakdown:
     tensor_parallel_size: int = 1
     model_num_params: int = 0  # trainable parameters whole over the tensor ranks (num_params: this rank's piece)
     hpz_secondary: int = 0  # ZeRO++ hpZ: the node-local secondary partition of the weights (b·Ψ/k, in total)
+    loco_errors: int = 0  # ZeRO++ qgZ with LoCo: the error-feedback buffers (int8, about Ψ + Ψ/k bytes, in total)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -58,6 +59,8 @@ class MemoryBreakdown:
                 ("gathered params (now)", self.live_params), ("on disk (NVMe offload)", self.on_disk)]
         if self.hpz_secondary:
             rows.append(("hpZ secondary params", self.hpz_secondary))
+        if self.loco_errors:
+            rows.append(("LoCo error buffers", self.loco_errors))
         head = (f"model states per rank: ZeRO stage {self.stage}, {self.precision}, "
                 f"{self.num_params:,} parameters, data-parallel size {self.dp_world_size}")
         if self.tensor_parallel_size > 1:
@@ -104,7 +107,8 @@ def measure(strategy, optimizer, *, precision: str, weight_bytes: int, tensor_si
     theory += (4 * psi // shard) if parts["master_params"] else 0
     theory += k * psi // shard
     hpz = parts.get("hpz_secondary", 0)
-    total = parts["params"] + parts["grads"] + parts["master_params"] + states + hpz
+    loco = parts.get("loco_errors", 0)
+    total = parts["params"] + parts["grads"] + parts["master_params"] + states + hpz + loco
     return MemoryBreakdown(parts["params"], parts["grads"], parts["master_params"], states, parts["bucket_buffers"],
                            total, theory, psi, strategy.stage, n, precision, parts["live_params"], parts["on_disk"],
-                           tensor_size, model_psi, hpz)
+                           tensor_size, model_psi, hpz, loco)

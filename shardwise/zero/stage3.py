@@ -384,6 +384,8 @@ class Stage3Strategy(ZeroStrategy):
             "live_params": sum(u.full_numel * u.shard.element_size() for u in self.units if u.gathered),
             # hpZ: the node-local secondary partition of every unit (allocated on the first gather, kept)
             "hpz_secondary": sum(u.secondary_numel * torch.empty(0, dtype=u.dtype).element_size() for u in self.units),
+            # qgZ with zeropp_loco_param: LoCo's error buffers (allocated on a bucket's first reduction, kept)
+            "loco_errors": self.zeropp.reducer.loco_bytes() if self.zeropp and self.zeropp.reducer else 0,
             "on_disk": self.partition.disk_bytes() + (self.param_store.disk_bytes() if self.param_store else 0),
         }
 

@@ -20,13 +20,19 @@ qgZ (``zero_quantized_gradients``): a unit's gradient reduce-scatter becomes two
 rank-major gradient bucket go to the node peer that will carry them across (the peer with the destination's
 place on its node); each rank sums what it received (one partial row per node), sends those to the ranks
 with its place on the other nodes, and sums what comes back: its row of the reduced bucket. As in DeepSpeed's
-``all_to_all_quant_reduce``, both hops send int4 groups with an fp32 scale each, a parameter's groups
-``numel / max(shape[0], shape[1], world)`` elements long, and only the gradients of parameters of 2 or more
-dimensions whose ``numel`` divides by ``2 * world`` are quantized; the others (biases, norms) arrive at full
-precision. A row is coded whole (``RowLayout``): the pieces of the other parameters are a block of their own
-each, their full-precision values follow the codes in the same message, and the receiver keeps those. Coding
-the whole row costs half a byte per unquantized element and spares a copy of the quantized pieces out of the
-row and back. Partial sums are fp32. With ``zeropp_loco_param`` (``{"err_beta": 0.8,
+``all_to_all_quant_reduce``, the hop across nodes sends int4 codes with an fp32 scale a group, and only the
+gradients of parameters of 2 or more dimensions whose ``numel`` divides by ``2 * world`` are quantized; the
+others (biases, norms) arrive at full precision. Two choices differ from DeepSpeed's, for accuracy (measured in
+docs/zero.md: DeepSpeed's int4 on both hops, in its groups, drifts past 1% of ZeRO-3's loss within 200 steps of
+the reference GPT; with these the gap stays near 0.5%). The hop inside the node sends int8 (``INTRA_BITS``; DeepSpeed
+sends int4): it never crosses a node boundary, so only the fast links inside the node carry the extra bytes. A
+group is DeepSpeed's (``numel / max(shape[0], shape[1], world)`` elements: a row of the matrix) cut to at most
+``GROUP_CAP`` (128) elements: a scale per 128 elements adds 1/16 of a byte per element to the int4 codes' half
+byte, where one scale per row of thousands lets a row's largest element round the rest to zero. A row is
+coded whole (``RowLayout``): the pieces of the other parameters are a block of their own each, their
+full-precision values follow the codes in the same message, and the receiver keeps those. Coding the whole
+row costs the codes of the unquantized elements and spares a copy of the quantized pieces out of the row and
+back. Partial sums are fp32. With ``zeropp_loco_param`` (``{"err_beta": 0.8,
 "reset_T": 1024}``) each quantization adds LoCo's error feedback (DeepSpeed's ``loco_swizzle_quant`` /
 ``loco_quantized_reduction``): the tensor sent is ``x + e``, then ``e <- err_beta * e + (1 - err_beta) *
 (x + e - dequantize(quantize(x + e)))``, the buffers kept as int8 groups, cleared after every ``reset_T``
@@ -46,7 +52,9 @@ import torch.nn.functional as F
 from shardwise import comm
 from shardwise.comm import quantize as q
 
-GRAD_BITS = 4  # DeepSpeed's all_to_all_quant_reduce sends int4
+INTRA_BITS = 8  # qgZ's all-to-all inside the node (DeepSpeed: int4)
+INTER_BITS = 4  # qgZ's all-to-all across nodes (DeepSpeed's int4)
+GROUP_CAP = 128  # qgZ: elements per quantization group at most (DeepSpeed's groups are a row: thousands)
 OVERLAP = True  # qgZ: the all-to-all inside the node runs while backward goes on (False: in the hook)
 LOCO_DEFAULTS = {"err_beta": 0.8, "reset_T": 1024}
 
@@ -169,7 +177,7 @@ class _Done:
         return True
 
 
-def grad_group_size(shape, world: int) -> int | None:
+def deepspeed_group_size(shape, world: int) -> int | None:
     """Elements per int4 group of a gradient of ``shape`` reduced over ``world`` ranks, DeepSpeed's rule
     (``all_to_all_quant_reduce``): ``numel / max(shape[0], shape[1], world)``; None where DeepSpeed sends the
     gradient unquantized (a tensor of fewer than 2 dimensions, or ``numel`` not a multiple of ``2 * world``)."""
@@ -180,11 +188,20 @@ def grad_group_size(shape, world: int) -> int | None:
     return max(1, numel // max(shape[0], shape[1], world))
 
 
+def grad_group_size(shape, world: int, cap: int | None = None) -> int | None:
+    """Elements per quantization group of qgZ for a gradient of ``shape``: DeepSpeed's group
+    (``deepspeed_group_size``, typically one row of the matrix), at most ``cap`` (``GROUP_CAP``) elements; None
+    where DeepSpeed sends the gradient unquantized."""
+    g = deepspeed_group_size(shape, world)
+    cap = GROUP_CAP if cap is None else cap
+    return g if g is None or not cap else min(g, cap)
+
+
 @dataclass
 class RowLayout:
     """How qgZ codes a bucket row (one rank's shard of a unit: a piece of each parameter, in order). The whole
-    row is int4-coded in blocks: each piece of a parameter DeepSpeed quantizes in groups of its size
-    (``grad_group_size``; a piece the group size does not divide ends in a shorter block), each stretch of the
+    row is coded in blocks (int8 inside the node, int4 across): each piece of a parameter DeepSpeed quantizes in
+    groups of ``grad_group_size`` (a piece the group size does not divide ends in a shorter block), each stretch of the
     other pieces (1-D parameters and the sizes DeepSpeed sends unquantized, frozen parameters) as one block of
     its own. The trainable pieces of that second kind also travel at full precision, and the receiver keeps
     those values, not their codes; frozen positions are zero. ``width``: the row's length, rounded up to even
@@ -227,9 +244,10 @@ class RowLayout:
     def nplain(self) -> int:
         return sum(b - a for a, b in self.plain)
 
-    def wire_bytes(self, plain_itemsize: int) -> int:
-        """Bytes one row takes on the wire: the int4 codes, an fp32 scale a block, the full-precision pieces."""
-        return self.width // 2 + 4 * len(self.blocks) + plain_itemsize * self.nplain
+    def wire_bytes(self, plain_itemsize: int, bits: int = INTER_BITS) -> int:
+        """Bytes one row takes on the wire: the ``bits``-bit codes, an fp32 scale a block, the full-precision
+        pieces."""
+        return self.width * bits // 8 + 4 * len(self.blocks) + plain_itemsize * self.nplain
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -267,8 +285,8 @@ class RowPlan:
         pieces = [(c, getattr(p, "ds_shape", p.shape), p.requires_grad) for p, c in zip(unit.params, unit.chunks)]
         return cls(RowLayout.of(pieces, world), unit.device)
 
-    def wire_bytes(self, plain_itemsize: int) -> int:
-        return self.layout.wire_bytes(plain_itemsize)
+    def wire_bytes(self, plain_itemsize: int, bits: int = INTER_BITS) -> int:
+        return self.layout.wire_bytes(plain_itemsize, bits)
 
 
 def _positions(ranges: list[tuple[int, int]], device) -> torch.Tensor:
@@ -316,31 +334,34 @@ class _ErrorFeedback:
     def clear(self) -> None:
         self.values = self.scales = None
 
+    def nbytes(self) -> int:
+        return 0 if self.values is None else self.values.nbytes + self.scales.nbytes
 
-def _encode(x: torch.Tensor, plan: RowPlan, err: _ErrorFeedback | None, beta: float, dtype) -> torch.Tensor:
-    """The rows to send as bytes: ``[R, wire_bytes]``, each row its int4 codes, fp32 scales and plain pieces
+
+def _encode(x: torch.Tensor, plan: RowPlan, err: _ErrorFeedback | None, beta: float, dtype, bits: int) -> torch.Tensor:
+    """The rows to send as bytes: ``[R, wire_bytes]``, each row its ``bits``-bit codes, fp32 scales and plain pieces
     (in ``dtype``). ``x`` (``[R, width]``) is quantized with LoCo's error feedback if ``err``; the plain pieces
     go as they are in ``x``."""
     plain = _take(x, plan.pranges).to(dtype)
     if err is not None:
         e = err.get(x, plan)
         x = x.float() + e
-    values, scales = q.quantize_rows(x, plan.blocks, plan.nblocks, GRAD_BITS)
+    values, scales = q.quantize_rows(x, plan.blocks, plan.nblocks, bits)
     if err is not None:
-        new = x - q.dequantize_rows(values, scales, plan.blocks, GRAD_BITS)
+        new = x - q.dequantize_rows(values, scales, plan.blocks, bits)
         err.put(beta * e + (1.0 - beta) * new, plan)
     r = x.shape[0]
     return torch.cat([values, scales.view(torch.uint8).view(r, -1), plain.contiguous().view(torch.uint8).view(r, -1)],
                      dim=1)
 
 
-def _decode_sum(buf: torch.Tensor, plan: RowPlan, dtype: torch.dtype, groups: int) -> torch.Tensor:
+def _decode_sum(buf: torch.Tensor, plan: RowPlan, dtype: torch.dtype, groups: int, bits: int) -> torch.Tensor:
     """Received rows, decoded and summed over ``groups`` consecutive sets of rows (``dequantize_rows_sum``): fp32
     ``[R / groups, width]``, the plain pieces summed at full precision in place of their codes."""
-    nq, nb = plan.width // 2, 4 * plan.nblocks
+    nq, nb = plan.width * bits // 8, 4 * plan.nblocks
     values = buf[:, :nq]
     scales = buf[:, nq:nq + nb].contiguous().view(torch.float32)
-    out = q.dequantize_rows_sum(values, scales, plan.blocks, GRAD_BITS, groups)
+    out = q.dequantize_rows_sum(values, scales, plan.blocks, bits, groups)
     if plan.pranges:
         plain = buf[:, nq + nb:].contiguous().view(dtype)
         _put(out, plan.pranges, plain.float().view(groups, plain.shape[0] // groups, -1).sum(dim=0))
@@ -371,11 +392,11 @@ class HierarchicalReduceScatter:
     """qgZ's reduce-scatter of a rank-major gradient bucket (the ``BucketReducer`` hook).
 
     A row of the bucket is one rank's shard of a unit: a piece of each of its parameters. The pieces of the
-    parameters DeepSpeed quantizes (2-D and more, ``numel`` a multiple of ``2 * world``) travel as int4 groups
-    of DeepSpeed's size (``grad_group_size``) with an fp32 scale each; the other trainable parameters' pieces
-    (biases, norms: DeepSpeed reduces those with a plain reduce-scatter) travel alongside at full precision,
-    in the same message. Partial sums are fp32. With ``overlap`` the first all-to-all runs in the background
-    while backward goes on; the handle's ``wait()`` finishes the chain."""
+    parameters DeepSpeed quantizes (2-D and more, ``numel`` a multiple of ``2 * world``) travel as int8 (inside
+    the node) or int4 (across nodes) groups (``grad_group_size``) with an fp32 scale each; the other trainable
+    parameters' pieces (biases, norms: DeepSpeed reduces those with a plain reduce-scatter) travel alongside at
+    full precision, in the same message. Partial sums are fp32. With ``overlap`` the first all-to-all runs in
+    the background while backward goes on; the handle's ``wait()`` finishes the chain."""
 
     def __init__(self, pp: ZeroPP, bucket_units) -> None:
         self.pp = pp
@@ -434,7 +455,8 @@ class HierarchicalReduceScatter:
             pending.recv = rows.index_select(0, order).float()  # (partial sums of one)
             self._cross(pending)
             return _Done()
-        buf = _encode(rows, plan, errs[0] if errs else None, self._beta(), data.dtype).index_select(0, order)
+        buf = _encode(rows, plan, errs[0] if errs else None, self._beta(), data.dtype, INTRA_BITS)
+        buf = buf.index_select(0, order)
         recv = torch.empty_like(buf)
         pending.recv, pending.send = recv, buf  # (the send buffer lives until the all-to-all is done)
         pending.work = comm.all_to_all_single(recv, buf, group=self.pp.nodes.group, async_op=self.overlap)
@@ -443,22 +465,27 @@ class HierarchicalReduceScatter:
             return _Done()
         return pending
 
+    def loco_bytes(self) -> int:
+        """Bytes of LoCo's error buffers now held (int8 codes and fp32 scales: for every gradient bucket, all the
+        ranks' rows of it and this rank's partial sums; allocated on a bucket's first reduction)."""
+        return sum(e.nbytes() for pair in self.errors.values() for e in pair)
+
     def _beta(self) -> float:
         return float(self.pp.loco["err_beta"]) if self.pp.loco is not None else 0.0
 
     def _finish(self, pending: _Pending) -> None:
         """After the all-to-all inside the node: decode what arrived, then reduce across nodes."""
-        pending.recv = _decode_sum(pending.recv, pending.plan, pending.dtype, self.L)
+        pending.recv = _decode_sum(pending.recv, pending.plan, pending.dtype, self.L, INTRA_BITS)
         self._cross(pending)
 
     def _cross(self, pending: _Pending) -> None:
         plan, out, errs = pending.plan, pending.out, pending.errs
         partial = pending.recv  # [M, width]: this node's sums for the destinations at this rank's place
         if self.M > 1:  # Stage 2, across nodes: to node m' its destination's partial row
-            buf = _encode(partial, plan, errs[1] if errs else None, self._beta(), pending.dtype)
+            buf = _encode(partial, plan, errs[1] if errs else None, self._beta(), pending.dtype, INTER_BITS)
             recv = torch.empty_like(buf)
             comm.all_to_all_single(recv, buf, group=self.pp.nodes.cross_group)
-            partial = _decode_sum(recv, plan, pending.dtype, self.M)
+            partial = _decode_sum(recv, plan, pending.dtype, self.M, INTER_BITS)
         out.copy_(partial[0, : plan.numel])
         pending.recv = None
 
