@@ -48,7 +48,10 @@ NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 PARTS = {"qwz": {"zero_quantized_weights": True}, "hpz": {"zero_hpz_partition_size": PER_NODE},
          "qgz": {"zero_quantized_gradients": True},
-         "loco": {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}}
+         "loco": {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}},
+         # qgZ in DeepSpeed's exact layout (int4 on both hops, a group per matrix row): for comparison only
+         "qgz-ds": {"zero_quantized_gradients": True}}
+DEEPSPEED_LAYOUT = {"qgz-ds"}
 
 
 # ------------------------------------------------------------------------------------------ worker
@@ -56,7 +59,7 @@ def _batch(step: int, args):
     """Learnable synthetic text: each row counts up from a random start by a random stride (mod vocab)."""
     import torch
 
-    g = torch.Generator().manual_seed(1000 + step)
+    g = torch.Generator().manual_seed(1000 + 100_000 * args.seed + step)
     start = torch.randint(0, args.vocab, (args.rows, 1), generator=g)
     stride = torch.randint(1, 8, (args.rows, 1), generator=g)
     tokens = (start + stride * torch.arange(args.seq + 1)) % args.vocab
@@ -81,6 +84,10 @@ def worker(args) -> None:
     from shardwise.models.gpt import GPT, GPTConfig
 
     torch.set_num_threads(1)
+    if DEEPSPEED_LAYOUT & set(args.parts):  # qgZ as DeepSpeed codes it: int4 inside the node too, groups uncut
+        from shardwise.zero import zeropp
+
+        zeropp.INTRA_BITS, zeropp.GROUP_CAP = 4, 0
     shardwise.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": args.unit_elements}
@@ -140,7 +147,7 @@ def _worker_cmd(args, parts: list[str], ifname: str | None) -> list[str]:
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
            "--hidden", str(args.hidden), "--heads", str(args.heads), "--seq", str(args.seq),
            "--rows", str(args.rows), "--vocab", str(args.vocab), "--lr", str(args.lr),
-           "--unit-elements", str(args.unit_elements)]
+           "--unit-elements", str(args.unit_elements), "--seed", str(args.seed)]
     return cmd + (["--ifname", ifname] if ifname else [])
 
 
@@ -269,7 +276,8 @@ def accuracy(args) -> None:
     base = run_loopback(args, [])[0]["losses"]
     marks = [m for m in (20, 60, 100) if m < len(base)] + [len(base)]
     print(f"reference GPT hidden {args.hidden}, {args.layers} layers, {args.heads} heads, seq {args.seq}, vocab "
-          f"{args.vocab}, {args.rows} rows per step, AdamW lr {args.lr}; {NODES} nodes x {PER_NODE} CPU ranks over "
+          f"{args.vocab}, {args.rows} rows per step (batches of seed {args.seed}), AdamW lr {args.lr}; {NODES} nodes x "
+          f"{PER_NODE} CPU ranks over "
           f"loopback. ZeRO-3's loss (mean over ranks) goes from {base[0]:.4f} to {base[-1]:.4f}")
     print("largest relative gap of a step's loss to ZeRO-3's, over the first N steps")
     print(f"{'parts':<24}" + "".join(f"{'N=' + str(m):>10}" for m in marks))
@@ -334,6 +342,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8, help="global batch rows (default 8: 2 per rank)")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0, help="which synthetic batches (default 0)")
     p.add_argument("--unit-elements", type=int, default=2_000_000,
                    help="stage3_prefetch_bucket_size, the most elements of a ZeRO-3 unit (default 2,000,000: a unit "
                         "per transformer block, each gathered for forward and again for backward, as in a model "
@@ -346,7 +355,8 @@ def main() -> None:
     p.add_argument("--accuracy", default=None, metavar="SETS",
                    help="instead of timing: train ZeRO-3 and each set of parts (';'-separated, e.g. "
                         "'qwz;qgz;loco;qwz,hpz,qgz') over loopback for --steps steps and print each set's largest "
-                        "relative gap of a step's loss to ZeRO-3's")
+                        "relative gap of a step's loss to ZeRO-3's; the part qgz-ds is qgZ in DeepSpeed's layout "
+                        "(int4 on both hops, a group per matrix row)")
     args = p.parse_args()
     if args.accuracy and not args.worker:
         accuracy(args)

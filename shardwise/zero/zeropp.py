@@ -27,8 +27,8 @@ docs/zero.md: DeepSpeed's int4 on both hops, in its groups, drifts past 1% of Ze
 the reference GPT; with these the gap stays near 0.5%). The hop inside the node sends int8 (``INTRA_BITS``; DeepSpeed
 sends int4): it never crosses a node boundary, so only the fast links inside the node carry the extra bytes. A
 group is DeepSpeed's (``numel / max(shape[0], shape[1], world)`` elements: a row of the matrix) cut to at most
-``GROUP_CAP`` (128) elements: a scale per 128 elements adds 1/16 of a byte per element to the int4 codes' half
-byte, where one scale per row of thousands lets a row's largest element round the rest to zero. A row is
+``GROUP_CAP`` (128) elements: a 4-byte scale per 128 elements adds 1/32 of a byte per element to the int4
+codes' half byte, where one scale per row of thousands lets a row's largest element round the rest to zero. A row is
 coded whole (``RowLayout``): the pieces of the other parameters are a block of their own each, their
 full-precision values follow the codes in the same message, and the receiver keeps those. Coding the whole
 row costs the codes of the unquantized elements and spares a copy of the quantized pieces out of the row and
