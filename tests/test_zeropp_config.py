@@ -354,7 +354,8 @@ def test_plan_zeropp_moves_bytes_off_the_links_between_nodes(_no_process_group):
     assert cross["plain"] > cross["qw"] and cross["plain"] > cross["hpz"] and cross["plain"] > cross["qg"]
     assert 0 < cross["all"] <= 0.35 * cross["plain"], cross
     assert every.dims.node_size == 2 and every.zeropp == {"quantized_weights": True, "hpz": 2,
-                                                          "quantized_gradients": True, "local": 2, "nodes": 2}
+                                                          "quantized_gradients": True, "local": 2, "nodes": 2,
+                                                          "loco": False}
 
 
 def test_plan_nodes_are_gpus_per_node_not_this_shells_launcher(_no_process_group, monkeypatch, capsys):
@@ -385,7 +386,9 @@ def test_plan_nodes_are_gpus_per_node_not_this_shells_launcher(_no_process_group
 
 
 # -- against a real run: 4 gloo ranks as 2 nodes x 2 -----------------------------------------------------------------
-MEASURED = [("ZeRO-3", {}), ("qwZ + hpZ + qgZ", ALL), ("qwZ + qgZ, nodes from LOCAL_WORLD_SIZE", {**QW, **QG})]
+LOCO = {"zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}
+MEASURED = [("ZeRO-3", {}), ("qwZ + hpZ + qgZ", ALL), ("qwZ + qgZ, nodes from LOCAL_WORLD_SIZE", {**QW, **QG}),
+            ("qgZ + LoCo", {**QG, **LOCO})]
 
 
 def _measured_case(case, rank, world):
@@ -415,7 +418,8 @@ def _measured_case(case, rank, world):
     for name, sizes in comm.comms_summary().items():
         sent[name] = sent.get(name, 0) + sum(size * s["count"] for size, s in sizes.items())
     out = {"cross": ops.logger.cross_node_bytes(2), "sent": sent, "from_grid": from_grid,
-           "node_size": engine.grid.node_size, "hpz": engine.memory_breakdown().hpz_secondary}
+           "node_size": engine.grid.node_size, "hpz": engine.memory_breakdown().hpz_secondary,
+           "loco": engine.memory_breakdown().loco_errors}
     comm.configure(comms_logger={"enabled": False})
     engine.destroy()
     return out
@@ -444,4 +448,5 @@ def test_plan_predicts_the_bytes_a_gloo_run_sends_and_receives_across_nodes(_no_
             assert r.comm_ops == got["sent"], (name, r.rank, r.comm_ops, got["sent"])
             assert r.cross_node_bytes == got["cross"], (name, r.rank, r.cross_node_bytes, got["cross"])
             assert r.hpz_secondary_bytes == got["hpz"], name
-    assert plan.ranks[0].cross_node_bytes > 0
+            assert r.loco_error_bytes == got["loco"], (name, r.loco_error_bytes, got["loco"])
+    assert plan.ranks[0].cross_node_bytes > 0 and plan.ranks[0].loco_error_bytes > 0

@@ -57,11 +57,12 @@ class RankPlan:
     group_bytes: dict = field(default_factory=dict)  # group -> bytes per step: the axes, ZeRO++'s node, inter_node
     cross_node_bytes: int = 0  # bytes per step this rank receives from other nodes (the comms logger's count)
     hpz_secondary_bytes: int = 0  # ZeRO++ hpZ: the node-local secondary partition of the weights
+    loco_error_bytes: int = 0  # ZeRO++ qgZ with LoCo: the error-feedback buffers
 
     @property
     def model_states_bytes(self) -> int:
         return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_bytes + \
-            self.hpz_secondary_bytes
+            self.hpz_secondary_bytes + self.loco_error_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -292,6 +293,7 @@ class Layout:
     offloaded: int
     ops: dict  # (group, op) -> bytes per step: the data axis ("data"), ZeRO++'s "node" and "inter_node" groups
     hpz_secondary: int = 0  # ZeRO++ hpZ: the node-local secondary partition of the weights
+    loco_errors: int = 0  # ZeRO++ qgZ with LoCo: the error-feedback buffers
 
 
 @dataclass(frozen=True)
@@ -304,6 +306,7 @@ class ZeroPP:
     quantized_gradients: bool = False
     local: int = 1
     nodes: int = 1
+    loco: bool = False  # zeropp_loco_param with qgZ: LoCo's error buffers
 
     @classmethod
     def of(cls, zc, grid) -> "ZeroPP | None":
@@ -317,7 +320,7 @@ class ZeroPP:
         if grid.node_size > 0:
             made = grid.node_groups()
             local, nodes = made.size, made.nodes
-        return cls(qw, hpz, qg, local, nodes)
+        return cls(qw, hpz, qg, local, nodes, loco=qg and zc.zeropp_loco_param is not None)
 
 
 def zero_layout(named_params, *, stage: int, n: int, rank: int, precision, zc, state_bytes: int,
@@ -371,18 +374,20 @@ def _zero_part(named_params, *, stage: int, n: int, rank: int, precision, zc, st
         optimizer = owned * state_bytes
         offloaded = (master + optimizer if offload_opt != "none" else 0) + \
                     (params if _offload(zc.offload_param) != "none" else 0)
-        ops, secondary = {}, 0
+        ops, secondary, loco = {}, 0, 0
         if n > 1 and module is not None:
-            ops, secondary = _cached(module, ("z3ops", n, gas, b, acc, ep, zeropp),
-                                     lambda: _stage3_ops(module, numels, n, zc, gas, b, acc, ep=ep, zeropp=zeropp))
-        return Layout(params, grads, master, optimizer, offloaded, dict(ops), secondary)
+            ops, secondary, loco = _cached(module, ("z3ops", n, gas, b, acc, ep, zeropp),
+                                           lambda: _stage3_ops(module, numels, n, zc, gas, b, acc, ep=ep,
+                                                               zeropp=zeropp))
+        return Layout(params, grads, master, optimizer, offloaded, dict(ops), secondary, loco)
     return _flat_layout(named_params, trainable, numels, stage=stage, n=n, rank=rank, zc=zc, b=b, acc=acc,
                         master_on=master_on, precision=precision, offload_opt=offload_opt,
                         state_bytes=state_bytes, gas=gas, module=module, tag=tag)
 
 
 def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: ZeroPP | None = None):
-    """Stage 3's messages per step, ``({(group, op): bytes}, hpZ secondary bytes)``: each unit all-gathered
+    """Stage 3's messages per step, ``({(group, op): bytes}, hpZ secondary bytes, LoCo error bytes)``: each unit
+    all-gathered
     whole (padded), its gradients reduce-scattered; with ZeRO++ (``zero/zeropp.py``, ``comm/quantize.py``), on
     the units sharded over the data axis (not expert units):
 
@@ -396,7 +401,7 @@ def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: Zero
     from shardwise.comm import quantize as q
 
     ops: dict = {}
-    secondary = 0
+    secondary = loco = 0
 
     def add(group, op, nbytes):
         ops[(group, op)] = ops.get((group, op), 0) + nbytes
@@ -435,10 +440,23 @@ def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: Zero
         if on and pp.quantized_gradients:  # the whole bucket: the unit's shard of every rank
             for group, nbytes in _qgz_messages(unit, numels, n, acc, pp):
                 add(group, "all_to_all_single", gas * nbytes)
+            if pp.loco:
+                loco += _loco_bytes(unit, numels, n, pp)
         else:
             add("data", "reduce_scatter_tensor", gas * sum(-(-numels[id(p)] // n) * n for p in unit
                                                            if p.requires_grad) * acc)
-    return ops, secondary
+    return ops, secondary, loco
+
+
+def _loco_bytes(unit, numels, n, pp) -> int:
+    """LoCo's error buffers of one unit's gradient bucket (``zero/zeropp.py``'s ``_ErrorFeedback``): for the hop
+    inside the node all ``n`` ranks' rows, for the hop across nodes this rank's ``M`` partial rows, each hop's
+    when its group has more than one rank; a row is int8 codes, one per element, and an fp32 scale per block."""
+    from shardwise.zero import zeropp
+
+    layout = zeropp.RowLayout.of([(-(-numels[id(p)] // n), tuple(p.shape), p.requires_grad) for p in unit], n)
+    rows = (n if pp.local > 1 else 0) + (pp.nodes if pp.nodes > 1 else 0)
+    return rows * (layout.width + 4 * len(layout.blocks))
 
 
 def _qgz_messages(unit, numels, n, acc, pp) -> list:
@@ -645,7 +663,7 @@ def make_plan(*, world: int, gpus_per_node: int, model: str, config, gpu_memory:
                 grads_bytes=lay.grads, master_bytes=lay.master, optimizer_bytes=lay.optimizer,
                 offloaded_bytes=lay.offloaded, activation_bytes_per_micro_batch=act,
                 activation_bytes_peak=act * in_flight, comm_bytes=comm_bytes, comm_ops=comm_ops, wire_bytes=wire,
-                group_bytes=by_group, hpz_secondary_bytes=lay.hpz_secondary,
+                group_bytes=by_group, hpz_secondary_bytes=lay.hpz_secondary, loco_error_bytes=lay.loco_errors,
                 cross_node_bytes=cross_node_bytes(ops, rank=r, gpus_per_node=gpus_per_node, groups=groups,
                                                   stage_model=st)))
     pipeline = _pipeline_report(stages, dims, gas)

@@ -92,7 +92,7 @@ def format_plan(plan: Plan) -> str:
 def _zeropp_line(plan: Plan) -> str:
     z = plan.zeropp
     parts = [name for name, on in (("qwZ", z["quantized_weights"]), (f"hpZ k={z['hpz']}", z["hpz"] > 1),
-                                   ("qgZ", z["quantized_gradients"])) if on]
+                                   ("qgZ", z["quantized_gradients"]), ("LoCo", z.get("loco"))) if on]
     r = max(plan.ranks, key=lambda r: r.cross_node_bytes)
     groups = ", ".join(f"{g} {_human(v)}" for g, v in r.group_bytes.items() if g in ("data", "node", "inter_node"))
     text = f"ZeRO++: {' + '.join(parts)}"
@@ -102,6 +102,8 @@ def _zeropp_line(plan: Plan) -> str:
     text += f"; rank {r.rank} per step: {groups}; {_human(r.cross_node_bytes)} from other nodes"
     if r.hpz_secondary_bytes:
         text += f"; hpZ secondary weights {_human(r.hpz_secondary_bytes)}"
+    if r.loco_error_bytes:
+        text += f"; LoCo error buffers {_human(r.loco_error_bytes)}"
     return text
 
 
