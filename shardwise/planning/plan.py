@@ -387,17 +387,16 @@ def _zero_part(named_params, *, stage: int, n: int, rank: int, precision, zc, st
 
 def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: ZeroPP | None = None):
     """Stage 3's messages per step, ``({(group, op): bytes}, hpZ secondary bytes, LoCo error bytes)``: each unit
-    all-gathered
-    whole (padded), its gradients reduce-scattered; with ZeRO++ (``zero/zeropp.py``, ``comm/quantize.py``), on
-    the units sharded over the data axis (not expert units):
+    all-gathered whole (padded), its gradients reduce-scattered; with ZeRO++ (``zero/zeropp.py``,
+    ``comm/quantize.py``), on the units sharded over the data axis (not expert units):
 
     * qwZ: a gather sends each rank's shard as int8 values padded to whole blocks of
       ``weight_block_size(shard)`` elements, and one fp32 scale per block (two all-gathers);
     * hpZ: the backward gather all-gathers the secondary shards, ``ceil(unit / k)`` elements of the working
       dtype each, inside the node (``node`` group); those shards stay allocated (the secondary bytes);
     * qgZ: the reduce-scatter becomes all-to-alls of int8 codes inside the node (``L x M`` rows of the shard),
-      then of int4 codes (two a byte) across nodes, with an fp32 scale per block (``M`` rows; ``L`` data ranks on
-      each of ``M`` nodes), the row laid out as ``zero/zeropp.py`` lays it out (``_qgz_messages``)."""
+      then of int4 codes (two a byte) across nodes (``M`` rows; ``L`` data ranks on each of ``M`` nodes), with
+      an fp32 scale per block, the row laid out as ``zero/zeropp.py`` lays it out (``_qgz_messages``)."""
     from shardwise.comm import quantize as q
 
     ops: dict = {}
