@@ -85,9 +85,9 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     if DEEPSPEED_LAYOUT & set(args.parts):  # qgZ as DeepSpeed codes it: int4 inside the node too, groups uncut
-        from shardwise.zero import zeropp
+        from shardwise.zero import qgz
 
-        zeropp.INTRA_BITS, zeropp.GROUP_CAP = 4, 0
+        qgz.INTRA_BITS, qgz.GROUP_CAP = 4, 0
     shardwise.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": args.unit_elements}

@@ -1,4 +1,4 @@
-"""ZeRO++ (zero/zeropp.py): the block quantizer, and qwZ / hpZ / qgZ on real gloo processes.
+"""ZeRO++ (zero/zeropp.py, zero/qgz.py): the block quantizer, and qwZ / hpZ / qgZ on real gloo processes.
 
 The distributed cases run in one spawn of 4 ranks laid out as 2 nodes x 2 ranks (``LOCAL_WORLD_SIZE=2``,
 and ``zero_hpz_partition_size: 2`` where hpZ is on) training the reference GPT (tiny) at ZeRO-3 on learnable
@@ -101,7 +101,7 @@ def test_row_quantizer_with_ragged_blocks(bits):
 
 
 def test_gradient_groups_follow_deepspeeds_qgz_rule_cut_to_the_cap():
-    from shardwise.zero.zeropp import GROUP_CAP, deepspeed_group_size, grad_group_size
+    from shardwise.zero.qgz import GROUP_CAP, deepspeed_group_size, grad_group_size
 
     # all_to_all_quant_reduce: numel / max(shape[0], shape[1], world) per group; 1-D tensors and numel not a
     # multiple of 2 * world go through the plain reduce-scatter
@@ -123,7 +123,7 @@ def test_qgz_row_plan_keeps_no_index_per_element():
     block number per run of elements; the tensors it holds take under half a byte per row element (an int64
     position or block index per element would take 8 each, twice the fp32 gradient itself)."""
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.zero.zeropp import RowLayout, RowPlan
+    from shardwise.zero.qgz import RowLayout, RowPlan
 
     model = GPT(GPTConfig(vocab_size=2048, seq_len=64, hidden=384, n_layers=2, n_heads=6))
     pieces = [(-(-p.numel() // 4), tuple(p.shape), True) for p in model.parameters()]
@@ -247,7 +247,7 @@ def _reduce_once(rank, world):
     import shardwise
     from shardwise.comm import ops
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.zero import zeropp
+    from shardwise.zero import qgz
 
     cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=16, n_layers=2, n_heads=2)
     engine, *_ = shardwise.initialize(model=GPT(cfg), config=_config(QG))
@@ -268,15 +268,15 @@ def _reduce_once(rank, world):
     reducer(bucket, out, data, None).wait()
     sent = ops.logger.group_bytes()
     # which of the unit's parameters DeepSpeed's rule quantizes
-    kinds = {n: zeropp.grad_group_size(p.ds_shape, world) for n, p in zip(unit.names, unit.params)}
+    kinds = {n: qgz.grad_group_size(p.ds_shape, world) for n, p in zip(unit.names, unit.params)}
     engine.destroy()
     return {"got": out.clone(), "exact": exact, "quantized": plan.quantized, "plain": plan.plain,
             "kinds": kinds, "sent": sent, "rows": world,
-            "wire": {"node": plan.wire_bytes(4, zeropp.INTRA_BITS), "across": plan.wire_bytes(4, zeropp.INTER_BITS)}}
+            "wire": {"node": plan.wire_bytes(4, qgz.INTRA_BITS), "across": plan.wire_bytes(4, qgz.INTER_BITS)}}
 
 
 def _zeropp_body(rank, world, tmp):
-    from shardwise.zero import zeropp
+    from shardwise.zero import qgz
 
     os.environ["LOCAL_WORLD_SIZE"] = str(NODE)  # the launcher's ranks per node: qgZ alone finds 2 nodes too
     out = {}
@@ -286,9 +286,9 @@ def _zeropp_body(rank, world, tmp):
     out["perturbed"] = _train(rank, PLAIN, STEPS, perturb=1e-6)  # the task's own noise floor
     out["off"] = _train(rank, ALL_OFF, min(20, STEPS))
     # qgZ's first all-to-all in the background (the default) or inside the gradient hook: the same numbers
-    zeropp.OVERLAP = False
+    qgz.OVERLAP = False
     out["sync"] = _train(rank, {**ALL, **QG_LOCO}, 6)
-    zeropp.OVERLAP = True
+    qgz.OVERLAP = True
     out["async"] = _train(rank, {**ALL, **QG_LOCO}, 6)
     out["reduce"] = _reduce_once(rank, world)
     out["composed"] = _train(rank, PLAIN, min(30, STEPS), top=COMPOSED)

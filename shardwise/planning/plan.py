@@ -396,7 +396,7 @@ def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: Zero
       dtype each, inside the node (``node`` group); those shards stay allocated (the secondary bytes);
     * qgZ: the reduce-scatter becomes all-to-alls of int8 codes inside the node (``L x M`` rows of the shard),
       then of int4 codes (two a byte) across nodes (``M`` rows; ``L`` data ranks on each of ``M`` nodes), with
-      an fp32 scale per block, the row laid out as ``zero/zeropp.py`` lays it out (``_qgz_messages``)."""
+      an fp32 scale per block, the row laid out as ``zero/qgz.py`` lays it out (``_qgz_messages``)."""
     from shardwise.comm import quantize as q
 
     ops: dict = {}
@@ -448,12 +448,10 @@ def _stage3_ops(module, numels, n, zc, gas, b, acc, *, ep: int = 1, zeropp: Zero
 
 
 def _loco_bytes(unit, numels, n, pp) -> int:
-    """LoCo's error buffers of one unit's gradient bucket (``zero/zeropp.py``'s ``_ErrorFeedback``): for the hop
+    """LoCo's error buffers of one unit's gradient bucket (``zero/qgz.py``'s ``_ErrorFeedback``): for the hop
     inside the node all ``n`` ranks' rows, for the hop across nodes this rank's ``M`` partial rows, each hop's
     when its group has more than one rank; a row is int8 codes, one per element, and an fp32 scale per block."""
-    from shardwise.zero import zeropp
-
-    layout = zeropp.RowLayout.of([(-(-numels[id(p)] // n), tuple(p.shape), p.requires_grad) for p in unit], n)
+    layout = _qgz_layout(unit, numels, n)
     rows = (n if pp.local > 1 else 0) + (pp.nodes if pp.nodes > 1 else 0)
     return rows * (layout.width + 4 * len(layout.blocks))
 
@@ -461,16 +459,23 @@ def _loco_bytes(unit, numels, n, pp) -> int:
 def _qgz_messages(unit, numels, n, acc, pp) -> list:
     """``[(group, bytes)]``: the all-to-alls of qgZ's reduce-scatter of one unit's gradient bucket (a row per
     rank: this rank's shard of the unit), ``L x M`` rows inside the node, then ``M`` rows across nodes, each
-    stage when its group has more than one rank. A row is laid out as ``zero/zeropp.py`` lays it out
+    stage when its group has more than one rank. A row is laid out as ``zero/qgz.py`` lays it out
     (``RowLayout``): the whole row's codes (int8 inside the node, int4 across), an fp32 scale a block, and the
     pieces DeepSpeed does not quantize again at full precision, in one message."""
-    from shardwise.zero import zeropp
+    from shardwise.zero import qgz
 
-    stages = [(g, rows, bits) for g, rows, size, bits in (("node", pp.local * pp.nodes, pp.local, zeropp.INTRA_BITS),
-                                                           ("inter_node", pp.nodes, pp.nodes, zeropp.INTER_BITS))
+    stages = [(g, rows, bits) for g, rows, size, bits in (("node", pp.local * pp.nodes, pp.local, qgz.INTRA_BITS),
+                                                           ("inter_node", pp.nodes, pp.nodes, qgz.INTER_BITS))
               if size > 1]
-    layout = zeropp.RowLayout.of([(-(-numels[id(p)] // n), tuple(p.shape), p.requires_grad) for p in unit], n)
+    layout = _qgz_layout(unit, numels, n)
     return [(g, rows * layout.wire_bytes(acc, bits)) for g, rows, bits in stages]
+
+
+def _qgz_layout(unit, numels, n):
+    """The ``qgz.RowLayout`` of one unit's gradient bucket row (this rank's shard of each parameter)."""
+    from shardwise.zero import qgz
+
+    return qgz.RowLayout.of([(-(-numels[id(p)] // n), tuple(p.shape), p.requires_grad) for p in unit], n)
 
 
 def _flat_layout(named_params, trainable, numels, *, stage, n, rank, zc, b, acc, master_on, precision, offload_opt,

@@ -45,10 +45,10 @@ def reduce_scatter_coalesced(tensors: list[torch.Tensor], group=None) -> list[to
 def all_to_all_quant_reduce(tensors, groups, *args, **kwargs):
     raise NotImplementedError("all_to_all_quant_reduce, DeepSpeed's internal qgZ collective, is not provided: set "
                               "zero_quantized_gradients in zero_optimization and the engine reduces gradients with "
-                              "its own qgZ (shardwise/zero/zeropp.py)")
+                              "its own qgZ (shardwise/zero/qgz.py)")
 
 
 def all_to_all_loco_quant_reduce(*args, **kwargs):
     raise NotImplementedError("all_to_all_loco_quant_reduce, DeepSpeed's internal qgZ + LoCo collective, is not "
                               "provided: set zero_quantized_gradients and zeropp_loco_param in zero_optimization and "
-                              "the engine reduces gradients with its own qgZ and LoCo (shardwise/zero/zeropp.py)")
+                              "the engine reduces gradients with its own qgZ and LoCo (shardwise/zero/qgz.py)")
